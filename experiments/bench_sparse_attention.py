@@ -1,0 +1,189 @@
+"""GPU benchmark of top-K sparse attention: Pallas kernels vs the plain-JAX reference.
+
+    PYTHONPATH=src:. python3 experiments/bench_sparse_attention.py --seqs 32768,131072
+
+First checks the kernels against the reference at a small size (relative errors of
+the output and of dq/dk/dv for both dk/dv methods, top-K set overlap), then times,
+per sequence length: indexer + top-K, attention forward (and a sweep of its tile
+settings), forward+backward with the key-major dk/dv pass and with atomics, the
+key sort and the key-major pass alone, the reference's forward+backward at the first
+length, and each compiled function's temporary memory. Dense cuDNN and the jla naive
+gather come from .device/peers.py. Prints one JSON object per measurement; --skip
+leaves out measurements by name, --budget-s stops starting new lengths past it.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.sparse_attention import (
+    sparse_attention, sparse_attention_reference, topk_indices, topk_indices_reference)
+from pallas_kernels.sparse_attention.attention_backward_by_key import (
+    pairs_by_key, sparse_attention_dkdv)
+from pallas_kernels.sparse_attention.attention_forward import sparse_attention_forward
+from pallas_kernels.sparse_attention.kernel_setup import use_interpret
+from pallas_kernels.sparse_attention.sparse_attention_vjp import kernel_layout
+
+_START = time.perf_counter()
+
+
+def timed(fn, *args, n=5, warmup=2):
+    compiled = jax.jit(fn).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    temp_gb = None if mem is None else round(mem.temp_size_in_bytes / 1e9, 3)
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 3), temp_gb
+
+
+def random_indices(key, b, t, k):
+    """Like peers.py: K random causal keys per query (repeats possible), -1 past t."""
+    pos = jnp.arange(t)[:, None]
+    r = jax.random.randint(key, (t, k), 0, t)
+    idx = jnp.where(jnp.arange(k)[None, :] < jnp.minimum(pos + 1, k), r % (pos + 1), -1)
+    return jnp.broadcast_to(idx[None], (b, t, k)).astype(jnp.int32)
+
+
+def distinct_indices(key, b, t, k):
+    """K distinct causal keys per query (a random permutation prefix), -1 past t."""
+    perm = jax.vmap(lambda kk: jax.random.permutation(kk, t))(jax.random.split(key, t))[:, :k]
+    idx = jnp.where(perm <= jnp.arange(t)[:, None], perm, -1)
+    return jnp.broadcast_to(idx[None], (b, t, k)).astype(jnp.int32)
+
+
+def inputs(key, b, t, hq, hk, d):
+    ks = jax.random.split(key, 4)
+    q = jax.random.normal(ks[0], (b, t, hq, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, t, hk, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, t, hk, d), jnp.bfloat16)
+    return q, k, v, ks[3]
+
+
+def rel(a, b):
+    a, b = a.astype(jnp.float32).ravel(), b.astype(jnp.float32).ravel()
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def loss_of(attn, idx, **kw):
+    return lambda q, k, v: attn(q, k, v, idx, **kw).astype(jnp.float32).sum()
+
+
+def forward_with(q, k, v, idx, block_k, num_warps, num_stages):
+    """The forward kernel with explicit tile settings (for the sweep)."""
+    qg, kh, vh, ip, default_block_k = kernel_layout(q, k, v, idx)
+    block_k = block_k or default_block_k
+    return sparse_attention_forward(qg, kh, vh, ip, scale=q.shape[3] ** -0.5, block_k=block_k,
+                                    interpret=use_interpret(), num_warps=num_warps, num_stages=num_stages)
+
+
+def dkdv_pass(q, k, v, idx, do, rows, num_warps):
+    """The key-major dk/dv pass alone (sort included), with the forward's real lse."""
+    b, t, hq, _ = q.shape
+    hk = k.shape[2]
+    o, lse = forward_with(q, k, v, idx, None, 4, 2)
+    o = o[:, :, :, : hq // hk].reshape(q.shape)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1)
+    lse = lse[..., : hq // hk].reshape(b, t, hq)
+
+    def run(q, k, v, do, lse, delta):
+        queries, starts = pairs_by_key(idx)
+        return sparse_attention_dkdv(q, k, v, do, lse, delta, queries, starts,
+                                     scale=q.shape[3] ** -0.5, interpret=use_interpret(), rows=rows,
+                                     num_warps=num_warps)
+    return run, (q, k, v, do, lse, delta)
+
+
+def check(t=1024, k_sel=256, heads=(64, 8), d=128):
+    q, k, v, key = inputs(jax.random.key(0), 1, t, *heads, d)
+    idx = distinct_indices(key, 1, t, k_sel)
+    out = {"check": "attention", "T": t, "K": k_sel}
+    o = jax.jit(sparse_attention)(q, k, v, idx)
+    out["fwd_rel"] = rel(o, sparse_attention_reference(q, k, v, idx))
+    gr = jax.jit(jax.grad(loss_of(sparse_attention_reference, idx), (0, 1, 2)))(q, k, v)
+    for method in ("by_key", "atomic"):
+        try:
+            g = jax.jit(jax.grad(loss_of(sparse_attention, idx, dkdv=method), (0, 1, 2)))(q, k, v)
+            out.update({f"{method}_d{n}_rel": rel(a, b) for n, a, b in zip("qkv", g, gr)})
+        except Exception as e:  # report, keep going
+            out[method] = f"failed: {type(e).__name__}: {str(e)[:600]}"
+    print(json.dumps(out), flush=True)
+    ks = jax.random.split(key, 3)
+    qi = jax.random.normal(ks[0], (1, t, 64, 128), jnp.bfloat16)
+    ki = jax.random.normal(ks[1], (1, t, 128), jnp.bfloat16)
+    w = jax.random.normal(ks[2], (1, t, 64), jnp.float32)
+    a = jax.jit(lambda *x: topk_indices(*x, top_k=k_sel))(qi, ki, w)
+    r = topk_indices_reference(qi, ki, w, top_k=k_sel)
+    same = jax.vmap(lambda x, y: jnp.isin(x, y).mean())(a[0], r[0])
+    print(json.dumps({"check": "indexer", "T": t, "K": k_sel,
+                      "set_overlap": float(same.mean()), "exact_rows": float((same == 1).mean())}),
+          flush=True)
+
+
+def bench(t, k_sel=2048, with_reference=False, skip=()):
+    q, k, v, key = inputs(jax.random.key(1), 1, t, 64, 8, 128)
+    idx = random_indices(key, 1, t, k_sel)
+    ks = jax.random.split(key, 3)
+    qi = jax.random.normal(ks[0], (1, t, 64, 128), jnp.bfloat16)
+    ki = jax.random.normal(ks[1], (1, t, 128), jnp.bfloat16)
+    w = jax.random.normal(ks[2], (1, t, 64), jnp.float32)
+    res = {"T": t, "K": k_sel, "HQ": 64, "HK": 8, "D": 128}
+    do = jax.random.normal(ks[0], q.shape, q.dtype)
+    runs = [("indexer_topk", lambda a, b, c: topk_indices(a, b, c, top_k=k_sel), (qi, ki, w)),
+            ("pallas_fwd", lambda a, b, c: sparse_attention(a, b, c, idx), (q, k, v)),
+            ("pallas_fwdbwd", jax.grad(loss_of(sparse_attention, idx), (0, 1, 2)), (q, k, v)),
+            ("pallas_fwdbwd_atomic",
+             jax.grad(loss_of(sparse_attention, idx, dkdv="atomic"), (0, 1, 2)), (q, k, v)),
+            ("pairs_by_key", lambda i: pairs_by_key(i), (idx,))]
+    for rows, warps in ((64, 4), (128, 8), (32, 4)):
+        if f"dkdv_rows{rows}_w{warps}" not in skip:
+            runs.append((f"dkdv_rows{rows}_w{warps}", *dkdv_pass(q, k, v, idx, do, rows, warps)))
+    for bk, warps, stages in ((128, 4, 2), (64, 8, 2), (128, 8, 3), (32, 4, 3)):
+        runs.append((f"fwd_bk{bk}_w{warps}_s{stages}",
+                     lambda a, b, c, bk=bk, warps=warps, stages=stages:
+                     forward_with(a, b, c, idx, bk, warps, stages), (q, k, v)))
+    if with_reference:
+        runs.append(("reference_fwdbwd",
+                     jax.grad(loss_of(sparse_attention_reference, idx), (0, 1, 2)), (q, k, v)))
+    for name, fn, args in runs:
+        if name in skip:
+            continue
+        try:
+            ms, gb = timed(fn, *args, n=3 if "reference" in name or t > 65536 else 5)
+            res[f"{name}_ms"], res[f"{name}_temp_GB"] = ms, gb
+        except Exception as e:  # report, keep going
+            res[f"{name}_ms"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(res), flush=True)
+    stats = jax.devices()[0].memory_stats() or {}
+    res["peak_bytes_in_use_GB"] = round(stats.get("peak_bytes_in_use", 0) / 1e9, 3)
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--seqs", default="32768,131072")
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
+    p.add_argument("--skip-long", default="", help="also left out past the first length")
+    p.add_argument("--reference", action="store_true", help="time the reference at the first length")
+    p.add_argument("--top-k", type=int, default=2048)
+    p.add_argument("--budget-s", type=float, default=1e9)
+    a = p.parse_args()
+    print(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__}), flush=True)
+    if not a.skip_check:
+        check()
+    for i, t in enumerate(map(int, a.seqs.split(","))):
+        if time.perf_counter() - _START > a.budget_s:
+            print(json.dumps({"T": t, "skipped": "out of time budget"}), flush=True)
+            continue
+        skip = set(filter(None, a.skip.split(",")))
+        if i > 0:
+            skip |= set(filter(None, a.skip_long.split(",")))
+        bench(t, a.top_k, with_reference=a.reference and i == 0, skip=skip)

@@ -1,0 +1,99 @@
+"""Logical axis names -> mesh axes.
+
+Each logical axis lists candidate mesh-axis groups in order of preference. A dimension
+takes the first candidate whose mesh axes are still unused by the array's other
+dimensions and whose size divides the dimension; otherwise it stays replicated. So an
+expert weight `[exp, embed, exp_mlp]` gets `exp -> expert`, `embed -> fsdp` (expert is
+taken), and any other large weight gets its first shardable dimension split over both
+axes (FSDP over every device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hylora import axes as ax
+
+_BOTH = ("fsdp", "expert")
+_FSDP_FIRST = (_BOTH, ("fsdp",), ("expert",))
+
+PARAM_RULES: dict[str, tuple[tuple[str, ...], ...]] = {
+    ax.EXP: (("expert",),),
+    ax.VOCAB: _FSDP_FIRST,
+    ax.EMBED: _FSDP_FIRST,
+    ax.MLP: _FSDP_FIRST,
+    ax.EXP_MLP: (("fsdp",),),
+    ax.HEADS: _FSDP_FIRST,
+    ax.LOW_RANK: _FSDP_FIRST,
+}
+
+ACTIVATION_RULES: dict[str, tuple[tuple[str, ...], ...]] = {
+    ax.BATCH: _FSDP_FIRST,
+    ax.TOKENS: _FSDP_FIRST,
+    ax.EXP: (("expert",),),
+}
+
+
+def logical_to_spec(names, shape, mesh: jax.sharding.Mesh, rules) -> P:
+  if names is None:
+    return P()
+  if len(names) != len(shape):
+    raise ValueError(f"logical axes {names} do not match shape {shape}")
+  used: set[str] = set()
+  spec = []
+  for name, size in zip(names, shape):
+    choice = None
+    for group in rules.get(name, ()):
+      if any(a in used or a not in mesh.shape for a in group):
+        continue
+      if size % math.prod(mesh.shape[a] for a in group) == 0:
+        choice = group
+        break
+    if choice is None:
+      spec.append(None)
+    else:
+      used.update(choice)
+      spec.append(choice[0] if len(choice) == 1 else choice)
+  return P(*spec)
+
+
+def _axes_of(variable):
+  return variable.get_metadata().get("out_sharding")
+
+
+def state_shardings(state, mesh: jax.sharding.Mesh, rules=None):
+  """NamedSharding for every variable of an nnx.State (abstract or concrete)."""
+  from flax import nnx
+
+  rules = PARAM_RULES if rules is None else rules
+
+  def one(v):
+    return v.replace(NamedSharding(mesh, logical_to_spec(_axes_of(v), v.shape, mesh, rules)))
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+_ACTIVE_MESH: contextvars.ContextVar = contextvars.ContextVar("activation_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activation_mesh(mesh: jax.sharding.Mesh | None):
+  """Within this context, `constrain` pins activations to `mesh` by ACTIVATION_RULES."""
+  token = _ACTIVE_MESH.set(mesh)
+  try:
+    yield
+  finally:
+    _ACTIVE_MESH.reset(token)
+
+
+def constrain(x: jax.Array, names) -> jax.Array:
+  mesh = _ACTIVE_MESH.get()
+  if mesh is None or mesh.size == 1:
+    return x
+  spec = logical_to_spec(names, x.shape, mesh, ACTIVATION_RULES)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,106 @@
+"""Pallas (Triton) query-major backward pass of top-K sparse attention: dq.
+
+One program per (batch, query, KV head), mirroring the forward: it re-gathers the
+selected K/V rows, rebuilds the probabilities from the saved log-sum-exp and writes
+dq of its query heads (each program owns them). dk and dv come from the key-major
+pass (attention_backward_by_key.py); with ``atomic_dkdv`` this pass adds them
+instead, with fp32 atomic adds (kept to compare the two).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _atomic_add_rows(ref, idx, valid, rows, interpret):
+    """ref[idx[j]] += rows[j] for the valid j."""
+    cols = jax.lax.iota(jnp.int32, rows.shape[1])[None, :]
+    if interpret:
+        # The interpreter's atomic add takes no mask and treats repeated rows as one:
+        # send unused entries (whose rows are zero) to distinct spare rows past the end.
+        spare = ref.shape[0] - idx.shape[0] + jax.lax.iota(jnp.int32, idx.shape[0])
+        plgpu.atomic_add(ref, (jnp.where(valid, idx, spare)[:, None], cols), rows)
+    else:
+        mask = jnp.broadcast_to(valid[:, None], rows.shape)
+        plgpu.atomic_add(ref, (jnp.where(valid, idx, 0), slice(None)), rows, mask=mask)
+
+
+def _backward_kernel(q_ref, do_ref, lse_ref, delta_ref, idx_ref, k_ref, v_ref, *out_refs,
+                     scale, block_k, atomic_dkdv, interpret):
+    q = q_ref[...]  # [Gp, D]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    n_blocks = idx_ref.shape[0] // block_k
+
+    def body(i, dq):
+        idx = idx_ref[pl.ds(i * block_k, block_k)]
+        valid = idx >= 0
+        safe = jnp.where(valid, idx, 0)
+        k_rows = k_ref[safe, :]
+        v_rows = v_ref[safe, :]
+        s = plgpu.dot(q, k_rows, trans_b=True).astype(jnp.float32) * scale
+        p = jnp.where(valid[None, :], jnp.exp(s - lse[:, None]), 0.0)  # [Gp, block_k]
+        dp = plgpu.dot(do, v_rows, trans_b=True).astype(jnp.float32)
+        ds = (p * (dp - delta[:, None])).astype(q.dtype)
+        if atomic_dkdv:
+            dk_ref, dv_ref = out_refs[-2:]
+            dk_part = plgpu.dot(ds, q, trans_a=True).astype(jnp.float32) * scale
+            dv_part = plgpu.dot(p.astype(do.dtype), do, trans_a=True).astype(jnp.float32)
+            _atomic_add_rows(dk_ref, idx, valid, dk_part, interpret)
+            _atomic_add_rows(dv_ref, idx, valid, dv_part, interpret)
+        return dq + plgpu.dot(ds, k_rows).astype(jnp.float32)
+
+    dq = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref = out_refs[-3] if atomic_dkdv else out_refs[-1]
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def sparse_attention_backward(q_groups, k_heads, v_heads, indices, do_groups, lse, delta,
+                              *, scale, block_k, interpret, atomic_dkdv=False,
+                              num_warps=4, num_stages=2):
+    """Shapes as in the forward; do [B,T,HK,Gp,D], lse/delta [B,T,HK,Gp] fp32.
+
+    Returns dq [B,T,HK,Gp,D] (q dtype); with atomic_dkdv also fp32 dk, dv [B,HK,T,D].
+    """
+    b, t, hk, gp, d = q_groups.shape
+    kp = indices.shape[2]
+    kernel = functools.partial(_backward_kernel, scale=scale, block_k=block_k,
+                               atomic_dkdv=atomic_dkdv, interpret=interpret)
+    per_query = pl.BlockSpec((None, None, None, gp, d), lambda bi, ti, hi: (bi, ti, hi, 0, 0))
+    per_row = pl.BlockSpec((None, None, None, gp), lambda bi, ti, hi: (bi, ti, hi, 0))
+    whole_head = pl.BlockSpec((None, None, t, d), lambda bi, ti, hi: (bi, hi, 0, 0))
+    in_specs = [per_query, per_query, per_row, per_row,
+                pl.BlockSpec((None, None, kp), lambda bi, ti, hi: (bi, ti, 0)),
+                whole_head, whole_head]
+    args = [q_groups, do_groups, lse, delta, indices, k_heads, v_heads]
+    out_shape = [jax.ShapeDtypeStruct(q_groups.shape, q_groups.dtype)]
+    out_specs = [per_query]
+    aliases = {}
+    if atomic_dkdv:
+        # block_k spare rows past the end absorb the interpreter's unused entries.
+        acc = jax.ShapeDtypeStruct((b, hk, t + block_k, d), jnp.float32)
+        acc_spec = pl.BlockSpec((None, None, t + block_k, d), lambda bi, ti, hi: (bi, hi, 0, 0))
+        in_specs += [acc_spec, acc_spec]
+        args += [jnp.zeros(acc.shape, acc.dtype)] * 2
+        out_shape += [acc, acc]
+        out_specs += [acc_spec, acc_spec]
+        aliases = {7: 1, 8: 2}
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, t, hk),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="sparse_attention_backward_dq",
+    )(*args)
+    if atomic_dkdv:
+        dq, dk, dv = out
+        return dq, dk[:, :, :t], dv[:, :, :t]
+    return out[0]

@@ -1,0 +1,110 @@
+"""Lightning-indexer scores (Pallas kernel) and per-query top-K selection.
+
+The kernel fuses, for one query and a block of keys, the indexer matmul over all
+indexer heads ([HI, DI] x [DI, block_k]), the ReLU, the per-head weighting and the sum
+over heads, plus the causal and segment masks. Queries are processed in chunks: the
+kernel writes the fp32 scores of one chunk ([chunk, T], never [T, T]) and
+jax.lax.top_k selects from them (ties: smaller index first) before the next chunk.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.sparse_attention import input_checks
+from pallas_kernels.sparse_attention.kernel_setup import (
+    check_head_dim, pad_axis, tile_rows, use_interpret)
+
+_BLOCK_K = 128
+_CHUNK_SCORE_BYTES = 1 << 30  # fp32 scores of one query chunk: at most 1 GiB
+
+
+def _score_kernel(start_ref, q_ref, w_ref, seg_q_ref, k_ref, seg_k_ref, out_ref, *, block_k):
+    t = start_ref[0] + pl.program_id(1)  # global position of this query
+    q = q_ref[...]  # [HIp, DI]; padded heads have zero weight
+    w = w_ref[...].astype(jnp.float32)  # [HIp]
+    seg = seg_q_ref[0]
+    n_blocks = out_ref.shape[0] // block_k
+    n_causal = t // block_k + 1
+
+    def score_block(j, _):
+        cols = j * block_k + jax.lax.iota(jnp.int32, block_k)
+        keys = k_ref[pl.ds(j * block_k, block_k), :]  # [block_k, DI]
+        dots = plgpu.dot(q, keys, trans_b=True).astype(jnp.float32)  # [HIp, block_k]
+        scores = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None], axis=0)
+        ok = (cols <= t) & (seg_k_ref[pl.ds(j * block_k, block_k)] == seg)
+        out_ref[pl.ds(j * block_k, block_k)] = jnp.where(ok, scores, -jnp.inf)
+
+    def fill_future(j, _):
+        out_ref[pl.ds(j * block_k, block_k)] = jnp.full((block_k,), -jnp.inf, jnp.float32)
+
+    jax.lax.fori_loop(0, n_causal, score_block, None)
+    jax.lax.fori_loop(n_causal, n_blocks, fill_future, None)
+
+
+def _chunk_scores(start, q_chunk, w_chunk, seg_chunk, k_idx, seg, *, block_k, interpret):
+    """Masked fp32 scores [B, chunk, Tp] of queries start .. start + chunk - 1."""
+    b, chunk, hip, di = q_chunk.shape
+    tp = k_idx.shape[1]
+    kernel = functools.partial(_score_kernel, block_k=block_k)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, chunk),
+        in_specs=[
+            pl.BlockSpec((1,), lambda bi, qi: (0,)),
+            pl.BlockSpec((None, None, hip, di), lambda bi, qi: (bi, qi, 0, 0)),
+            pl.BlockSpec((None, None, hip), lambda bi, qi: (bi, qi, 0)),
+            pl.BlockSpec((None, 1), lambda bi, qi: (bi, qi)),
+            pl.BlockSpec((None, tp, di), lambda bi, qi: (bi, 0, 0)),
+            pl.BlockSpec((None, tp), lambda bi, qi: (bi, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, tp), lambda bi, qi: (bi, qi, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, chunk, tp), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="sparse_attention_indexer_scores",
+    )(start, q_chunk, w_chunk, seg_chunk, k_idx, seg)
+
+
+def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None):
+    """Per query, the top_k causal same-segment keys by indexer score, int32 [B, T, top_k].
+
+    Same contract as topk_indices_reference: score
+    I[t, s] = sum_h w[t, h] * relu(q_idx[t, h] . k_idx[s]); the selected set is the
+    top_k keys s <= t of t's segment (ties: smaller index), -1 filling the rest.
+    """
+    input_checks.check_indexer_inputs(q_idx, k_idx, w, top_k, segment_ids)
+    check_head_dim("q_idx", q_idx.shape[3])
+    if k_idx.dtype != q_idx.dtype:
+        raise ValueError(f"k_idx dtype {k_idx.dtype} must match q_idx dtype {q_idx.dtype}")
+    b, t, hi, _ = q_idx.shape
+    block_k = _BLOCK_K if t >= _BLOCK_K else max(16, tile_rows(t))
+    tp = -(-t // block_k) * block_k
+    kept = min(top_k, t)
+    chunk = max(1, min(t, _CHUNK_SCORE_BYTES // (4 * b * tp)))
+    n_chunks = -(-t // chunk)
+
+    hip = tile_rows(hi)  # zero-weight padding heads up to a matmul tile
+    q_p = pad_axis(pad_axis(q_idx, 2, hip), 1, n_chunks * chunk)
+    w_p = pad_axis(pad_axis(w, 2, hip), 1, n_chunks * chunk)
+    seg = (jnp.zeros((b, t), jnp.int32) if segment_ids is None
+           else segment_ids.astype(jnp.int32))
+    seg_q = pad_axis(seg, 1, n_chunks * chunk)
+    k_p = pad_axis(k_idx, 1, tp)
+    seg_k = pad_axis(seg, 1, tp)  # padded keys lie in the future of every query
+    interpret = use_interpret()
+
+    def one_chunk(c):
+        start = c * chunk
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
+        scores = _chunk_scores(start[None], sl(q_p), sl(w_p), sl(seg_q), k_p, seg_k,
+                               block_k=block_k, interpret=interpret)
+        values, idx = jax.lax.top_k(scores, kept)
+        return jnp.where(values > -jnp.inf, idx, -1).astype(jnp.int32)
+
+    out = jax.lax.map(one_chunk, jnp.arange(n_chunks, dtype=jnp.int32))  # [n, B, chunk, kept]
+    out = out.transpose(1, 0, 2, 3).reshape(b, n_chunks * chunk, kept)[:, :t]
+    return pad_axis(out, 2, top_k, -1)

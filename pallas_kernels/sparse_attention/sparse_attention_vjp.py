@@ -1,0 +1,117 @@
+"""Public top-K sparse attention: Pallas forward and backward tied by jax.custom_vjp.
+
+Layout work happens here, outside the kernels: the query heads of each KV head are
+grouped (and zero-padded to a matmul tile of >= 16 rows), K/V are laid out head-major
+so a kernel program sees one head as a [T, D] table to gather rows from, and the index
+list is padded with -1 to a whole number of key blocks.
+
+Backward: dq comes from the query-major pass; dk and dv from the key-major pass over
+the (query, key) pairs sorted by key (or, with dkdv="atomic", from fp32 atomic adds
+in the query-major pass).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.sparse_attention import input_checks
+from pallas_kernels.sparse_attention.attention_backward import sparse_attention_backward
+from pallas_kernels.sparse_attention.attention_backward_by_key import (
+    pairs_by_key, sparse_attention_dkdv)
+from pallas_kernels.sparse_attention.attention_forward import sparse_attention_forward
+from pallas_kernels.sparse_attention.kernel_setup import (
+    check_head_dim, next_power_of_2, pad_axis, tile_rows, use_interpret)
+
+_BLOCK_K = 64  # selected keys per step: 2 x [64, 128] bf16 rows gathered per step
+
+
+def _group_heads(x, hk):
+    """[B, T, HQ, D] -> [B, T, HK, Gp, D], query heads of one KV head together."""
+    b, t, hq, d = x.shape
+    g = hq // hk
+    return pad_axis(x.reshape(b, t, hk, g, d), 3, tile_rows(g))
+
+
+def _ungroup_heads(x, hq):
+    b, t, hk = x.shape[:3]
+    return x[:, :, :, : hq // hk].reshape(b, t, hq, *x.shape[4:])
+
+
+def kernel_layout(q, k, v, indices):
+    """(q groups, k heads, v heads, padded indices, block_k) as the kernels take them."""
+    hk = k.shape[2]
+    block_k = min(_BLOCK_K, max(16, next_power_of_2(indices.shape[2])))
+    kp = -(-indices.shape[2] // block_k) * block_k
+    return (_group_heads(q, hk), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+            pad_axis(indices.astype(jnp.int32), 2, kp, -1), block_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _sparse_attention(q, k, v, indices, scale, dkdv):
+    return _forward(q, k, v, indices, scale, dkdv)[0]
+
+
+def _forward(q, k, v, indices, scale, dkdv):
+    del dkdv
+    qg, kh, vh, idx, block_k = kernel_layout(q, k, v, indices)
+    o, lse = sparse_attention_forward(qg, kh, vh, idx, scale=scale, block_k=block_k,
+                                      interpret=use_interpret())
+    o = _ungroup_heads(o, q.shape[2])
+    return o, (q, k, v, indices, o, lse)
+
+
+def _backward(scale, dkdv, residuals, do):
+    q, k, v, indices, o, lse = residuals
+    b, t, hq, _ = q.shape
+    hk = k.shape[2]
+    interpret = use_interpret()
+    qg, kh, vh, idx, block_k = kernel_layout(q, k, v, indices)
+    do = do.astype(q.dtype)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, T, HQ]
+    dq_args = (qg, kh, vh, idx, _group_heads(do, hk), lse,
+               _group_heads(delta[..., None], hk)[..., 0])
+    if dkdv == "atomic":
+        dq, dk, dv = sparse_attention_backward(*dq_args, scale=scale, block_k=block_k,
+                                               interpret=interpret, atomic_dkdv=True)
+        dk = dk.transpose(0, 2, 1, 3).astype(k.dtype)
+        dv = dv.transpose(0, 2, 1, 3).astype(v.dtype)
+    else:
+        dq = sparse_attention_backward(*dq_args, scale=scale, block_k=block_k,
+                                       interpret=interpret)
+        queries, starts = pairs_by_key(indices.astype(jnp.int32))
+        lse_heads = lse[..., : hq // hk].reshape(b, t, hq)
+        dk, dv = sparse_attention_dkdv(q, k, v, do, lse_heads, delta, queries, starts,
+                                       scale=scale, interpret=interpret)
+    return _ungroup_heads(dq, hq), dk, dv, None
+
+
+_sparse_attention.defvjp(_forward, _backward)
+
+
+_DKDV_METHODS = ("by_key", "atomic")
+
+
+def sparse_attention(q, k, v, indices, *, scale=None, dkdv="by_key"):
+    """Softmax attention of each query over its selected keys (Pallas kernels).
+
+    Args:
+      q: [B, T, HQ, D]; query head h reads KV head h // (HQ // HK).
+      k, v: [B, T, HK, D].
+      indices: int [B, T, K] selected key positions, -1 = unused, any order.
+      scale: softmax scale, default D ** -0.5.
+      dkdv: how the backward sums dk/dv over the queries that selected a key:
+        "by_key" (pairs sorted by key, one pass per key) or "atomic" (fp32 atomics).
+
+    Returns:
+      o [B, T, HQ, D] in q's dtype; a query with no valid index outputs zeros.
+      Differentiable in q, k, v (custom VJP with Pallas backward kernels).
+    """
+    input_checks.check_attention_inputs(q, k, v, indices)
+    check_head_dim("q", q.shape[3])
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if dkdv not in _DKDV_METHODS:
+        raise ValueError(f"dkdv must be one of {_DKDV_METHODS}, got {dkdv!r}")
+    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
+    return _sparse_attention(q, k, v, indices, scale, dkdv)

@@ -1,0 +1,95 @@
+"""The Pallas kernels (interpreted on CPU) against the reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_attention import (
+    sparse_attention, sparse_attention_reference, topk_indices)
+from pallas_kernels.sparse_attention.attention_backward_by_key import pairs_by_key
+from pallas_kernels.sparse_attention.tests import helpers
+
+
+def test_kernel_with_all_keys_is_dense_causal_attention():
+    # 3 query heads per KV head: not a power of 2, so the head padding is exercised.
+    q, k, v, do = helpers.attention_inputs(10, 1, 24, 6, 2, 16, jnp.float32)
+    idx = helpers.full_causal_indices(1, 24, 32)
+    got = helpers.vjp(sparse_attention, q, k, v, idx, do)
+    want = helpers.vjp(lambda q, k, v, _: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                       q, k, v, idx, do)
+    for g, w in zip(got, want):
+        assert helpers.rel_err(g, w) < 1e-4
+
+
+def test_pairs_by_key_lists_exactly_the_queries_that_selected_each_key():
+    # Repeated keys in a row and -1 entries; two batch rows with different selections.
+    idx = jax.random.randint(jax.random.key(15), (2, 30, 7), -1, 30).astype(jnp.int32)
+    queries, starts = jax.jit(pairs_by_key)(idx)
+    idx, queries, starts = map(np.asarray, (idx, queries, starts))
+    for b in range(2):
+        assert starts[b, 0] == 0 and starts[b, -1] == (idx[b] >= 0).sum()
+        for key in range(30):
+            want = np.nonzero(idx[b] == key)[0]  # the query of each occurrence
+            got = queries[b, starts[b, key]:starts[b, key + 1]]
+            np.testing.assert_array_equal(np.sort(got), want)
+
+
+@pytest.mark.parametrize("dkdv", ["by_key", "atomic"])
+def test_kernel_matches_gather_reference_on_random_indices_bf16(dkdv):
+    q, k, v, do = helpers.attention_inputs(11, 1, 40, 4, 1, 32)
+    idx = helpers.distinct_causal_indices(12, 1, 40, 20)
+    idx = jnp.where(idx >= 36, -1, idx)  # the last keys: selected by no query
+    assert int((idx < 0).sum()) > 0 and int((idx >= 0).sum()) > 0
+    # Some keys are chosen by more queries than one tile of pairs holds (64 rows of
+    # 4 heads: 16 pairs), others by none.
+    counts = jnp.bincount(jnp.where(idx >= 0, idx, 40).ravel(), length=41)[:40]
+    assert int(counts.max()) > 16 and int(counts.min()) == 0
+    got = helpers.vjp(lambda *a: sparse_attention(*a, dkdv=dkdv), q, k, v, idx, do)
+    want = helpers.vjp(sparse_attention_reference, q, k, v, idx, do)
+    assert helpers.rel_err(got[0], want[0]) <= 5e-3
+    for g, w in zip(got[1:], want[1:]):
+        assert helpers.rel_err(g, w) <= 1e-2
+
+
+def test_kernel_topk_equals_lax_top_k_over_materialised_scores():
+    q_idx, k_idx, w, seg = helpers.integer_indexer_inputs(13, 2, 150, 2, 16)
+    for segment_ids in (None, seg):
+        got = jax.jit(lambda a, b, c, s: topk_indices(a, b, c, top_k=20, segment_ids=s))(
+            q_idx, k_idx, w, segment_ids)
+        want = helpers.materialised_topk(q_idx, k_idx, w, 20, segment_ids)
+        # The selection is a set: compare sorted rows (ties must pick the same keys).
+        np.testing.assert_array_equal(jnp.sort(got, -1), jnp.sort(want, -1))
+
+
+def test_kernel_topk_pads_with_minus_one_when_top_k_exceeds_t():
+    q_idx, k_idx, w, _ = helpers.integer_indexer_inputs(14, 1, 20, 2, 16)
+    got = jax.jit(lambda *a: topk_indices(*a, top_k=24))(q_idx, k_idx, w)
+    assert got.shape == (1, 20, 24)
+    np.testing.assert_array_equal((got >= 0).sum(-1)[0], jnp.arange(1, 21))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(q=jnp.zeros((1, 8, 4, 12))), "power of 2"),
+    (dict(k=jnp.zeros((1, 8, 2, 16), jnp.bfloat16), v=jnp.zeros((1, 8, 2, 16), jnp.bfloat16)),
+     "share a dtype"),
+    (dict(indices=jnp.zeros((8, 4), jnp.int32)), "indices must have shape"),
+    (dict(dkdv="scatter"), "dkdv must be one of"),
+])
+def test_kernel_attention_rejects_bad_inputs(bad, message):
+    args = dict(q=jnp.zeros((1, 8, 4, 16)), k=jnp.zeros((1, 8, 2, 16)),
+                v=jnp.zeros((1, 8, 2, 16)), indices=jnp.zeros((1, 8, 4), jnp.int32))
+    args.update(bad)
+    if "q" in bad:
+        args["k"] = args["v"] = jnp.zeros((1, 8, 2, 12))
+    with pytest.raises(ValueError, match=message):
+        sparse_attention(**args)
+
+
+def test_kernel_topk_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="q_idx must have shape"):
+        topk_indices(jnp.zeros((8, 2, 16)), jnp.zeros((1, 8, 16)), jnp.zeros((1, 8, 2)),
+                     top_k=4)
+    with pytest.raises(ValueError, match="k_idx dtype"):
+        topk_indices(jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 16), jnp.bfloat16),
+                     jnp.zeros((1, 8, 2)), top_k=4)

@@ -1,0 +1,180 @@
+"""Typed configuration: frozen dataclasses, one per concern, gathered in `Config`.
+
+Every field can be overridden from the command line as `--section.field=value`
+(see `hylora.overrides`); `Config.validate()` checks the cross-field rules and names
+the field at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from hylora.errors import ConfigError
+
+MIXERS = ("linear", "sparse")
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+  heads: int = 4
+  head_dim: int = 16
+  gate_rank: int = 8  # per-channel log-decay gate through a low-rank projection
+  output_gate_rank: int = 8  # sigmoid output gate through a low-rank projection
+  delta_rule: bool = True  # KDA (delta rule) when true, GLA otherwise
+  chunk_size: int = 64
+  gate_floor: float = -20.0  # lower bound of the log decay per token
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+  q_heads: int = 4
+  kv_heads: int = 2
+  head_dim: int = 16
+  top_k: int = 16
+  index_heads: int = 2
+  index_head_dim: int = 16
+  index_q_rank: int = 16  # indexer queries through a low-rank projection
+  rope_theta: float = 10000.0
+  block_q: int = 64  # query block of the reference path: no [T, T] array exists
+  indexer_loss_weight: float = 0.0  # KL(main attention || indexer); off for LoRA runs
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+  experts: int = 8
+  top_k: int = 2
+  expert_ffn: int = 32
+  shared_experts: int = 1
+  score_fn: str = "softmax"  # "softmax" or "sigmoid"
+  normalize_top_k: bool = True  # renormalise the chosen experts' weights to sum to 1
+  routed_scale: float = 1.0
+  aux_loss_weight: float = 0.0  # load-balance loss in the training loss (router frozen under LoRA)
+  z_loss_weight: float = 0.0
+  dispatch: str = "dropless"  # how tokens reach routed experts (hylora.model.ffn.dispatch)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  d_model: int = 32
+  layers: int = 8
+  pattern: tuple[str, ...] = ("linear", "linear", "linear", "sparse")
+  dense_layers: int = 2  # the first k layers use a dense SwiGLU FFN instead of MoE
+  dense_ffn: int = 64
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
+  sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
+  moe: MoEConfig = field(default_factory=MoEConfig)
+
+  def layer_kinds(self) -> list[tuple[str, str]]:
+    """(mixer, ffn) for every layer, e.g. ("linear", "dense"), ("sparse", "moe")."""
+    return [(self.pattern[i % len(self.pattern)], "dense" if i < self.dense_layers else "moe")
+            for i in range(self.layers)]
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+  rank: int = 4
+  alpha: float = 8.0
+  dropout: float = 0.0
+  # Which linears get adapters, by their names in the model (fnmatch patterns).
+  targets: tuple[str, ...] = ("q", "k", "v", "o", "gate_up")
+  shared_expert_a: bool = False  # one A shared by all routed experts (B stays per expert)
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+  fsdp: int = -1  # -1: whatever the device count leaves after `expert`
+  expert: int = 1
+  devices: int = 0  # simulated CPU devices to create when no accelerator is present (0: as found)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+  """Which implementation each registered op uses: "auto", "reference" or a name."""
+
+  linear_attention: str = "auto"
+  sparse_attention: str = "auto"
+  topk_indices: str = "auto"
+  grouped_matmul: str = "auto"
+  cross_entropy: str = "auto"
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+  remat: str = "full"  # "none", "full", "minimal", "tiered"
+  hbm_names: tuple[str, ...] = ()  # tiered: save points kept in device memory
+  host_names: tuple[str, ...] = ()  # tiered: save points offloaded to pinned host memory
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 60
+  batch_size: int = 8  # sequences per optimizer step (global)
+  seq_len: int = 128
+  grad_accum: int = 1  # micro-batches per optimizer step
+  learning_rate: float = 3e-3
+  warmup_steps: int = 5
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.0
+  clip_norm: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.999
+  seed: int = 0
+  data: str = "synthetic"  # "synthetic" or a path to a .jsonl / .npy file of token ids
+  synthetic_docs: tuple[int, int] = (16, 96)  # min/max document length of the synthetic source
+  log_every: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+  preset: str = "tiny"
+  model: ModelConfig = field(default_factory=ModelConfig)
+  lora: LoRAConfig = field(default_factory=LoRAConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  kernels: KernelConfig = field(default_factory=KernelConfig)
+  memory: MemoryConfig = field(default_factory=MemoryConfig)
+  train: TrainConfig = field(default_factory=TrainConfig)
+
+  def validate(self) -> "Config":
+    m, t = self.model, self.train
+    _check(m.layers >= 1, "model.layers", f"must be >= 1, got {m.layers}")
+    _check(all(p in MIXERS for p in m.pattern), "model.pattern",
+           f"entries must be in {MIXERS}, got {m.pattern}")
+    _check(len(m.pattern) >= 1, "model.pattern", "must not be empty")
+    _check(0 <= m.dense_layers <= m.layers, "model.dense_layers",
+           f"must be in [0, layers={m.layers}], got {m.dense_layers}")
+    sa = m.sparse_attention
+    _check(sa.q_heads % sa.kv_heads == 0, "model.sparse_attention.q_heads",
+           f"{sa.q_heads} is not a multiple of kv_heads={sa.kv_heads}")
+    _check(sa.head_dim % 2 == 0, "model.sparse_attention.head_dim", "must be even (RoPE)")
+    moe = m.moe
+    _check(1 <= moe.top_k <= moe.experts, "model.moe.top_k",
+           f"must be in [1, experts={moe.experts}], got {moe.top_k}")
+    _check(moe.score_fn in ("softmax", "sigmoid"), "model.moe.score_fn",
+           f"must be 'softmax' or 'sigmoid', got {moe.score_fn!r}")
+    _check(self.lora.rank >= 1, "lora.rank", f"must be >= 1, got {self.lora.rank}")
+    _check(0.0 <= self.lora.dropout < 1.0, "lora.dropout", "must be in [0, 1)")
+    _check(self.memory.remat in ("none", "full", "minimal", "tiered"), "memory.remat",
+           f"must be one of none/full/minimal/tiered, got {self.memory.remat!r}")
+    _check(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
+    _check(t.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {t.grad_accum}")
+    _check(t.batch_size % t.grad_accum == 0, "train.batch_size",
+           f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
+    return self
+
+
+def _check(ok: bool, name: str, message: str):
+  if not ok:
+    raise ConfigError(f"{name}: {message}")
+
+
+def replace(cfg, **changes):
+  return dataclasses.replace(cfg, **changes)

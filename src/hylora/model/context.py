@@ -1,0 +1,18 @@
+"""What every layer needs besides its input: document layout and the dropout key."""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class ForwardContext:
+  segment_ids: jax.Array  # [B, T] int32: tokens attend only within their segment
+  positions: jax.Array  # [B, T] int32: position inside the segment (RoPE)
+  dropout_key: jax.Array | None = None  # None: no LoRA dropout (evaluation)
+
+  def for_layer(self, index) -> "ForwardContext":
+    if self.dropout_key is None:
+      return self
+    return self.replace(dropout_key=jax.random.fold_in(self.dropout_key, index))

@@ -1,0 +1,58 @@
+"""Dispatchers: how routed tokens reach their experts and come back.
+
+A dispatcher takes the flat tokens, the router's choices and the experts, and returns
+the weighted combination of expert outputs per token plus statistics. "dropless" is the
+single-program reference (sort by expert once, grouped matmuls, unsort, combine); the
+expert-parallel all-to-all pipelines register here too, chosen by `moe.dispatch`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from hylora.model.ffn.experts import expert_ffn
+
+DISPATCHERS: dict[str, Callable] = {}
+
+
+def register_dispatcher(name: str):
+  def deco(fn):
+    DISPATCHERS[name] = fn
+    return fn
+  return deco
+
+
+def get_dispatcher(name: str) -> Callable:
+  if name not in DISPATCHERS:
+    raise ValueError(f"model.moe.dispatch: unknown dispatcher {name!r}; "
+                     f"choose one of {sorted(DISPATCHERS)}")
+  return DISPATCHERS[name]
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int):
+  """experts [N, k] -> (order [N*k] permutation sorting pairs by expert, group_sizes [E]).
+
+  The same `order` is reused by the unsort, so the backward needs no second sort."""
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  return order, group_sizes
+
+
+@register_dispatcher("dropless")
+def dropless(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
+             options: dict, *, num_experts: int, dropout_key=None):
+  """x [N, d], weights/experts [N, k] -> (y [N, d], stats)."""
+  n, k = experts.shape
+  order, group_sizes = sort_by_expert(experts, num_experts)
+  token_of_pair = order // k
+  x_sorted = jnp.take(x, token_of_pair, axis=0)  # one gather in
+  y_sorted = expert_ffn(expert_weights, x_sorted, group_sizes, dropout_key=dropout_key,
+                        **options)
+  inverse = jnp.argsort(order)  # a permutation's inverse: one gather out
+  y_pairs = jnp.take(y_sorted, inverse, axis=0).reshape(n, k, -1)
+  y = jnp.einsum("nkd,nk->nd", y_pairs.astype(jnp.float32), weights)
+  return y.astype(x.dtype), {"dropped_tokens": jnp.zeros((), jnp.float32)}

@@ -1,0 +1,79 @@
+"""Routed experts: stacked SwiGLU weights [E, ...] with per-expert LoRA on gate_up,
+computed as grouped matmuls over rows sorted by expert."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora import axes as ax
+from hylora import ops, remat
+from hylora.config import Config
+from hylora.model.lora import LoRAParam, dropout, wants_lora
+
+
+class RoutedExperts(nnx.Module):
+  def __init__(self, cfg: Config, *, init: ParamInit):
+    m, moe, lora = cfg.model, cfg.model.moe, cfg.lora
+    self.kernels = cfg.kernels
+    e, d, f = moe.experts, m.d_model, moe.expert_ffn
+
+    def weight(shape):
+      return init.normal(shape, m.init_std, jnp.bfloat16, clip=2.0)
+
+    self.gate_up = nnx.Param(weight((e, d, 2 * f)), out_sharding=(ax.EXP, ax.EMBED, ax.EXP_MLP))
+    self.down = nnx.Param(weight((e, f, d)), out_sharding=(ax.EXP, ax.EXP_MLP, ax.EMBED))
+    self.lora_a = nnx.data(None)
+    self.lora_b = nnx.data(None)
+    self.shared_a = False
+    if wants_lora(lora, "gate_up"):
+      self.shared_a = lora.shared_expert_a
+      a_shape = (d, lora.rank) if self.shared_a else (e, d, lora.rank)
+      a_axes = (ax.EMBED, ax.LORA_RANK) if self.shared_a else (ax.EXP, ax.EMBED, ax.LORA_RANK)
+      a = init.normal(a_shape, 1.0 / math.sqrt(d))
+      self.lora_a = LoRAParam(a, out_sharding=a_axes)
+      self.lora_b = LoRAParam(jnp.zeros((e, lora.rank, 2 * f), jnp.float32),
+                              out_sharding=(ax.EXP, ax.LORA_RANK, ax.EXP_MLP))
+      self.lora_scale = lora.scale
+      self.lora_dropout = lora.dropout
+
+  def weights(self) -> dict:
+    """The arrays `expert_ffn` needs (the dispatcher may shard_map them)."""
+    w = {"gate_up": self.gate_up[...], "down": self.down[...]}
+    if self.lora_a is not None:
+      w["lora_a"], w["lora_b"] = self.lora_a[...], self.lora_b[...]
+    return w
+
+  def options(self) -> dict:
+    if self.lora_a is None:
+      return {"kernels": self.kernels}
+    return {"kernels": self.kernels, "lora_scale": self.lora_scale,
+            "lora_dropout": self.lora_dropout, "shared_a": self.shared_a}
+
+
+def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,
+               lora_scale: float = 0.0, lora_dropout: float = 0.0, shared_a: bool = False,
+               dropout_key=None) -> jax.Array:
+  """SwiGLU of rows x [M, d] sorted by expert; group_sizes [G] over the G experts whose
+  weights are given ([G, ...] stacks). Rows past sum(group_sizes) come out zero."""
+  gmm = ops.resolve("grouped_matmul", kernels)
+  h = gmm(x, weights["gate_up"].astype(x.dtype), group_sizes)
+  if "lora_a" in weights:
+    xd = dropout(x, lora_dropout, dropout_key, "experts.gate_up")
+    b = weights["lora_b"].astype(x.dtype)
+    if shared_a:
+      xa = jnp.dot(xd, weights["lora_a"].astype(x.dtype), preferred_element_type=jnp.float32)
+      lora_out = lora_scale * gmm(xa.astype(x.dtype), b, group_sizes)
+    else:
+      glora = ops.resolve("grouped_lora", kernels)
+      lora_out = glora(xd, weights["lora_a"].astype(x.dtype), b, group_sizes, lora_scale)
+    h = h + lora_out.astype(h.dtype)
+  h = remat.tag(h, remat.EXPERT_GATE_UP)
+  gate, up = jnp.split(h, 2, axis=-1)
+  y = gmm((jax.nn.silu(gate) * up).astype(x.dtype), weights["down"].astype(x.dtype), group_sizes)
+  return remat.tag(y, remat.EXPERT_DOWN)

@@ -1,0 +1,38 @@
+"""SwiGLU MLP with a fused gate_up projection (LoRA target) and a frozen down projection."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora import axes as ax
+from hylora import remat
+from hylora.config import Config, LoRAConfig
+from hylora.model.lora import Linear
+
+
+class SwiGLU(nnx.Module):
+  def __init__(self, d: int, ffn: int, *, lora: LoRAConfig | None, init_std: float,
+               init: ParamInit):
+    self.gate_up = Linear((d,), (2 * ffn,), (ax.EMBED,), (ax.MLP,), name="gate_up", lora=lora,
+                          init=init, init_std=init_std)
+    self.down = Linear((ffn,), (d,), (ax.MLP,), (ax.EMBED,), name="down", lora=lora, init=init,
+                       init_std=init_std)
+
+  def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
+    h = remat.tag(self.gate_up(x, dropout_key), remat.MLP_GATE_UP)
+    gate, up = jax.numpy.split(h, 2, axis=-1)
+    return remat.tag(self.down(jax.nn.silu(gate) * up, dropout_key), remat.MLP_DOWN)
+
+
+class DenseFFN(nnx.Module):
+  """The FFN of the first `dense_layers` layers."""
+
+  def __init__(self, cfg: Config, *, init: ParamInit):
+    m = cfg.model
+    self.mlp = SwiGLU(m.d_model, m.dense_ffn, lora=cfg.lora, init_std=m.init_std, init=init)
+
+  def __call__(self, x: jax.Array, ctx):
+    return self.mlp(x, ctx.dropout_key), {}

@@ -1,0 +1,38 @@
+"""The MoE FFN: router -> dispatcher (routed experts) -> + shared experts."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora.config import Config
+from hylora.model.ffn.dispatch import get_dispatcher
+from hylora.model.ffn.experts import RoutedExperts
+from hylora.model.ffn.mlp import SwiGLU
+from hylora.model.ffn.router import Router
+
+
+class MoE(nnx.Module):
+  def __init__(self, cfg: Config, *, init: ParamInit):
+    m, moe = cfg.model, cfg.model.moe
+    self.cfg = moe
+    self.router = Router(m.d_model, moe, init_std=m.init_std, init=init)
+    self.experts = RoutedExperts(cfg, init=init)
+    self.shared = (SwiGLU(m.d_model, moe.expert_ffn * moe.shared_experts, lora=cfg.lora,
+                          init_std=m.init_std, init=init)
+                   if moe.shared_experts > 0 else None)
+    self.dispatch = get_dispatcher(moe.dispatch)
+
+  def __call__(self, x: jax.Array, ctx):
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    weights, experts, aux = self.router(flat)
+    y, stats = self.dispatch(flat, weights, experts, self.experts.weights(),
+                             self.experts.options(), num_experts=self.cfg.experts,
+                             dropout_key=ctx.dropout_key)
+    y = y.reshape(b, t, d)
+    if self.shared is not None:
+      y = y + self.shared(x, ctx.dropout_key)
+    return y, {**aux, **stats}

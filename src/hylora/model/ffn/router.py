@@ -1,0 +1,52 @@
+"""Top-k router with fp32 logits, softmax or sigmoid scores, optional renormalisation,
+an expert bias for aux-loss-free balancing, and the auxiliary losses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora import axes as ax
+from hylora import remat
+from hylora.config import MoEConfig
+
+
+class RouterBias(nnx.Variable):
+  """Per-expert bias added for selection only (aux-loss-free balancing); updated outside
+  the optimizer, never differentiated."""
+
+
+class Router(nnx.Module):
+  def __init__(self, d: int, cfg: MoEConfig, *, init_std: float, init: ParamInit):
+    self.cfg = cfg
+    w = init.normal((d, cfg.experts), init_std, jnp.bfloat16)
+    self.kernel = nnx.Param(w, out_sharding=(ax.EMBED, None))
+    self.bias = RouterBias(jnp.zeros((cfg.experts,), jnp.float32), out_sharding=(None,))
+
+  def __call__(self, x: jax.Array):
+    """x [N, d] -> (weights [N, k] fp32, experts [N, k] int32, aux)."""
+    cfg = self.cfg
+    logits = jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
+    logits = remat.tag(logits, remat.ROUTER)
+    if cfg.score_fn == "softmax":
+      scores = jax.nn.softmax(logits, axis=-1)
+    else:
+      scores = jax.nn.sigmoid(logits)
+    selection = scores + jax.lax.stop_gradient(self.bias[...])
+    _, experts = jax.lax.top_k(selection, cfg.top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.normalize_top_k:
+      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * cfg.routed_scale
+
+    n = x.shape[0]
+    load = jnp.zeros((cfg.experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    # Switch-style balance loss: E * sum_e (fraction of routed pairs to e) * (mean prob of e).
+    aux_loss = cfg.experts * jnp.sum((load / (n * cfg.top_k)) * jnp.mean(probs, axis=0))
+    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return weights, experts.astype(jnp.int32), {"moe_aux_loss": aux_loss, "moe_z_loss": z_loss,
+                                                "expert_load": load}

@@ -1,0 +1,35 @@
+"""A pre-norm decoder layer: x + mixer(norm(x)), then + ffn(norm(.))."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora import axes as ax
+from hylora import remat
+from hylora.config import Config
+from hylora.model.aux import merge_aux
+from hylora.model.ffn import FFNS
+from hylora.model.mixers import MIXERS
+from hylora.model.norms import RMSNorm
+from meshes.rules import constrain
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: Config, mixer: str, ffn: str, *, init: ParamInit):
+    d, eps = cfg.model.d_model, cfg.model.norm_eps
+    self.model_cfg = cfg.model
+    self.mixer_norm = RMSNorm(d, ax.EMBED, eps=eps)
+    self.mixer = MIXERS[mixer](cfg, init=init)
+    self.ffn_norm = RMSNorm(d, ax.EMBED, eps=eps)
+    self.ffn = FFNS[ffn](cfg, init=init)
+
+  def __call__(self, x: jax.Array, ctx):
+    names = (ax.BATCH, ax.SEQ, ax.EMBED)
+    x = remat.tag(constrain(x, names), remat.LAYER_INPUT)
+    h, mixer_aux = self.mixer(remat.tag(self.mixer_norm(x), remat.MIXER_NORM), ctx)
+    x = constrain(x + h, names)
+    h, ffn_aux = self.ffn(remat.tag(self.ffn_norm(x), remat.FFN_NORM), ctx)
+    return constrain(x + h, names), merge_aux(self.model_cfg, mixer_aux, ffn_aux)

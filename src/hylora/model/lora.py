@@ -1,0 +1,83 @@
+"""Frozen bf16 linears with optional LoRA adapters.
+
+The base kernel is an `nnx.Param` (frozen: it never enters the optimizer and only input
+gradients flow through it). Adapters are `LoRAParam`s kept in fp32; B starts at zero so
+the adapted model reproduces the base model exactly before the first update.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import zlib
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora import axes as ax
+from hylora import remat
+from hylora.config import LoRAConfig
+
+
+class LoRAParam(nnx.Variable):
+  """A trainable adapter factor (the only variables the optimizer sees)."""
+
+
+def wants_lora(lora: LoRAConfig | None, name: str) -> bool:
+  return lora is not None and any(fnmatch.fnmatchcase(name, p) for p in lora.targets)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None, salt: str) -> jax.Array:
+  """Inverted dropout on the adapter input; a no-op without a key (evaluation)."""
+  if rate <= 0.0 or key is None:
+    return x
+  key = jax.random.fold_in(key, zlib.crc32(salt.encode()))
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _contract(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
+  """x[..., *in] . w[*in, *out] -> [..., *out], fp32 accumulation, x's dtype out."""
+  lhs = tuple(range(x.ndim - n_in, x.ndim))
+  y = jax.lax.dot_general(x, w.astype(x.dtype), ((lhs, tuple(range(n_in))), ((), ())),
+                          preferred_element_type=jnp.float32)
+  return y.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+  """y = x W (+ scale * x A B when `name` matches a LoRA target)."""
+
+  def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int],
+               in_axes: Sequence[str], out_axes: Sequence[str], *, name: str,
+               lora: LoRAConfig | None, init: ParamInit, init_std: float = 0.02,
+               dtype=jnp.bfloat16):
+    self.name = name
+    self.n_in = len(in_shape)
+    shape = (*in_shape, *out_shape)
+    w = init.normal(shape, init_std, dtype, clip=2.0)
+    self.kernel = nnx.Param(w, out_sharding=(*in_axes, *out_axes))
+    self.lora_a = nnx.data(None)
+    self.lora_b = nnx.data(None)
+    self.lora_scale = 0.0
+    self.lora_dropout = 0.0
+    if wants_lora(lora, name):
+      fan_in = math.prod(in_shape)
+      a = init.normal((*in_shape, lora.rank), 1.0 / math.sqrt(fan_in))
+      self.lora_a = LoRAParam(a, out_sharding=(*in_axes, ax.LORA_RANK))
+      self.lora_b = LoRAParam(jnp.zeros((lora.rank, *out_shape), jnp.float32),
+                              out_sharding=(ax.LORA_RANK, *out_axes))
+      self.lora_scale = lora.scale
+      self.lora_dropout = lora.dropout
+
+  def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    y = _contract(x, self.kernel[...], self.n_in)
+    if self.lora_a is not None:
+      xa = _contract(dropout(x, self.lora_dropout, dropout_key, self.name), self.lora_a[...],
+                     self.n_in)
+      xa = remat.tag(xa, remat.LORA_A)
+      y = y + (self.lora_scale * _contract(xa, self.lora_b[...], 1)).astype(y.dtype)
+    return y

@@ -1,0 +1,70 @@
+"""Chunked linear attention (GLA / KDA family) with a per-channel decay gate, an optional
+delta rule, a sigmoid output gate and a per-head RMSNorm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora import axes as ax
+from hylora import ops, remat
+from hylora.config import Config
+from hylora.model.context import ForwardContext
+from hylora.model.lora import Linear
+from hylora.model.norms import rms_norm
+from meshes.rules import constrain
+
+
+class LinearAttention(nnx.Module):
+  def __init__(self, cfg: Config, *, init: ParamInit):
+    m, la = cfg.model, cfg.model.linear_attention
+    self.cfg = la
+    self.kernels = cfg.kernels
+    d, h, hd = m.d_model, la.heads, la.head_dim
+    std = m.init_std
+
+    def proj(name, in_shape, out_shape, in_axes, out_axes, lora=cfg.lora):
+      return Linear(in_shape, out_shape, in_axes, out_axes, name=name, lora=lora, init=init,
+                    init_std=std)
+
+    self.q = proj("q", (d,), (h, hd), (ax.EMBED,), (ax.HEADS, ax.HEAD_DIM))
+    self.k = proj("k", (d,), (h, hd), (ax.EMBED,), (ax.HEADS, ax.HEAD_DIM))
+    self.v = proj("v", (d,), (h, hd), (ax.EMBED,), (ax.HEADS, ax.HEAD_DIM))
+    self.o = proj("o", (h, hd), (d,), (ax.HEADS, ax.HEAD_DIM), (ax.EMBED,))
+    # Low-rank gates: frozen (not LoRA targets).
+    self.decay_down = proj("decay_down", (d,), (la.gate_rank,), (ax.EMBED,), (ax.LOW_RANK,), None)
+    self.decay_up = proj("decay_up", (la.gate_rank,), (h, hd), (ax.LOW_RANK,),
+                         (ax.HEADS, ax.HEAD_DIM), None)
+    self.out_gate_down = proj("out_gate_down", (d,), (la.output_gate_rank,), (ax.EMBED,),
+                              (ax.LOW_RANK,), None)
+    self.out_gate_up = proj("out_gate_up", (la.output_gate_rank,), (h, hd), (ax.LOW_RANK,),
+                            (ax.HEADS, ax.HEAD_DIM), None)
+    self.beta = (proj("beta", (d,), (h,), (ax.EMBED,), (ax.HEADS,), None)
+                 if la.delta_rule else None)
+    self.head_norm = nnx.Param(jnp.ones((hd,), jnp.float32), out_sharding=(ax.HEAD_DIM,))
+    self.norm_eps = m.norm_eps
+
+  def __call__(self, x: jax.Array, ctx: ForwardContext) -> jax.Array:
+    key = ctx.dropout_key
+    q = remat.tag(self.q(x, key), remat.QKV)
+    k = remat.tag(self.k(x, key), remat.QKV)
+    v = remat.tag(self.v(x, key), remat.QKV)
+    decay_logits = self.decay_up(self.decay_down(x)).astype(jnp.float32)
+    g = jnp.maximum(jax.nn.log_sigmoid(decay_logits), self.cfg.gate_floor)
+    g = remat.tag(g, remat.GATES)
+    names = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
+    q, k, v, g = (constrain(t, names) for t in (q, k, v, g))
+    if self.beta is not None:
+      beta = jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
+      kda = ops.resolve("linear_attention.kda", self.kernels)
+      o, _ = kda(q, k, v, g, beta, segment_ids=ctx.segment_ids)
+    else:
+      gla = ops.resolve("linear_attention.gla", self.kernels)
+      o, _ = gla(q, k, v, g, segment_ids=ctx.segment_ids)
+    o = remat.tag(o, remat.ATTENTION)
+    out_gate = jax.nn.sigmoid(self.out_gate_up(self.out_gate_down(x)).astype(jnp.float32))
+    o = (rms_norm(o, self.head_norm[...], self.norm_eps).astype(jnp.float32) * out_gate)
+    return remat.tag(self.o(o.astype(x.dtype), key), remat.MIXER_OUT), {}

@@ -1,0 +1,67 @@
+"""Top-K sparse attention: a light indexer picks `top_k` keys per query, then GQA
+softmax attention runs over the selected keys only (RoPE on queries and keys)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora import axes as ax
+from hylora import ops, remat
+from hylora.config import Config
+from hylora.model.context import ForwardContext
+from hylora.model.lora import Linear
+from hylora.model.rope import apply_rope
+from meshes.rules import constrain
+
+
+class SparseAttention(nnx.Module):
+  def __init__(self, cfg: Config, *, init: ParamInit):
+    m, sa = cfg.model, cfg.model.sparse_attention
+    self.cfg = sa
+    self.kernels = cfg.kernels
+    d, std = m.d_model, m.init_std
+
+    def proj(name, in_shape, out_shape, in_axes, out_axes, lora=cfg.lora):
+      return Linear(in_shape, out_shape, in_axes, out_axes, name=name, lora=lora, init=init,
+                    init_std=std)
+
+    hd = sa.head_dim
+    self.q = proj("q", (d,), (sa.q_heads, hd), (ax.EMBED,), (ax.HEADS, ax.HEAD_DIM))
+    self.k = proj("k", (d,), (sa.kv_heads, hd), (ax.EMBED,), (ax.KV_HEADS, ax.HEAD_DIM))
+    self.v = proj("v", (d,), (sa.kv_heads, hd), (ax.EMBED,), (ax.KV_HEADS, ax.HEAD_DIM))
+    self.o = proj("o", (sa.q_heads, hd), (d,), (ax.HEADS, ax.HEAD_DIM), (ax.EMBED,))
+    # The indexer is frozen (not a LoRA target).
+    self.index_q_down = proj("index_q_down", (d,), (sa.index_q_rank,), (ax.EMBED,),
+                             (ax.LOW_RANK,), None)
+    self.index_q_up = proj("index_q_up", (sa.index_q_rank,), (sa.index_heads, sa.index_head_dim),
+                           (ax.LOW_RANK,), (ax.INDEX_HEADS, ax.HEAD_DIM), None)
+    self.index_k = proj("index_k", (d,), (sa.index_head_dim,), (ax.EMBED,), (ax.HEAD_DIM,), None)
+    self.index_w = proj("index_w", (d,), (sa.index_heads,), (ax.EMBED,), (ax.INDEX_HEADS,), None)
+
+  def __call__(self, x: jax.Array, ctx: ForwardContext):
+    sa, key, pos = self.cfg, ctx.dropout_key, ctx.positions
+    q = apply_rope(remat.tag(self.q(x, key), remat.QKV), pos, sa.rope_theta)
+    k = apply_rope(remat.tag(self.k(x, key), remat.QKV), pos, sa.rope_theta)
+    v = remat.tag(self.v(x, key), remat.QKV)
+    q = constrain(q, (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM))
+    k, v = (constrain(t, (ax.BATCH, ax.SEQ, ax.KV_HEADS, ax.HEAD_DIM)) for t in (k, v))
+
+    q_idx = apply_rope(self.index_q_up(self.index_q_down(x)), pos, sa.rope_theta)
+    k_idx = apply_rope(self.index_k(x)[:, :, None, :], pos, sa.rope_theta)[:, :, 0, :]
+    w = self.index_w(x).astype(jnp.float32) * (sa.index_heads ** -0.5)
+    q_idx, k_idx, w = (remat.tag(t, remat.INDEXER) for t in (q_idx, k_idx, w))
+    topk = ops.resolve("sparse_attention.topk_indices", self.kernels)
+    indices = jax.lax.stop_gradient(
+        topk(q_idx, k_idx, w, top_k=sa.top_k, segment_ids=ctx.segment_ids))
+
+    attend = ops.resolve("sparse_attention.attend", self.kernels)
+    o = remat.tag(attend(q, k, v, indices), remat.ATTENTION)
+    aux = {}
+    if sa.indexer_loss_weight > 0:
+      from pallas_kernels.sparse_attention import indexer_kl_loss
+      aux["indexer_kl"] = indexer_kl_loss(q, k, q_idx, k_idx, w, indices)
+    return remat.tag(self.o(o, key), remat.MIXER_OUT), aux

@@ -1,0 +1,86 @@
+"""The layer stack: runs of identical layer periods, each stacked and scanned.
+
+The layer kinds (e.g. the first two dense, then `L L L S` repeating) are cut into
+periods of `len(pattern)` layers; consecutive identical periods form one segment whose
+parameters carry a leading `layers` axis and run under one `lax.scan`. Compile time
+depends on the number of distinct periods, not on depth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hylora.model.init import ParamInit
+
+from hylora import axes as ax
+from hylora import memory
+from hylora.config import Config
+from hylora.model.layer import DecoderLayer
+
+
+def plan_segments(kinds: list[tuple[str, str]], period: int):
+  """[(period kinds, repeats)] covering `kinds` in order."""
+  segments: list[list] = []
+  for start in range(0, len(kinds), period):
+    chunk = tuple(kinds[start:start + period])
+    if segments and segments[-1][0] == chunk:
+      segments[-1][1] += 1
+    else:
+      segments.append([chunk, 1])
+  return [(chunk, repeats) for chunk, repeats in segments]
+
+
+class Period(nnx.Module):
+  def __init__(self, cfg: Config, kinds, *, init: ParamInit):
+    self.layers = nnx.List([DecoderLayer(cfg, mixer, ffn, init=init) for mixer, ffn in kinds])
+
+  def __call__(self, x, ctx, first_layer):
+    auxes = []
+    for i, layer in enumerate(self.layers):
+      x, aux = layer(x, ctx.for_layer(first_layer + i))
+      auxes.append(aux)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+
+class Segment(nnx.Module):
+  def __init__(self, cfg: Config, kinds, repeats: int, *, init: ParamInit):
+    self.period_len = len(kinds)
+    self.repeats = repeats
+    self.memory = cfg.memory
+
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
+    def make(seed):
+      return Period(cfg, kinds, init=ParamInit(seed))
+
+    self.periods = make(init.fork(repeats))
+
+  def __call__(self, x, ctx, first_layer: int):
+    graphdef, state = nnx.split(self.periods)
+
+    def body(carry, xs):
+      period_state, index = xs
+      period = nnx.merge(graphdef, period_state)
+      return period(carry, ctx, first_layer + index * self.period_len)
+
+    body = memory.wrap(body, self.memory)
+    x, aux = jax.lax.scan(body, x, (state, jnp.arange(self.repeats)))
+    # aux leaves: [repeats, period_len, ...] -> [repeats * period_len, ...] in layer order
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
+
+
+class LayerStack(nnx.Module):
+  def __init__(self, cfg: Config, *, init: ParamInit):
+    kinds = cfg.model.layer_kinds()
+    self.plan = plan_segments(kinds, len(cfg.model.pattern))
+    self.segments = nnx.List([Segment(cfg, chunk, repeats, init=init)
+                              for chunk, repeats in self.plan])
+
+  def __call__(self, x, ctx):
+    first, auxes = 0, []
+    for segment in self.segments:
+      x, aux = segment(x, ctx, first)
+      first += segment.period_len * segment.repeats
+      auxes.append(aux)
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)

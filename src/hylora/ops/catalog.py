@@ -1,0 +1,42 @@
+"""One table of every registered op: its reference and its fast implementations.
+
+References live beside their kernels in `pallas_kernels/<family>/reference.py`; both are
+named by import path and imported only when used.
+"""
+
+from __future__ import annotations
+
+from hylora.config import KernelConfig
+from hylora.ops.registry import AUTO, REGISTRY
+
+_LA = "pallas_kernels.linear_attention"
+_SA = "pallas_kernels.sparse_attention"
+_GMM = "pallas_kernels.grouped_matmul"
+_CE = "pallas_kernels.cross_entropy"
+
+REGISTRY.define("linear_attention.gla", f"{_LA}.reference:gla_chunked")
+REGISTRY.define("linear_attention.kda", f"{_LA}.reference:kda_chunked")
+REGISTRY.define("sparse_attention.topk_indices", f"{_SA}.reference:topk_indices_reference")
+REGISTRY.define("sparse_attention.attend", f"{_SA}.reference:sparse_attention_reference")
+REGISTRY.define("grouped_matmul", f"{_GMM}.reference:grouped_matmul_reference")
+REGISTRY.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
+REGISTRY.define("cross_entropy", f"{_CE}.reference:cross_entropy_reference")
+REGISTRY.define("rms_norm", "hylora.model.norms:rms_norm")
+
+# Which KernelConfig field chooses the implementation of each op.
+KERNEL_CHOICE_FIELDS = {
+    "linear_attention.gla": "linear_attention",
+    "linear_attention.kda": "linear_attention",
+    "sparse_attention.topk_indices": "topk_indices",
+    "sparse_attention.attend": "sparse_attention",
+    "grouped_matmul": "grouped_matmul",
+    "grouped_lora": "grouped_matmul",
+    "cross_entropy": "cross_entropy",
+}
+
+
+def resolve(op: str, kernels: KernelConfig | None = None, backend: str | None = None):
+  """The implementation of `op` that `kernels` asks for (default: auto)."""
+  field = KERNEL_CHOICE_FIELDS.get(op)
+  choice = getattr(kernels, field) if (kernels is not None and field) else AUTO
+  return REGISTRY.resolve(op, choice, backend)

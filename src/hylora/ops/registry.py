@@ -1,0 +1,115 @@
+"""The op registry: every op that has (or will have) a fast kernel is one entry here.
+
+An op has one reference implementation (plain JAX, the ground truth that tests and
+`experiments.check_ops` compare against) and any number of fast implementations, each
+declared for the backends it runs on. The model never branches on the backend itself:
+it asks `resolve(op, choice)` and gets a callable with the reference's signature.
+
+Implementations are named by import path ("package.module:function") and imported
+lazily, so registering a GPU kernel costs nothing on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import jax
+
+AUTO = "auto"
+REFERENCE = "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  """One implementation of an op."""
+
+  name: str
+  target: str | Callable[..., Any]  # "module:function" or the callable itself
+  backends: tuple[str, ...]  # where "auto" may pick it: subset of {"cpu", "gpu", "tpu"}
+  priority: int = 0  # among auto candidates, the highest wins
+
+  def load(self) -> Callable[..., Any]:
+    if callable(self.target):
+      return self.target
+    module, _, attr = self.target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclasses.dataclass
+class CheckSpec:
+  """How `experiments.check_ops` exercises an op.
+
+  make_inputs(key, size) -> (args, kwargs) with size in {"small", "bench"};
+  the outputs compared are the op's outputs (pytree); gradients are taken with
+  respect to `grad_argnums` of a random projection of the outputs.
+  """
+
+  make_inputs: Callable[[jax.Array, str], tuple[tuple, dict]]
+  grad_argnums: tuple[int, ...] = ()
+  fwd_rtol: float = 5e-3
+  bwd_rtol: float = 1e-2
+  description: str = ""
+
+
+@dataclasses.dataclass
+class OpEntry:
+  name: str
+  reference: Impl
+  impls: dict[str, Impl] = dataclasses.field(default_factory=dict)
+  check: CheckSpec | None = None
+
+
+class OpRegistry:
+  """Maps op name -> reference + fast implementations."""
+
+  def __init__(self):
+    self._ops: dict[str, OpEntry] = {}
+
+  def define(self, name: str, reference, *, check: CheckSpec | None = None) -> OpEntry:
+    if name in self._ops:
+      raise ValueError(f"op {name!r} is already defined")
+    entry = OpEntry(name, Impl(REFERENCE, reference, ("cpu", "gpu", "tpu"), priority=-1),
+                    check=check)
+    self._ops[name] = entry
+    return entry
+
+  def register(self, op: str, name: str, target, *, backends=("gpu",), priority: int = 0):
+    entry = self.entry(op)
+    if name in (REFERENCE, AUTO):
+      raise ValueError(f"implementation name {name!r} is reserved")
+    entry.impls[name] = Impl(name, target, tuple(backends), priority)
+
+  def entry(self, op: str) -> OpEntry:
+    if op not in self._ops:
+      raise KeyError(f"unknown op {op!r}; known ops: {sorted(self._ops)}")
+    return self._ops[op]
+
+  def names(self) -> list[str]:
+    return sorted(self._ops)
+
+  def choices(self, op: str) -> list[str]:
+    return [AUTO, REFERENCE, *sorted(self.entry(op).impls)]
+
+  def pick(self, op: str, choice: str = AUTO, backend: str | None = None) -> Impl:
+    """The implementation that `choice` names ("auto" = best for the backend)."""
+    entry = self.entry(op)
+    if choice == REFERENCE:
+      return entry.reference
+    if choice != AUTO:
+      if choice not in entry.impls:
+        raise ValueError(f"op {op!r} has no implementation {choice!r}; "
+                         f"choose one of {self.choices(op)}")
+      return entry.impls[choice]
+    backend = backend or jax.default_backend()
+    candidates = [i for i in entry.impls.values() if backend in i.backends]
+    if not candidates:
+      return entry.reference
+    return max(candidates, key=lambda i: i.priority)
+
+  def resolve(self, op: str, choice: str = AUTO, backend: str | None = None):
+    return self.pick(op, choice, backend).load()
+
+
+REGISTRY = OpRegistry()

@@ -1,0 +1,67 @@
+"""Named configurations: `tiny` (CPU, 8 simulated devices), `gpu-1` (one 141 GB GPU),
+`2p8t` (the released 2.8T model, exactly as docs/target_model.md fixes it)."""
+
+from __future__ import annotations
+
+from hylora.config import (Config, LinearAttentionConfig, LoRAConfig, MeshConfig,
+                           ModelConfig, MoEConfig, SparseAttentionConfig, TrainConfig)
+from hylora.errors import ConfigError
+
+_TARGET_LINEAR = LinearAttentionConfig(heads=64, head_dim=128, gate_rank=128,
+                                       output_gate_rank=128, delta_rule=True)
+_TARGET_SPARSE = SparseAttentionConfig(q_heads=64, kv_heads=8, head_dim=128, top_k=2048,
+                                       index_heads=64, index_head_dim=128, index_q_rank=1536,
+                                       block_q=512)
+_TARGET_LORA = LoRAConfig(rank=16, alpha=32.0)
+
+
+def tiny() -> Config:
+  return Config(
+      preset="tiny",
+      model=ModelConfig(vocab_size=256, d_model=32, layers=12, dense_layers=2, dense_ffn=64,
+                        linear_attention=LinearAttentionConfig(heads=4, head_dim=16),
+                        sparse_attention=SparseAttentionConfig(top_k=16),
+                        moe=MoEConfig(experts=8, top_k=2, expert_ffn=32)),
+      lora=LoRAConfig(rank=4, alpha=8.0),
+      mesh=MeshConfig(fsdp=-1, expert=4, devices=8),
+      train=TrainConfig(steps=60, batch_size=8, seq_len=128, learning_rate=3e-3),
+  )
+
+
+def gpu_1() -> Config:
+  """The target's layer widths on one GPU: 8 layers (L L L S x 2), 32 experts top-8."""
+  return Config(
+      preset="gpu-1",
+      model=ModelConfig(vocab_size=163840, d_model=7168, layers=8, dense_layers=1,
+                        dense_ffn=18432, linear_attention=_TARGET_LINEAR,
+                        sparse_attention=_TARGET_SPARSE,
+                        moe=MoEConfig(experts=32, top_k=8, expert_ffn=2048, score_fn="sigmoid")),
+      lora=_TARGET_LORA,
+      mesh=MeshConfig(fsdp=1, expert=1),
+      train=TrainConfig(steps=20, batch_size=2, seq_len=8192, learning_rate=2e-4,
+                        warmup_steps=2),
+  )
+
+
+def target_2p8t() -> Config:
+  return Config(
+      preset="2p8t",
+      model=ModelConfig(vocab_size=163840, d_model=7168, layers=72, dense_layers=2,
+                        dense_ffn=18432, linear_attention=_TARGET_LINEAR,
+                        sparse_attention=_TARGET_SPARSE,
+                        moe=MoEConfig(experts=896, top_k=16, expert_ffn=2048, shared_experts=1,
+                                      score_fn="sigmoid")),
+      lora=_TARGET_LORA,
+      mesh=MeshConfig(fsdp=2, expert=64),
+      train=TrainConfig(steps=1000, batch_size=64, seq_len=32768, learning_rate=2e-4,
+                        warmup_steps=50),
+  )
+
+
+PRESETS = {"tiny": tiny, "gpu-1": gpu_1, "2p8t": target_2p8t}
+
+
+def get_preset(name: str) -> Config:
+  if name not in PRESETS:
+    raise ConfigError(f"preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+  return PRESETS[name]()

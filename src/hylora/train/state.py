@@ -1,0 +1,71 @@
+"""The model split into what trains (LoRA factors) and what stays frozen (everything
+else), built directly into its shardings: no device ever holds more than its shard."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from hylora.config import Config
+from hylora.model import HybridLM, LoRAParam
+from hylora.model.init import ParamInit
+from meshes.rules import state_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParts:
+  """Static pieces needed to rebuild the model from its two pytrees."""
+
+  graphdef: nnx.GraphDef
+  lora_template: nnx.State  # abstract
+  frozen_template: nnx.State  # abstract
+
+  def merge(self, lora: dict, frozen: dict) -> HybridLM:
+    return nnx.merge(self.graphdef, _filled(self.lora_template, lora),
+                     _filled(self.frozen_template, frozen))
+
+
+def _filled(template: nnx.State, values: dict) -> nnx.State:
+  state = jax.tree.map(lambda x: x, template)  # a fresh copy: the template stays abstract
+  nnx.replace_by_pure_dict(state, values)
+  return state
+
+
+def _build(cfg: Config, seed: int) -> HybridLM:
+  return HybridLM(cfg, init=ParamInit(seed))
+
+
+def model_parts(cfg: Config, seed: int = 0) -> ModelParts:
+  abstract = nnx.eval_shape(lambda: _build(cfg, seed))
+  graphdef, lora, frozen = nnx.split(abstract, LoRAParam, ...)
+  return ModelParts(graphdef, lora, frozen)
+
+
+def shardings(parts: ModelParts, mesh) -> tuple[dict, dict]:
+  """NamedShardings (pure-dict pytrees) for the LoRA and frozen pytrees."""
+  return (nnx.to_pure_dict(state_shardings(parts.lora_template, mesh)),
+          nnx.to_pure_dict(state_shardings(parts.frozen_template, mesh)))
+
+
+def abstract_arrays(parts: ModelParts, mesh=None) -> tuple[dict, dict]:
+  """ShapeDtypeStructs (with shardings when a mesh is given) of both pytrees."""
+  lora, frozen = nnx.to_pure_dict(parts.lora_template), nnx.to_pure_dict(parts.frozen_template)
+  if mesh is None:
+    return lora, frozen
+  lora_sh, frozen_sh = shardings(parts, mesh)
+  attach = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+  return jax.tree.map(attach, lora, lora_sh), jax.tree.map(attach, frozen, frozen_sh)
+
+
+def init_params(cfg: Config, parts: ModelParts, mesh, seed: int = 0) -> tuple[dict, dict]:
+  """Random base weights and fresh adapters, created sharded."""
+  lora_sh, frozen_sh = shardings(parts, mesh)
+
+  @jax.jit
+  def make():
+    _, lora, frozen = nnx.split(_build(cfg, seed), LoRAParam, ...)
+    return nnx.to_pure_dict(lora), nnx.to_pure_dict(frozen)
+
+  return jax.jit(make, out_shardings=(lora_sh, frozen_sh))()

@@ -1,0 +1,81 @@
+"""Everything a run needs, built once: mesh-aware shardings, the compiled train step,
+sharded parameters and optimizer state, and the batch placement."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hylora.config import Config
+from hylora.train import state as st
+from hylora.train.optimizer import learning_rate_schedule, make_optimizer
+from hylora.train.step import BATCH_KEYS, make_train_step
+from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec
+
+
+class Trainer:
+  def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+    self.cfg, self.mesh = cfg, mesh
+    self.parts = st.model_parts(cfg, cfg.train.seed)
+    self.lora_sharding, self.frozen_sharding = st.shardings(self.parts, mesh)
+    self.schedule = learning_rate_schedule(cfg.train)
+    self.optimizer = make_optimizer(cfg.train)
+    spec = logical_to_spec(("batch", "seq"), (cfg.train.batch_size, cfg.train.seq_len), mesh,
+                           ACTIVATION_RULES)
+    self.batch_sharding = NamedSharding(mesh, spec)
+    self._step_fn = make_train_step(cfg, self.parts, self.optimizer, self.schedule)
+    self.compiled = None
+    self.compile_seconds = 0.0
+
+  def init(self, seed: int | None = None):
+    """(lora, opt_state, frozen), all sharded over the mesh."""
+    seed = self.cfg.train.seed if seed is None else seed
+    lora, frozen = st.init_params(self.cfg, self.parts, self.mesh, seed)
+    opt_state = self.init_optimizer(lora)
+    return lora, opt_state, frozen
+
+  def optimizer_sharding(self, lora):
+    """Moments sharded like the adapters; counters and scalars replicated."""
+    abstract = jax.eval_shape(self.optimizer.init, lora)
+    replicated = NamedSharding(self.mesh, P())
+    return optax.tree_map_params(self.optimizer, lambda _, sharding: sharding, abstract,
+                                 self.lora_sharding,
+                                 transform_non_params=lambda _: replicated)
+
+  def init_optimizer(self, lora):
+    return jax.jit(self.optimizer.init, out_shardings=self.optimizer_sharding(lora))(lora)
+
+  def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, batch[k])
+            for k in BATCH_KEYS}
+
+  def jitted_step(self, opt_state):
+    opt_sharding = jax.tree.map(lambda a: a.sharding, opt_state)
+
+    def step(lora, opt_state, frozen, batch, step):
+      with activation_mesh(self.mesh):
+        return self._step_fn(lora, opt_state, frozen, batch, step)
+
+    batch_sh = {k: self.batch_sharding for k in BATCH_KEYS}
+    return jax.jit(step,
+                   in_shardings=(self.lora_sharding, opt_sharding, self.frozen_sharding,
+                                 batch_sh, None),
+                   out_shardings=(self.lora_sharding, opt_sharding, None),
+                   donate_argnums=(0, 1))
+
+  def compile(self, lora, opt_state, frozen, batch):
+    start = time.perf_counter()
+    step = jax.ShapeDtypeStruct((), np.int32)
+    self.compiled = self.jitted_step(opt_state).lower(lora, opt_state, frozen, batch,
+                                                      step).compile()
+    self.compile_seconds = time.perf_counter() - start
+    return self.compiled
+
+  def step(self, lora, opt_state, frozen, batch, step: int):
+    if self.compiled is None:
+      self.compile(lora, opt_state, frozen, batch)
+    return self.compiled(lora, opt_state, frozen, batch, np.int32(step))
