@@ -81,7 +81,8 @@ def forward_with(q, k, v, idx, block_k, num_warps, num_stages):
     qg, kh, vh, ip, default_block_k = kernel_layout(q, k, v, idx)
     block_k = block_k or default_block_k
     return sparse_attention_forward(qg, kh, vh, ip, scale=q.shape[3] ** -0.5, block_k=block_k,
-                                    interpret=use_interpret(), num_warps=num_warps, num_stages=num_stages)
+                                    interpret=use_interpret(), num_warps=num_warps,
+                                    num_stages=num_stages)
 
 
 def dkdv_pass(q, k, v, idx, do, rows, num_warps):
@@ -138,7 +139,8 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
     do = jax.random.normal(ks[0], q.shape, q.dtype)
     runs = [("indexer_topk", lambda a, b, c: topk_indices(a, b, c, top_k=k_sel), (qi, ki, w)),
             ("pallas_fwd", lambda a, b, c: sparse_attention(a, b, c, idx), (q, k, v)),
-            ("pallas_fwdbwd", jax.grad(loss_of(sparse_attention, idx), (0, 1, 2)), (q, k, v)),
+            ("pallas_fwdbwd_by_key",
+             jax.grad(loss_of(sparse_attention, idx, dkdv="by_key"), (0, 1, 2)), (q, k, v)),
             ("pallas_fwdbwd_atomic",
              jax.grad(loss_of(sparse_attention, idx, dkdv="atomic"), (0, 1, 2)), (q, k, v)),
             ("pairs_by_key", lambda i: pairs_by_key(i), (idx,))]
@@ -172,7 +174,8 @@ if __name__ == "__main__":
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
     p.add_argument("--skip-long", default="", help="also left out past the first length")
-    p.add_argument("--reference", action="store_true", help="time the reference at the first length")
+    p.add_argument("--reference", action="store_true",
+                   help="time the reference at the first length")
     p.add_argument("--top-k", type=int, default=2048)
     p.add_argument("--budget-s", type=float, default=1e9)
     a = p.parse_args()

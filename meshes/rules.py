@@ -66,14 +66,18 @@ def _axes_of(variable):
   return variable.get_metadata().get("out_sharding")
 
 
-def state_shardings(state, mesh: jax.sharding.Mesh, rules=None):
-  """NamedSharding for every variable of an nnx.State (abstract or concrete)."""
+def state_shardings(state, mesh: jax.sharding.Mesh, rules=None, min_shard_size: int = 0):
+  """NamedSharding for every variable of an nnx.State (abstract or concrete).
+
+  Variables with fewer than `min_shard_size` elements stay replicated: gathering them
+  costs a collective's latency for almost no memory."""
   from flax import nnx
 
   rules = PARAM_RULES if rules is None else rules
 
   def one(v):
-    return v.replace(NamedSharding(mesh, logical_to_spec(_axes_of(v), v.shape, mesh, rules)))
+    names = _axes_of(v) if math.prod(v.shape) >= min_shard_size else None
+    return v.replace(NamedSharding(mesh, logical_to_spec(names, v.shape, mesh, rules)))
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -85,7 +85,10 @@ def sparse_attention_dkdv(q, k, v, do, lse, delta, queries, starts, *, scale, in
     kernel = functools.partial(_dkdv_kernel, scale=scale, groups=groups, group_pad=group_pad,
                                rows=rows, heads_q=hq)
     one_row = pl.BlockSpec((None, None, None, d), lambda s, h, bi: (bi, s, h, 0))
-    whole_batch = lambda *shape: pl.BlockSpec((None, *shape), lambda s, h, bi: (bi,) + (0,) * len(shape))
+
+    def whole_batch(*shape):
+        return pl.BlockSpec((None, *shape), lambda s, h, bi: (bi,) + (0,) * len(shape))
+
     return pl.pallas_call(
         kernel,
         grid=(t, hk, b),  # keys vary fastest: programs in flight share one KV head

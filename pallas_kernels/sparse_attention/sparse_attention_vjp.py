@@ -111,6 +111,13 @@ def sparse_attention(q, k, v, indices, *, scale=None, dkdv="by_key"):
     check_head_dim("q", q.shape[3])
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, t, hq, d = q.shape
+    hk = k.shape[2]
+    grouped_size = b * t * hk * tile_rows(hq // hk) * d
+    if grouped_size > 2**31:  # the kernels address their tables with int32 offsets
+        raise ValueError(f"q {q.shape} is too large for the Pallas kernels: B*T*HK*Gp*D = "
+                         f"{grouped_size} elements (Gp = query heads per KV head padded "
+                         f"to {tile_rows(hq // hk)}) must be at most 2**31; split the batch")
     if dkdv not in _DKDV_METHODS:
         raise ValueError(f"dkdv must be one of {_DKDV_METHODS}, got {dkdv!r}")
     scale = q.shape[3] ** -0.5 if scale is None else float(scale)

@@ -63,7 +63,7 @@ class ModelConfig:
   dense_layers: int = 2  # the first k layers use a dense SwiGLU FFN instead of MoE
   dense_ffn: int = 64
   norm_eps: float = 1e-6
-  init_std: float = 0.02
+  init_std: float = 0.0  # random base weights: normal(std); 0 = fan-in scaling (1/sqrt(fan_in))
   linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
   sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
   moe: MoEConfig = field(default_factory=MoEConfig)
@@ -92,7 +92,8 @@ class LoRAConfig:
 class MeshConfig:
   fsdp: int = -1  # -1: whatever the device count leaves after `expert`
   expert: int = 1
-  devices: int = 0  # simulated CPU devices to create when no accelerator is present (0: as found)
+  devices: int = 0  # > 0: run on this many simulated CPU devices (0: the devices present)
+  min_shard_size: int = 0  # parameters with fewer elements stay replicated
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,13 @@ class Config:
     _check(t.batch_size % t.grad_accum == 0, "train.batch_size",
            f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
+    la = m.linear_attention
+    _check(la.chunk_size == 64, "model.linear_attention.chunk_size",
+           f"the kernels run chunks of 64 tokens, got {la.chunk_size}")
+    if "linear" in m.pattern:
+      _check(t.seq_len % la.chunk_size == 0, "train.seq_len",
+             f"{t.seq_len} is not a multiple of model.linear_attention.chunk_size="
+             f"{la.chunk_size} (packed rows run whole chunks)")
     return self
 
 

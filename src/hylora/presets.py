@@ -18,13 +18,13 @@ _TARGET_LORA = LoRAConfig(rank=16, alpha=32.0)
 def tiny() -> Config:
   return Config(
       preset="tiny",
-      model=ModelConfig(vocab_size=256, d_model=32, layers=12, dense_layers=2, dense_ffn=64,
+      model=ModelConfig(vocab_size=256, d_model=32, layers=8, dense_layers=1, dense_ffn=64,
                         linear_attention=LinearAttentionConfig(heads=4, head_dim=16),
                         sparse_attention=SparseAttentionConfig(top_k=16),
                         moe=MoEConfig(experts=8, top_k=2, expert_ffn=32)),
       lora=LoRAConfig(rank=4, alpha=8.0),
       mesh=MeshConfig(fsdp=-1, expert=4, devices=8),
-      train=TrainConfig(steps=60, batch_size=8, seq_len=128, learning_rate=3e-3),
+      train=TrainConfig(steps=40, batch_size=8, seq_len=128, learning_rate=5e-3),
   )
 
 

@@ -35,8 +35,7 @@ def test_pairs_by_key_lists_exactly_the_queries_that_selected_each_key():
             np.testing.assert_array_equal(np.sort(got), want)
 
 
-@pytest.mark.parametrize("dkdv", ["by_key", "atomic"])
-def test_kernel_matches_gather_reference_on_random_indices_bf16(dkdv):
+def test_kernel_matches_gather_reference_on_random_indices_bf16():
     q, k, v, do = helpers.attention_inputs(11, 1, 40, 4, 1, 32)
     idx = helpers.distinct_causal_indices(12, 1, 40, 20)
     idx = jnp.where(idx >= 36, -1, idx)  # the last keys: selected by no query
@@ -45,11 +44,12 @@ def test_kernel_matches_gather_reference_on_random_indices_bf16(dkdv):
     # 4 heads: 16 pairs), others by none.
     counts = jnp.bincount(jnp.where(idx >= 0, idx, 40).ravel(), length=41)[:40]
     assert int(counts.max()) > 16 and int(counts.min()) == 0
-    got = helpers.vjp(lambda *a: sparse_attention(*a, dkdv=dkdv), q, k, v, idx, do)
     want = helpers.vjp(sparse_attention_reference, q, k, v, idx, do)
-    assert helpers.rel_err(got[0], want[0]) <= 5e-3
-    for g, w in zip(got[1:], want[1:]):
-        assert helpers.rel_err(g, w) <= 1e-2
+    for dkdv in ("by_key", "atomic"):
+        got = helpers.vjp(lambda *a: sparse_attention(*a, dkdv=dkdv), q, k, v, idx, do)
+        assert helpers.rel_err(got[0], want[0]) <= 5e-3, dkdv
+        for g, w in zip(got[1:], want[1:]):
+            assert helpers.rel_err(g, w) <= 1e-2, dkdv
 
 
 def test_kernel_topk_equals_lax_top_k_over_materialised_scores():
@@ -84,6 +84,15 @@ def test_kernel_attention_rejects_bad_inputs(bad, message):
         args["k"] = args["v"] = jnp.zeros((1, 8, 2, 12))
     with pytest.raises(ValueError, match=message):
         sparse_attention(**args)
+
+
+def test_kernel_attention_rejects_inputs_past_int32_offsets():
+    # Shapes only (nothing is allocated): the grouped q would hold 2**32 elements.
+    q = jax.ShapeDtypeStruct((4, 2**17, 64, 64), jnp.float32)
+    kv = jax.ShapeDtypeStruct((4, 2**17, 8, 64), jnp.float32)
+    indices = jax.ShapeDtypeStruct((4, 2**17, 4), jnp.int32)
+    with pytest.raises(ValueError, match="too large for the Pallas kernels"):
+        sparse_attention(q, kv, kv, indices)
 
 
 def test_kernel_topk_rejects_bad_inputs():

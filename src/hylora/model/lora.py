@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.model.init import ParamInit
+from hylora.model.init import ParamInit, weight_std
 
 from hylora import axes as ax
 from hylora import remat
@@ -53,12 +53,12 @@ class Linear(nnx.Module):
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int],
                in_axes: Sequence[str], out_axes: Sequence[str], *, name: str,
-               lora: LoRAConfig | None, init: ParamInit, init_std: float = 0.02,
+               lora: LoRAConfig | None, init: ParamInit, init_std: float = 0.0,
                dtype=jnp.bfloat16):
     self.name = name
     self.n_in = len(in_shape)
     shape = (*in_shape, *out_shape)
-    w = init.normal(shape, init_std, dtype, clip=2.0)
+    w = init.normal(shape, weight_std(init_std, math.prod(in_shape)), dtype, clip=2.0)
     self.kernel = nnx.Param(w, out_sharding=(*in_axes, *out_axes))
     self.lora_a = nnx.data(None)
     self.lora_b = nnx.data(None)

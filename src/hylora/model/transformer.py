@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.model.init import ParamInit
+from hylora.model.init import ParamInit, weight_std
 
 from hylora import axes as ax
 from hylora import ops
@@ -23,11 +23,11 @@ class HybridLM(nnx.Module):
   def __init__(self, cfg: Config, *, init: ParamInit):
     m = cfg.model
     self.cfg = cfg
-    emb = init.normal((m.vocab_size, m.d_model), m.init_std, jnp.bfloat16)
+    emb = init.normal((m.vocab_size, m.d_model), m.init_std or 1.0, jnp.bfloat16)
     self.embed = nnx.Param(emb, out_sharding=(ax.VOCAB, ax.EMBED))
     self.stack = LayerStack(cfg, init=init)
     self.final_norm = RMSNorm(m.d_model, ax.EMBED, eps=m.norm_eps)
-    head = init.normal((m.d_model, m.vocab_size), m.init_std, jnp.bfloat16)
+    head = init.normal((m.d_model, m.vocab_size), weight_std(m.init_std, m.d_model), jnp.bfloat16)
     self.lm_head = nnx.Param(head, out_sharding=(ax.EMBED, ax.VOCAB))
 
   def hidden(self, tokens: jax.Array, ctx: ForwardContext):

@@ -23,6 +23,21 @@ REGISTRY.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
 REGISTRY.define("cross_entropy", f"{_CE}.reference:cross_entropy_reference")
 REGISTRY.define("rms_norm", "hylora.model.norms:rms_norm")
 
+# Fast paths. "auto" takes the highest priority registered for the backend; an impl
+# below the reference's priority (-1) runs only when named in KernelConfig.
+# The GLA kernel is exact but not yet faster than the XLA chunked form on the H200
+# (docs/performance.md), so auto keeps the reference there until it is.
+REGISTRY.register("linear_attention.gla", "pallas", f"{_LA}:chunked_gla", backends=("gpu",),
+                  priority=-2)
+REGISTRY.register("sparse_attention.topk_indices", "pallas", f"{_SA}:topk_indices",
+                  backends=("gpu",))
+REGISTRY.register("sparse_attention.attend", "pallas", f"{_SA}:sparse_attention",
+                  backends=("gpu",))
+REGISTRY.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
+REGISTRY.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
+REGISTRY.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
+                  backends=("cpu", "gpu", "tpu"))
+
 # Which KernelConfig field chooses the implementation of each op.
 KERNEL_CHOICE_FIELDS = {
     "linear_attention.gla": "linear_attention",

@@ -104,9 +104,9 @@ class OpRegistry:
       return entry.impls[choice]
     backend = backend or jax.default_backend()
     candidates = [i for i in entry.impls.values() if backend in i.backends]
-    if not candidates:
-      return entry.reference
-    return max(candidates, key=lambda i: i.priority)
+    # The reference (priority -1) competes too: an impl registered below it is only
+    # ever used when asked for by name.
+    return max([entry.reference, *candidates], key=lambda i: i.priority)
 
   def resolve(self, op: str, choice: str = AUTO, backend: str | None = None):
     return self.pick(op, choice, backend).load()

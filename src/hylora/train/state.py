@@ -21,6 +21,7 @@ class ModelParts:
   graphdef: nnx.GraphDef
   lora_template: nnx.State  # abstract
   frozen_template: nnx.State  # abstract
+  min_shard_size: int = 0
 
   def merge(self, lora: dict, frozen: dict) -> HybridLM:
     return nnx.merge(self.graphdef, _filled(self.lora_template, lora),
@@ -40,13 +41,14 @@ def _build(cfg: Config, seed: int) -> HybridLM:
 def model_parts(cfg: Config, seed: int = 0) -> ModelParts:
   abstract = nnx.eval_shape(lambda: _build(cfg, seed))
   graphdef, lora, frozen = nnx.split(abstract, LoRAParam, ...)
-  return ModelParts(graphdef, lora, frozen)
+  return ModelParts(graphdef, lora, frozen, cfg.mesh.min_shard_size)
 
 
 def shardings(parts: ModelParts, mesh) -> tuple[dict, dict]:
   """NamedShardings (pure-dict pytrees) for the LoRA and frozen pytrees."""
-  return (nnx.to_pure_dict(state_shardings(parts.lora_template, mesh)),
-          nnx.to_pure_dict(state_shardings(parts.frozen_template, mesh)))
+  floor = parts.min_shard_size
+  return (nnx.to_pure_dict(state_shardings(parts.lora_template, mesh, min_shard_size=floor)),
+          nnx.to_pure_dict(state_shardings(parts.frozen_template, mesh, min_shard_size=floor)))
 
 
 def abstract_arrays(parts: ModelParts, mesh=None) -> tuple[dict, dict]:

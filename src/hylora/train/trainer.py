@@ -11,14 +11,23 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hylora.config import Config
+from hylora.errors import ConfigError
 from hylora.train import state as st
 from hylora.train.optimizer import learning_rate_schedule, make_optimizer
 from hylora.train.step import BATCH_KEYS, make_train_step
 from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec
 
 
+def check_model_fits_mesh(cfg: Config, mesh: jax.sharding.Mesh) -> None:
+  experts, ep = cfg.model.moe.experts, mesh.shape["expert"]
+  if experts % ep:
+    raise ConfigError(f"model.moe.experts: {experts} experts cannot be split evenly over the "
+                      f"expert mesh axis of size {ep} (mesh.expert)")
+
+
 class Trainer:
   def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+    check_model_fits_mesh(cfg, mesh)
     self.cfg, self.mesh = cfg, mesh
     self.parts = st.model_parts(cfg, cfg.train.seed)
     self.lora_sharding, self.frozen_sharding = st.shardings(self.parts, mesh)

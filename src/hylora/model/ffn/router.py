@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.model.init import ParamInit
+from hylora.model.init import ParamInit, weight_std
 
 from hylora import axes as ax
 from hylora import remat
@@ -22,7 +22,7 @@ class RouterBias(nnx.Variable):
 class Router(nnx.Module):
   def __init__(self, d: int, cfg: MoEConfig, *, init_std: float, init: ParamInit):
     self.cfg = cfg
-    w = init.normal((d, cfg.experts), init_std, jnp.bfloat16)
+    w = init.normal((d, cfg.experts), weight_std(init_std, d), jnp.bfloat16)
     self.kernel = nnx.Param(w, out_sharding=(ax.EMBED, None))
     self.bias = RouterBias(jnp.zeros((cfg.experts,), jnp.float32), out_sharding=(None,))
 

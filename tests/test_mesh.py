@@ -1,0 +1,60 @@
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from hylora import axes as ax
+from hylora.config import MeshConfig
+from hylora.errors import ConfigError
+from hylora.overrides import apply_overrides
+from hylora.train.state import model_parts, shardings
+from hylora.train.trainer import check_model_fits_mesh
+from meshes import PARAM_RULES, build_mesh, logical_to_spec
+from tests.helpers import small_config
+
+
+def test_mesh_from_simulated_devices():
+  mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
+  assert dict(mesh.shape) == {"fsdp": 2, "expert": 4}
+  assert dict(build_mesh(MeshConfig(fsdp=-1, expert=8)).shape) == {"fsdp": 1, "expert": 8}
+
+
+def test_mesh_larger_than_devices():
+  with pytest.raises(ConfigError, match="only 8 are present"):
+    build_mesh(MeshConfig(fsdp=4, expert=4))
+
+
+def test_mesh_must_use_all_devices():
+  with pytest.raises(ConfigError, match="must use all of them"):
+    build_mesh(MeshConfig(fsdp=1, expert=4))
+
+
+def test_experts_not_divisible_by_expert_axis():
+  cfg = apply_overrides(small_config(), {"model.moe.experts": "12"})
+  mesh = build_mesh(MeshConfig(fsdp=-1, expert=8))
+  with pytest.raises(ConfigError, match="model.moe.experts: 12 experts"):
+    check_model_fits_mesh(cfg, mesh)
+
+
+def test_rules_expert_weights_and_fsdp():
+  mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
+  assert logical_to_spec((ax.EXP, ax.EMBED, ax.EXP_MLP), (8, 32, 64), mesh,
+                         PARAM_RULES) == P("expert", "fsdp", None)
+  assert logical_to_spec((ax.EMBED, ax.HEADS, ax.HEAD_DIM), (32, 4, 16), mesh,
+                         PARAM_RULES) == P(("fsdp", "expert"), None, None)
+  # Not divisible by both axes: falls back to the next candidate.
+  assert logical_to_spec((ax.EMBED, ax.MLP), (6, 64), mesh, PARAM_RULES) == P("fsdp", "expert")
+  assert logical_to_spec((ax.LAYERS, ax.EMBED), (3, 32), mesh,
+                         PARAM_RULES) == P(None, ("fsdp", "expert"))
+
+
+def test_every_model_parameter_gets_a_sharding():
+  cfg = small_config()
+  mesh = build_mesh(cfg.mesh)
+  parts = model_parts(cfg)
+  lora_sh, frozen_sh = shardings(parts, mesh)
+  flat = jax.tree_util.tree_leaves_with_path(frozen_sh)
+  experts = [s for p, s in flat if "experts" in jax.tree_util.keystr(p) and
+             "gate_up" in jax.tree_util.keystr(p)]
+  assert experts and all(s.spec == P(None, "expert", "fsdp", None) for s in experts)
+  embed = [s for p, s in flat if jax.tree_util.keystr(p) == "['embed']"]
+  assert embed[0].spec == P(("fsdp", "expert"), None)
