@@ -3,11 +3,13 @@
   python -m experiments.lora_2p8t                      # tiny preset, 8 simulated CPU devices
   python -m experiments.lora_2p8t --preset gpu-1 --steps 50 --out runs/gpu1
   python -m experiments.lora_2p8t --model.moe.top_k=4 --lora.rank=8
+  python -m experiments.lora_2p8t --data chats.jsonl   # image + text conversations
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -20,17 +22,33 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
   p.add_argument("--preset", default=None,
                  help="tiny (default: 8 simulated CPU devices), gpu-1 (one GPU), 2p8t")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
+  p.add_argument("--data", default=None, metavar="PATH",
+                 help="training data (train.data): a .jsonl of conversations / text records "
+                      "(docs/multimodal.md) or of token ids, or a .npy of token ids; default: "
+                      "the synthetic source")
   p.add_argument("--out", default=None, help="output folder (default runs/<preset>-<time>)")
   p.add_argument("--reference", action="store_true",
                  help="run every op on its plain-JAX reference implementation")
   p.add_argument("--devices", type=int, default=None,
                  help="simulate this many CPU devices (mesh.devices)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  dry = p.add_argument_group("dry run (docs/dry_run.md)")
+  dry.add_argument("--dry-run", action="store_true",
+                   help="compile the real step for simulated devices from abstract shapes and "
+                        "report memory (default preset 2p8t on its 2 x 64 mesh)")
+  dry.add_argument("--device-memory", default="141GB",
+                   help="memory per device for the verdict (default 141GB)")
+  dry.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
+  dry.add_argument("--sweep", action="store_true",
+                   help="also compile variants (seq, batch, remat) and print a table")
+  dry.add_argument("--no-compile", action="store_true",
+                   help="counts, shardings and analytic bytes only")
   return p
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
+  from hylora.config import KernelConfig
   from hylora.errors import ConfigError, DataError
   from hylora.overrides import apply_overrides, describe, split_overrides
   from hylora.presets import PRESETS, get_preset
@@ -55,16 +73,20 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser(epilog).parse_args(rest)
 
   try:
-    cfg = get_preset(args.preset or "tiny")
+    cfg = get_preset(args.preset or ("2p8t" if args.dry_run else "tiny"))
     if args.devices is not None:
       overrides.setdefault("mesh.devices", str(args.devices))
     if args.steps is not None:
       overrides.setdefault("train.steps", str(args.steps))
+    if args.data is not None:
+      overrides.setdefault("train.data", args.data)
     if args.reference:
-      for field in ("linear_attention", "sparse_attention", "topk_indices", "grouped_matmul",
-                    "cross_entropy"):
-        overrides.setdefault(f"kernels.{field}", "reference")
+      for field in dataclasses.fields(KernelConfig):
+        overrides.setdefault(f"kernels.{field.name}", "reference")
     cfg = apply_overrides(cfg, overrides).validate()
+    if args.dry_run:
+      from hylora.dry_run import with_simulated_devices
+      cfg = with_simulated_devices(cfg)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -74,6 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from meshes.mesh import ensure_cpu_devices
     ensure_cpu_devices(cfg.mesh.devices)
+
+  if args.dry_run:
+    from hylora.dry_run import command
+    try:
+      return command(cfg, device_memory=args.device_memory, json_path=args.json,
+                     compile_step=not args.no_compile, run_sweep=args.sweep)
+    except ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
 
   from hylora.train.run import train
 

@@ -95,6 +95,11 @@ def activation_mesh(mesh: jax.sharding.Mesh | None):
     _ACTIVE_MESH.reset(token)
 
 
+def current_mesh() -> jax.sharding.Mesh | None:
+  """The mesh of the enclosing `activation_mesh` context (None outside one)."""
+  return _ACTIVE_MESH.get()
+
+
 def constrain(x: jax.Array, names) -> jax.Array:
   mesh = _ACTIVE_MESH.get()
   if mesh is None or mesh.size == 1:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from hylora.errors import ConfigError
 
 MIXERS = ("linear", "sparse")
+RESIDUALS = ("add", "depth_mix")  # hylora.model.residual
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,38 @@ class MoEConfig:
   aux_loss_weight: float = 0.0  # load-balance loss in the training loss (router frozen under LoRA)
   z_loss_weight: float = 0.0
   dispatch: str = "dropless"  # how tokens reach routed experts (hylora.model.ffn.dispatch)
+  # Expert-parallel dispatch ("ep_alltoall", docs/moe.md):
+  capacity_factor: float = 0.0  # rows per destination = factor * pairs / EP ranks; <= 0: dropless
+  transport: str = "padded"  # "padded" all_to_all (any backend) or "ragged" (GPU only)
+  overlap_chunks: int = 1  # token chunks per device: one chunk's all-to-all overlaps another's FFN
+  aux_loss_kind: str = "global"  # balance loss over the whole batch or per "sequence"
+  bias_update_rate: float = 0.0  # aux-loss-free balancing: router-bias step per update (0: off)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+  """The image path (hylora.model.vision, docs/multimodal.md): a ViT encoder over square
+  tiles, a projector into d_model, image tokens placed at placeholder positions."""
+
+  enabled: bool = False
+  image_size: int = 16  # side of one tile in pixels: the encoder's input
+  patch_size: int = 4
+  width: int = 32
+  layers: int = 2
+  heads: int = 2
+  mlp: int = 64
+  merge: int = 2  # merge x merge neighbouring patches become one image token
+  max_tiles: int = 4  # an image becomes a grid of at most this many tiles (+ a thumbnail)
+  max_image_side: int = 1024  # larger images are refused (or skipped: train.skip_bad_records)
+
+  @property
+  def grid(self) -> int:
+    """Patches per tile side."""
+    return self.image_size // self.patch_size
+
+  @property
+  def tokens_per_tile(self) -> int:
+    return (self.grid // self.merge) ** 2
 
 
 @dataclass(frozen=True)
@@ -62,11 +95,18 @@ class ModelConfig:
   pattern: tuple[str, ...] = ("linear", "linear", "linear", "sparse")
   dense_layers: int = 2  # the first k layers use a dense SwiGLU FFN instead of MoE
   dense_ffn: int = 64
+  # How each layer reads the residual stream (hylora.model.residual, docs/day_one.md):
+  # "add" (x + block(x)) or "depth_mix" (the block reads a learned mix of its input and
+  # the outputs of the `residual_window` layers before it).
+  residual: str = "add"
+  residual_window: int = 2
   norm_eps: float = 1e-6
+  weight_dtype: str = "bfloat16"  # frozen base weights (float32 for exact debugging)
   init_std: float = 0.0  # random base weights: normal(std); 0 = fan-in scaling (1/sqrt(fan_in))
   linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
   sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
   moe: MoEConfig = field(default_factory=MoEConfig)
+  vision: VisionConfig = field(default_factory=VisionConfig)
 
   def layer_kinds(self) -> list[tuple[str, str]]:
     """(mixer, ffn) for every layer, e.g. ("linear", "dense"), ("sparse", "moe")."""
@@ -105,6 +145,7 @@ class KernelConfig:
   topk_indices: str = "auto"
   grouped_matmul: str = "auto"
   cross_entropy: str = "auto"
+  residual_mix: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -130,6 +171,11 @@ class TrainConfig:
   seed: int = 0
   data: str = "synthetic"  # "synthetic" or a path to a .jsonl / .npy file of token ids
   synthetic_docs: tuple[int, int] = (16, 96)  # min/max document length of the synthetic source
+  # Conversation / plain-text .jsonl data (hylora.data, docs/multimodal.md):
+  tokenizer: str = ""  # tokenizer.json; empty: the one next to the data file
+  chat_template: str = "chatml"  # hylora.data.chat.TEMPLATES
+  tiles_per_row: int = 8  # image tiles each packed row can carry (fixed batch shape)
+  skip_bad_records: bool = False  # skip (and count) bad records instead of stopping
   log_every: int = 1
 
 
@@ -149,8 +195,14 @@ class Config:
     _check(all(p in MIXERS for p in m.pattern), "model.pattern",
            f"entries must be in {MIXERS}, got {m.pattern}")
     _check(len(m.pattern) >= 1, "model.pattern", "must not be empty")
+    _check(m.residual in RESIDUALS, "model.residual",
+           f"must be one of {RESIDUALS}, got {m.residual!r}")
+    _check(m.residual_window >= 1, "model.residual_window",
+           f"must be >= 1, got {m.residual_window}")
     _check(0 <= m.dense_layers <= m.layers, "model.dense_layers",
            f"must be in [0, layers={m.layers}], got {m.dense_layers}")
+    _check(m.weight_dtype in ("bfloat16", "float32", "float16"), "model.weight_dtype",
+           f"must be bfloat16, float32 or float16, got {m.weight_dtype!r}")
     sa = m.sparse_attention
     _check(sa.q_heads % sa.kv_heads == 0, "model.sparse_attention.q_heads",
            f"{sa.q_heads} is not a multiple of kv_heads={sa.kv_heads}")
@@ -160,6 +212,12 @@ class Config:
            f"must be in [1, experts={moe.experts}], got {moe.top_k}")
     _check(moe.score_fn in ("softmax", "sigmoid"), "model.moe.score_fn",
            f"must be 'softmax' or 'sigmoid', got {moe.score_fn!r}")
+    _check(moe.transport in ("padded", "ragged"), "model.moe.transport",
+           f"must be 'padded' or 'ragged', got {moe.transport!r}")
+    _check(moe.overlap_chunks >= 1, "model.moe.overlap_chunks",
+           f"must be >= 1, got {moe.overlap_chunks}")
+    _check(moe.aux_loss_kind in ("global", "sequence"), "model.moe.aux_loss_kind",
+           f"must be 'global' or 'sequence', got {moe.aux_loss_kind!r}")
     _check(self.lora.rank >= 1, "lora.rank", f"must be >= 1, got {self.lora.rank}")
     _check(0.0 <= self.lora.dropout < 1.0, "lora.dropout", "must be in [0, 1)")
     _check(self.memory.remat in ("none", "full", "minimal", "tiered"), "memory.remat",
@@ -169,6 +227,16 @@ class Config:
     _check(t.batch_size % t.grad_accum == 0, "train.batch_size",
            f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
+    v = m.vision
+    if v.enabled:
+      _check(v.image_size % v.patch_size == 0, "model.vision.image_size",
+             f"{v.image_size} is not a multiple of model.vision.patch_size={v.patch_size}")
+      _check(v.grid % v.merge == 0, "model.vision.merge",
+             f"{v.merge} does not divide the {v.grid} patches per tile side")
+      _check(v.width % v.heads == 0, "model.vision.width",
+             f"{v.width} is not a multiple of model.vision.heads={v.heads}")
+      _check(v.max_tiles >= 1, "model.vision.max_tiles", f"must be >= 1, got {v.max_tiles}")
+    _check(t.tiles_per_row >= 0, "train.tiles_per_row", f"must be >= 0, got {t.tiles_per_row}")
     la = m.linear_attention
     _check(la.chunk_size == 64, "model.linear_attention.chunk_size",
            f"the kernels run chunks of 64 tokens, got {la.chunk_size}")

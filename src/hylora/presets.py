@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from hylora.config import (Config, LinearAttentionConfig, LoRAConfig, MeshConfig,
-                           ModelConfig, MoEConfig, SparseAttentionConfig, TrainConfig)
+                           ModelConfig, MoEConfig, SparseAttentionConfig, TrainConfig,
+                           VisionConfig)
 from hylora.errors import ConfigError
 
 _TARGET_LINEAR = LinearAttentionConfig(heads=64, head_dim=128, gate_rank=128,
@@ -13,6 +14,11 @@ _TARGET_SPARSE = SparseAttentionConfig(q_heads=64, kv_heads=8, head_dim=128, top
                                        index_heads=64, index_head_dim=128, index_q_rank=1536,
                                        block_q=512)
 _TARGET_LORA = LoRAConfig(rank=16, alpha=32.0)
+# ~0.39B: a ViT-L-sized encoder (24 x 1024, patch 14, 336-pixel tiles -> 144 tokens
+# per tile after 2x2 merging) and a two-layer projector into d_model.
+_TARGET_VISION = VisionConfig(enabled=True, image_size=336, patch_size=14, width=1024,
+                              layers=24, heads=16, mlp=4096, merge=2, max_tiles=6,
+                              max_image_side=8192)
 
 
 def tiny() -> Config:
@@ -21,7 +27,8 @@ def tiny() -> Config:
       model=ModelConfig(vocab_size=256, d_model=32, layers=8, dense_layers=1, dense_ffn=64,
                         linear_attention=LinearAttentionConfig(heads=4, head_dim=16),
                         sparse_attention=SparseAttentionConfig(top_k=16),
-                        moe=MoEConfig(experts=8, top_k=2, expert_ffn=32)),
+                        moe=MoEConfig(experts=8, top_k=2, expert_ffn=32),
+                        vision=VisionConfig(enabled=True, max_image_side=256)),
       lora=LoRAConfig(rank=4, alpha=8.0),
       mesh=MeshConfig(fsdp=-1, expert=4, devices=8),
       train=TrainConfig(steps=40, batch_size=8, seq_len=128, learning_rate=5e-3),
@@ -35,7 +42,8 @@ def gpu_1() -> Config:
       model=ModelConfig(vocab_size=163840, d_model=7168, layers=8, dense_layers=1,
                         dense_ffn=18432, linear_attention=_TARGET_LINEAR,
                         sparse_attention=_TARGET_SPARSE,
-                        moe=MoEConfig(experts=32, top_k=8, expert_ffn=2048, score_fn="sigmoid")),
+                        moe=MoEConfig(experts=32, top_k=8, expert_ffn=2048, score_fn="sigmoid"),
+                        vision=_TARGET_VISION),
       lora=_TARGET_LORA,
       mesh=MeshConfig(fsdp=1, expert=1),
       train=TrainConfig(steps=20, batch_size=2, seq_len=8192, learning_rate=2e-4,
@@ -50,7 +58,8 @@ def target_2p8t() -> Config:
                         dense_ffn=18432, linear_attention=_TARGET_LINEAR,
                         sparse_attention=_TARGET_SPARSE,
                         moe=MoEConfig(experts=896, top_k=16, expert_ffn=2048, shared_experts=1,
-                                      score_fn="sigmoid")),
+                                      score_fn="sigmoid"),
+                        vision=_TARGET_VISION),
       lora=_TARGET_LORA,
       mesh=MeshConfig(fsdp=2, expert=64),
       train=TrainConfig(steps=1000, batch_size=64, seq_len=32768, learning_rate=2e-4,

@@ -1,4 +1,8 @@
-"""A pre-norm decoder layer: x + mixer(norm(x)), then + ffn(norm(.))."""
+"""A pre-norm decoder layer: x + mixer(norm(x)), then + ffn(norm(.)).
+
+x is read from the residual stream by the scheme `model.residual` chooses
+(hylora.model.residual); the layer's output is written back to the stream.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from hylora.model.aux import merge_aux
 from hylora.model.ffn import FFNS
 from hylora.model.mixers import MIXERS
 from hylora.model.norms import RMSNorm
+from hylora.model.residual import RESIDUALS
 from meshes.rules import constrain
 
 
@@ -21,15 +26,17 @@ class DecoderLayer(nnx.Module):
   def __init__(self, cfg: Config, mixer: str, ffn: str, *, init: ParamInit):
     d, eps = cfg.model.d_model, cfg.model.norm_eps
     self.model_cfg = cfg.model
+    self.residual = RESIDUALS[cfg.model.residual](cfg, init=init)
     self.mixer_norm = RMSNorm(d, ax.EMBED, eps=eps)
     self.mixer = MIXERS[mixer](cfg, init=init)
     self.ffn_norm = RMSNorm(d, ax.EMBED, eps=eps)
     self.ffn = FFNS[ffn](cfg, init=init)
 
-  def __call__(self, x: jax.Array, ctx):
+  def __call__(self, stream, ctx):
     names = (ax.BATCH, ax.SEQ, ax.EMBED)
-    x = remat.tag(constrain(x, names), remat.LAYER_INPUT)
+    x = remat.tag(constrain(self.residual.block_input(stream), names), remat.LAYER_INPUT)
     h, mixer_aux = self.mixer(remat.tag(self.mixer_norm(x), remat.MIXER_NORM), ctx)
     x = constrain(x + h, names)
     h, ffn_aux = self.ffn(remat.tag(self.ffn_norm(x), remat.FFN_NORM), ctx)
-    return constrain(x + h, names), merge_aux(self.model_cfg, mixer_aux, ffn_aux)
+    out = constrain(x + h, names)
+    return self.residual.update(stream, out), merge_aux(self.model_cfg, mixer_aux, ffn_aux)

@@ -54,11 +54,11 @@ class Linear(nnx.Module):
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int],
                in_axes: Sequence[str], out_axes: Sequence[str], *, name: str,
                lora: LoRAConfig | None, init: ParamInit, init_std: float = 0.0,
-               dtype=jnp.bfloat16):
+               dtype="bfloat16"):
     self.name = name
     self.n_in = len(in_shape)
     shape = (*in_shape, *out_shape)
-    w = init.normal(shape, weight_std(init_std, math.prod(in_shape)), dtype, clip=2.0)
+    w = init.normal(shape, weight_std(init_std, math.prod(in_shape)), jnp.dtype(dtype), clip=2.0)
     self.kernel = nnx.Param(w, out_sharding=(*in_axes, *out_axes))
     self.lora_a = nnx.data(None)
     self.lora_b = nnx.data(None)

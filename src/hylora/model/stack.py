@@ -18,6 +18,7 @@ from hylora import axes as ax
 from hylora import memory
 from hylora.config import Config
 from hylora.model.layer import DecoderLayer
+from hylora.model.residual import RESIDUALS
 
 
 def plan_segments(kinds: list[tuple[str, str]], period: int):
@@ -74,13 +75,16 @@ class LayerStack(nnx.Module):
   def __init__(self, cfg: Config, *, init: ParamInit):
     kinds = cfg.model.layer_kinds()
     self.plan = plan_segments(kinds, len(cfg.model.pattern))
+    self.residual = RESIDUALS[cfg.model.residual]  # the stream the layers carry
+    self.cfg = cfg
     self.segments = nnx.List([Segment(cfg, chunk, repeats, init=init)
                               for chunk, repeats in self.plan])
 
   def __call__(self, x, ctx):
     first, auxes = 0, []
+    stream = self.residual.start(self.cfg, x)
     for segment in self.segments:
-      x, aux = segment(x, ctx, first)
+      stream, aux = segment(stream, ctx, first)
       first += segment.period_len * segment.repeats
       auxes.append(aux)
-    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+    return self.residual.finish(stream), jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)

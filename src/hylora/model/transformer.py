@@ -11,9 +11,11 @@ from hylora.model.init import ParamInit, weight_std
 from hylora import axes as ax
 from hylora import ops
 from hylora.config import Config
+from hylora.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.norms import RMSNorm
 from hylora.model.stack import LayerStack
+from hylora.model.vision.tower import build_vision
 from meshes.rules import constrain
 
 IGNORE_INDEX = -100
@@ -23,32 +25,43 @@ class HybridLM(nnx.Module):
   def __init__(self, cfg: Config, *, init: ParamInit):
     m = cfg.model
     self.cfg = cfg
-    emb = init.normal((m.vocab_size, m.d_model), m.init_std or 1.0, jnp.bfloat16)
+    emb = init.normal((m.vocab_size, m.d_model), m.init_std or 1.0, jnp.dtype(m.weight_dtype))
     self.embed = nnx.Param(emb, out_sharding=(ax.VOCAB, ax.EMBED))
     self.stack = LayerStack(cfg, init=init)
     self.final_norm = RMSNorm(m.d_model, ax.EMBED, eps=m.norm_eps)
-    head = init.normal((m.d_model, m.vocab_size), weight_std(m.init_std, m.d_model), jnp.bfloat16)
+    head = init.normal((m.d_model, m.vocab_size), weight_std(m.init_std, m.d_model),
+                       jnp.dtype(m.weight_dtype))
     self.lm_head = nnx.Param(head, out_sharding=(ax.EMBED, ax.VOCAB))
+    self.vision = build_vision(cfg, init)  # built last: the LM's weights do not depend on it
 
-  def hidden(self, tokens: jax.Array, ctx: ForwardContext):
-    """tokens [B, T] -> (final hidden [B, T, d] bf16, aux stacked over layers)."""
+  def hidden(self, tokens: jax.Array, ctx: ForwardContext, images=None, image_positions=None):
+    """tokens [B, T] -> (final hidden [B, T, d] bf16, aux stacked over layers).
+
+    images [B, R, S, S, 3] uint8 tiles and image_positions [B, R, n] (-1: unused slot), when
+    given, replace the embeddings at those positions with the vision tower's tokens."""
     x = jnp.take(self.embed[...], tokens, axis=0)
+    if images is not None:
+      if self.vision is None:
+        raise ConfigError("model.vision.enabled: the batch carries images but the model has "
+                          "no vision tower")
+      x = self.vision(x, images, image_positions, ctx.dropout_key)
     x = constrain(x, (ax.BATCH, ax.SEQ, ax.EMBED))
     x, aux = self.stack(x, ctx)
     return self.final_norm(x), aux
 
-  def logits(self, tokens, ctx) -> jax.Array:
+  def logits(self, tokens, ctx, images=None, image_positions=None) -> jax.Array:
     """Full [B, T, vocab] fp32 logits (small inputs only: tests and inspection)."""
-    h, _ = self.hidden(tokens, ctx)
+    h, _ = self.hidden(tokens, ctx, images, image_positions)
     return jnp.einsum("btd,dv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
   def loss_terms(self, batch: dict, dropout_key=None):
     """(summed token loss, counted tokens, aux) for a packed batch.
 
-    batch: tokens, labels (IGNORE_INDEX where masked), segment_ids, positions, all [B, T].
+    batch: tokens, labels (IGNORE_INDEX where masked), segment_ids, positions, all [B, T];
+    optionally images and image_positions (see `hidden`).
     """
     ctx = ForwardContext(batch["segment_ids"], batch["positions"], dropout_key)
-    h, aux = self.hidden(batch["tokens"], ctx)
+    h, aux = self.hidden(batch["tokens"], ctx, batch.get("images"), batch.get("image_positions"))
     b, t, d = h.shape
     ce = ops.resolve("cross_entropy", self.cfg.kernels)
     loss_sum, count = ce(h.reshape(b * t, d), self.lm_head[...], batch["labels"].reshape(-1),

@@ -7,12 +7,14 @@ named by import path and imported only when used.
 from __future__ import annotations
 
 from hylora.config import KernelConfig
+from hylora.ops.checks import CHECKS
 from hylora.ops.registry import AUTO, REGISTRY
 
 _LA = "pallas_kernels.linear_attention"
 _SA = "pallas_kernels.sparse_attention"
 _GMM = "pallas_kernels.grouped_matmul"
 _CE = "pallas_kernels.cross_entropy"
+_RM = "pallas_kernels.residual_mix"
 
 REGISTRY.define("linear_attention.gla", f"{_LA}.reference:gla_chunked")
 REGISTRY.define("linear_attention.kda", f"{_LA}.reference:kda_chunked")
@@ -22,6 +24,7 @@ REGISTRY.define("grouped_matmul", f"{_GMM}.reference:grouped_matmul_reference")
 REGISTRY.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
 REGISTRY.define("cross_entropy", f"{_CE}.reference:cross_entropy_reference")
 REGISTRY.define("rms_norm", "hylora.model.norms:rms_norm")
+REGISTRY.define("residual_mix", f"{_RM}.reference:residual_mix_reference")  # docs/day_one.md
 
 # Fast paths. "auto" takes the highest priority registered for the backend; an impl
 # below the reference's priority (-1) runs only when named in KernelConfig.
@@ -37,6 +40,9 @@ REGISTRY.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends
 REGISTRY.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
 REGISTRY.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
                   backends=("cpu", "gpu", "tpu"))
+# Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
+REGISTRY.register("residual_mix", "pallas", f"{_RM}:residual_mix", backends=("gpu",),
+                  priority=-2)
 
 # Which KernelConfig field chooses the implementation of each op.
 KERNEL_CHOICE_FIELDS = {
@@ -47,7 +53,12 @@ KERNEL_CHOICE_FIELDS = {
     "grouped_matmul": "grouped_matmul",
     "grouped_lora": "grouped_matmul",
     "cross_entropy": "cross_entropy",
+    "residual_mix": "residual_mix",
 }
+
+# How `experiments.check_ops` exercises each op (inputs, tolerances): hylora.ops.checks.
+for _op, _check in CHECKS.items():
+  REGISTRY.entry(_op).check = _check
 
 
 def resolve(op: str, kernels: KernelConfig | None = None, backend: str | None = None):

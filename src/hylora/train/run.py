@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from hylora.config import Config
 from hylora.overrides import to_dict
+from hylora.data import ConversationLoader, is_conversation_file
 from hylora.train.data import Packer, make_source
 from hylora.train.trainer import Trainer
 from meshes.mesh import build_mesh
@@ -40,16 +41,26 @@ def plot_loss(metrics_path: Path, png_path: Path) -> None:
   plt.close(fig)
 
 
+def data_stream(cfg: Config):
+  """Conversation / plain-text JSONL through hylora.data (this host's share of every
+  batch); token files and the synthetic source through the Packer."""
+  tc = cfg.train
+  if is_conversation_file(tc.data):
+    return ConversationLoader(tc.data, cfg, process_index=jax.process_index(),
+                              process_count=jax.process_count())
+  return Packer(make_source(tc.data, cfg.model.vocab_size, tc.seed, tc.synthetic_docs),
+                tc.seq_len)
+
+
 def train(cfg: Config, out_dir: str | Path, *, progress: bool = True) -> dict:
   cfg = cfg.validate()
   out = Path(out_dir)
   write_config(cfg, out)
   mesh = build_mesh(cfg.mesh)
   tc = cfg.train
+  packer = data_stream(cfg)  # before the model: bad data fails fast
   trainer = Trainer(cfg, mesh)
   lora, opt_state, frozen = trainer.init()
-  packer = Packer(make_source(tc.data, cfg.model.vocab_size, tc.seed, tc.synthetic_docs),
-                  tc.seq_len)
 
   metrics_path = out / "metrics.jsonl"
   metrics_path.write_text("")
@@ -84,5 +95,7 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True) -> dict:
       "tokens_per_s": tc.batch_size * tc.seq_len / float(np.mean(steady)),
       "out": str(out),
   }
+  if isinstance(packer, ConversationLoader):
+    summary["data"] = packer.state()  # position, truncated and skipped examples
   (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary

@@ -12,6 +12,7 @@ from hylora.model import IGNORE_INDEX
 from hylora.train.state import ModelParts
 
 BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
+IMAGE_KEYS = ("images", "image_positions")  # optional: [rows, tiles, ...] per-row image batches
 
 
 def _moe_layer_count(cfg: Config) -> int:
@@ -59,7 +60,7 @@ def make_train_step(cfg: Config, parts: ModelParts, optimizer: optax.GradientTra
     total = jnp.sum(batch["labels"] != IGNORE_INDEX)
     # Micro-batch i takes rows i, i + accum, ...: each one stays spread over all devices.
     micro = {key: batch[key].reshape(-1, accum, *batch[key].shape[1:]).swapaxes(0, 1)
-             for key in BATCH_KEYS}
+             for key in BATCH_KEYS + IMAGE_KEYS if key in batch}
     step_key = jax.random.fold_in(jax.random.key(seed), step) if dropout > 0 else None
 
     def one(carry, xs):
@@ -77,7 +78,8 @@ def make_train_step(cfg: Config, parts: ModelParts, optimizer: optax.GradientTra
     tokens = jnp.sum(infos["tokens"])
     load = jnp.sum(infos["expert_load"], axis=0)  # [layers, experts]; dense layers: zeros
     busiest = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
-    routed_pairs = batch["tokens"].size * k * _moe_layer_count(cfg)
+    # A Python float: at the 2p8t shape the count (2.3e9) overflows int32.
+    routed_pairs = float(batch["tokens"].size * k * _moe_layer_count(cfg))
     metrics = {
         "loss": jnp.sum(infos["loss_sum"]) / jnp.maximum(tokens, 1),
         "grad_norm": optax.global_norm(grads),

@@ -14,7 +14,7 @@ from hylora.config import Config
 from hylora.errors import ConfigError
 from hylora.train import state as st
 from hylora.train.optimizer import learning_rate_schedule, make_optimizer
-from hylora.train.step import BATCH_KEYS, make_train_step
+from hylora.train.step import BATCH_KEYS, IMAGE_KEYS, make_train_step
 from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec
 
 
@@ -58,18 +58,24 @@ class Trainer:
   def init_optimizer(self, lora):
     return jax.jit(self.optimizer.init, out_shardings=self.optimizer_sharding(lora))(lora)
 
-  def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    return {k: jax.make_array_from_process_local_data(self.batch_sharding, batch[k])
-            for k in BATCH_KEYS}
+  def key_sharding(self, key: str) -> NamedSharding:
+    """Token arrays [rows, seq]; image arrays [rows, tiles, ...]: split by rows only."""
+    if key in IMAGE_KEYS:
+      return NamedSharding(self.mesh, P(self.batch_sharding.spec[0]))
+    return self.batch_sharding
 
-  def jitted_step(self, opt_state):
+  def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {k: jax.make_array_from_process_local_data(self.key_sharding(k), batch[k])
+            for k in BATCH_KEYS + IMAGE_KEYS if k in batch}
+
+  def jitted_step(self, opt_state, batch_keys=BATCH_KEYS):
     opt_sharding = jax.tree.map(lambda a: a.sharding, opt_state)
 
     def step(lora, opt_state, frozen, batch, step):
       with activation_mesh(self.mesh):
         return self._step_fn(lora, opt_state, frozen, batch, step)
 
-    batch_sh = {k: self.batch_sharding for k in BATCH_KEYS}
+    batch_sh = {k: self.key_sharding(k) for k in batch_keys}
     return jax.jit(step,
                    in_shardings=(self.lora_sharding, opt_sharding, self.frozen_sharding,
                                  batch_sh, None),
@@ -79,8 +85,8 @@ class Trainer:
   def compile(self, lora, opt_state, frozen, batch):
     start = time.perf_counter()
     step = jax.ShapeDtypeStruct((), np.int32)
-    self.compiled = self.jitted_step(opt_state).lower(lora, opt_state, frozen, batch,
-                                                      step).compile()
+    self.compiled = self.jitted_step(opt_state, tuple(batch)).lower(lora, opt_state, frozen,
+                                                                    batch, step).compile()
     self.compile_seconds = time.perf_counter() - start
     return self.compiled
 

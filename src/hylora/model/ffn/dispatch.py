@@ -44,8 +44,9 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
 
 @register_dispatcher("dropless")
 def dropless(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
-             options: dict, *, num_experts: int, dropout_key=None):
-  """x [N, d], weights/experts [N, k] -> (y [N, d], stats)."""
+             options: dict, *, num_experts: int, dropout_key=None, moe=None):
+  """x [N, d], weights/experts [N, k] -> (y [N, d], stats). `experts` are the slots of
+  `expert_weights` (see placement.py); `moe` (MoEConfig) carries dispatcher options."""
   n, k = experts.shape
   order, group_sizes = sort_by_expert(experts, num_experts)
   token_of_pair = order // k

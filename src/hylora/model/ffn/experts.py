@@ -24,7 +24,8 @@ class RoutedExperts(nnx.Module):
     e, d, f = moe.experts, m.d_model, moe.expert_ffn
 
     def weight(shape):
-      return init.normal(shape, weight_std(m.init_std, shape[1]), jnp.bfloat16, clip=2.0)
+      return init.normal(shape, weight_std(m.init_std, shape[1]), jnp.dtype(m.weight_dtype),
+                         clip=2.0)
 
     self.gate_up = nnx.Param(weight((e, d, 2 * f)), out_sharding=(ax.EXP, ax.EMBED, ax.EXP_MLP))
     self.down = nnx.Param(weight((e, f, d)), out_sharding=(ax.EXP, ax.EXP_MLP, ax.EMBED))

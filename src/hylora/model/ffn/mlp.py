@@ -15,11 +15,11 @@ from hylora.model.lora import Linear
 
 class SwiGLU(nnx.Module):
   def __init__(self, d: int, ffn: int, *, lora: LoRAConfig | None, init_std: float,
-               init: ParamInit):
+               init: ParamInit, dtype: str = "bfloat16"):
     self.gate_up = Linear((d,), (2 * ffn,), (ax.EMBED,), (ax.MLP,), name="gate_up", lora=lora,
-                          init=init, init_std=init_std)
+                          init=init, init_std=init_std, dtype=dtype)
     self.down = Linear((ffn,), (d,), (ax.MLP,), (ax.EMBED,), name="down", lora=lora, init=init,
-                       init_std=init_std)
+                       init_std=init_std, dtype=dtype)
 
   def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
     h = remat.tag(self.gate_up(x, dropout_key), remat.MLP_GATE_UP)
@@ -32,7 +32,8 @@ class DenseFFN(nnx.Module):
 
   def __init__(self, cfg: Config, *, init: ParamInit):
     m = cfg.model
-    self.mlp = SwiGLU(m.d_model, m.dense_ffn, lora=cfg.lora, init_std=m.init_std, init=init)
+    self.mlp = SwiGLU(m.d_model, m.dense_ffn, lora=cfg.lora, init_std=m.init_std, init=init,
+                      dtype=m.weight_dtype)
 
   def __call__(self, x: jax.Array, ctx):
     return self.mlp(x, ctx.dropout_key), {}

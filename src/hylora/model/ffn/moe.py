@@ -8,9 +8,11 @@ from flax import nnx
 from hylora.model.init import ParamInit
 
 from hylora.config import Config
+from hylora.model.ffn import expert_parallel  # noqa: F401  (registers "ep_alltoall")
 from hylora.model.ffn.dispatch import get_dispatcher
 from hylora.model.ffn.experts import RoutedExperts
 from hylora.model.ffn.mlp import SwiGLU
+from hylora.model.ffn.placement import ExpertPlacement, identity_placement, route_to_slots
 from hylora.model.ffn.router import Router
 
 
@@ -18,20 +20,24 @@ class MoE(nnx.Module):
   def __init__(self, cfg: Config, *, init: ParamInit):
     m, moe = cfg.model, cfg.model.moe
     self.cfg = moe
-    self.router = Router(m.d_model, moe, init_std=m.init_std, init=init)
+    self.router = Router(m.d_model, moe, init_std=m.init_std, init=init, dtype=m.weight_dtype)
     self.experts = RoutedExperts(cfg, init=init)
+    # Which expert each stored slot holds (balance.py re-places hot experts).
+    self.placement = ExpertPlacement(identity_placement(moe.experts), out_sharding=(None,))
     self.shared = (SwiGLU(m.d_model, moe.expert_ffn * moe.shared_experts, lora=cfg.lora,
-                          init_std=m.init_std, init=init)
+                          init_std=m.init_std, init=init, dtype=m.weight_dtype)
                    if moe.shared_experts > 0 else None)
     self.dispatch = get_dispatcher(moe.dispatch)
 
   def __call__(self, x: jax.Array, ctx):
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
-    weights, experts, aux = self.router(flat)
-    y, stats = self.dispatch(flat, weights, experts, self.experts.weights(),
-                             self.experts.options(), num_experts=self.cfg.experts,
-                             dropout_key=ctx.dropout_key)
+    weights, experts, aux = self.router(flat, seq_len=t)
+    table = self.placement[...]
+    slots = route_to_slots(experts, table, self.cfg.experts)
+    y, stats = self.dispatch(flat, weights, slots, self.experts.weights(),
+                             self.experts.options(), num_experts=table.shape[0],
+                             dropout_key=ctx.dropout_key, moe=self.cfg)
     y = y.reshape(b, t, d)
     if self.shared is not None:
       y = y + self.shared(x, ctx.dropout_key)

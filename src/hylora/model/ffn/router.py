@@ -20,14 +20,15 @@ class RouterBias(nnx.Variable):
 
 
 class Router(nnx.Module):
-  def __init__(self, d: int, cfg: MoEConfig, *, init_std: float, init: ParamInit):
+  def __init__(self, d: int, cfg: MoEConfig, *, init_std: float, init: ParamInit,
+               dtype: str = "bfloat16"):
     self.cfg = cfg
-    w = init.normal((d, cfg.experts), weight_std(init_std, d), jnp.bfloat16)
+    w = init.normal((d, cfg.experts), weight_std(init_std, d), jnp.dtype(dtype))
     self.kernel = nnx.Param(w, out_sharding=(ax.EMBED, None))
     self.bias = RouterBias(jnp.zeros((cfg.experts,), jnp.float32), out_sharding=(None,))
 
-  def __call__(self, x: jax.Array):
-    """x [N, d] -> (weights [N, k] fp32, experts [N, k] int32, aux)."""
+  def __call__(self, x: jax.Array, seq_len: int | None = None):
+    """x [N, d] (N = sequences x seq_len) -> (weights [N, k] fp32, experts [N, k] int32, aux)."""
     cfg = self.cfg
     logits = jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
     logits = remat.tag(logits, remat.ROUTER)
@@ -45,8 +46,24 @@ class Router(nnx.Module):
     n = x.shape[0]
     load = jnp.zeros((cfg.experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    # Switch-style balance loss: E * sum_e (fraction of routed pairs to e) * (mean prob of e).
-    aux_loss = cfg.experts * jnp.sum((load / (n * cfg.top_k)) * jnp.mean(probs, axis=0))
+    if cfg.aux_loss_kind == "sequence":
+      aux_loss = sequence_balance_loss(experts, probs, cfg.experts, seq_len or n)
+    else:
+      # Switch-style balance loss: E * sum_e (fraction of routed pairs to e) * (mean prob of e).
+      aux_loss = cfg.experts * jnp.sum((load / (n * cfg.top_k)) * jnp.mean(probs, axis=0))
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     return weights, experts.astype(jnp.int32), {"moe_aux_loss": aux_loss, "moe_z_loss": z_loss,
                                                 "expert_load": load}
+
+
+def sequence_balance_loss(experts: jax.Array, probs: jax.Array, num_experts: int,
+                          seq_len: int) -> jax.Array:
+  """The balance loss within each sequence, averaged over sequences (DeepSeek-V3's
+  sequence-wise loss): one skewed sequence is penalised even if the batch is balanced."""
+  n, k = experts.shape
+  seqs = n // seq_len
+  rows = jnp.repeat(jnp.arange(seqs), seq_len * k)
+  load = jnp.zeros((seqs, num_experts), jnp.float32).at[rows, experts.reshape(-1)].add(1.0)
+  mean_probs = probs.reshape(seqs, seq_len, num_experts).mean(axis=1)
+  per_seq = num_experts * jnp.sum(load / (seq_len * k) * mean_probs, axis=-1)
+  return jnp.mean(per_seq)

@@ -28,7 +28,7 @@ class LinearAttention(nnx.Module):
 
     def proj(name, in_shape, out_shape, in_axes, out_axes, lora=cfg.lora):
       return Linear(in_shape, out_shape, in_axes, out_axes, name=name, lora=lora, init=init,
-                    init_std=std)
+                    init_std=std, dtype=m.weight_dtype)
 
     self.q = proj("q", (d,), (h, hd), (ax.EMBED,), (ax.HEADS, ax.HEAD_DIM))
     self.k = proj("k", (d,), (h, hd), (ax.EMBED,), (ax.HEADS, ax.HEAD_DIM))

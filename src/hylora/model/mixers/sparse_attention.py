@@ -27,7 +27,7 @@ class SparseAttention(nnx.Module):
 
     def proj(name, in_shape, out_shape, in_axes, out_axes, lora=cfg.lora):
       return Linear(in_shape, out_shape, in_axes, out_axes, name=name, lora=lora, init=init,
-                    init_std=std)
+                    init_std=std, dtype=m.weight_dtype)
 
     hd = sa.head_dim
     self.q = proj("q", (d,), (sa.q_heads, hd), (ax.EMBED,), (ax.HEADS, ax.HEAD_DIM))

@@ -1,0 +1,380 @@
+"""Ahead-of-time dry run: lower and compile the real LoRA train step for a mesh of
+simulated devices from abstract shapes only, and report where the memory goes.
+
+The step is `Trainer.jitted_step`, the one a real run executes (model, LoRA, loss,
+gradient accumulation, AdamW update). Its inputs are `jax.ShapeDtypeStruct`s carrying
+the run's shardings: parameters from `state.abstract_arrays`, the optimizer state from
+`jax.eval_shape(optimizer.init)` with `Trainer.optimizer_sharding`, the batch with
+`Trainer.batch_sharding`. No weight is ever materialised.
+
+Memory figures (bytes per device):
+  weights / lora / grads / optimizer / batch: the per-device shard of every array, from
+    its sharding (grads: one fp32 accumulator per LoRA factor, as the step keeps).
+  xla_*: `compiled.memory_analysis()` of XLA:CPU for the simulated mesh;
+    xla_peak = arguments + outputs - aliased + temporaries (donated LoRA and optimizer
+    buffers are reused for the outputs, so they are counted once).
+  analytic_arguments = weights + lora + optimizer + batch (what XLA's arguments must be).
+  analytic_peak = analytic_arguments + grads + layer-input checkpoints, a lower bound:
+    under remat the residual stream entering every layer is kept (bf16), everything
+    else of a layer is recomputed; the working set of the layer being recomputed and
+    the gathered FSDP shards are on top (that is what `xla_temporaries` measures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import resource
+import sys
+import time
+
+import jax
+import numpy as np
+
+from hylora import param_count
+from hylora.config import Config
+from hylora.errors import ConfigError
+from hylora.train import state as st
+from hylora.train.step import BATCH_KEYS
+
+GB = 1e9
+DEFAULT_DEVICE_MEMORY = 141 * GB  # one H200
+LARGE_PER_LAYER = 1 << 20  # arrays with at least this many elements per layer are "large"
+
+
+# ---- inputs ---------------------------------------------------------------------------
+
+def abstract_inputs(trainer) -> tuple[dict, dict, dict, dict]:
+  """(lora, opt_state, frozen, batch) as sharded ShapeDtypeStructs."""
+  lora, frozen = st.abstract_arrays(trainer.parts, trainer.mesh)
+  opt_abstract = jax.eval_shape(trainer.optimizer.init, lora)
+  opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                           opt_abstract, trainer.optimizer_sharding(lora))
+  tc = trainer.cfg.train
+  batch = {k: jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len), np.int32,
+                                   sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+  return lora, opt_state, frozen, batch
+
+
+def shard_shape(a) -> tuple[int, ...]:
+  return tuple(a.sharding.shard_shape(a.shape))
+
+
+def shard_bytes(a) -> int:
+  return math.prod(shard_shape(a)) * np.dtype(a.dtype).itemsize
+
+
+def tree_bytes(tree) -> int:
+  return sum(shard_bytes(a) for a in jax.tree.leaves(tree))
+
+
+# ---- shardings ------------------------------------------------------------------------
+
+def _spec_text(a) -> str:
+  """The mesh axes of each dimension, e.g. "[-, expert, fsdp, -]"."""
+  spec = tuple(a.sharding.spec) + (None,) * (len(a.shape) - len(a.sharding.spec))
+  dims = ["-" if s is None else (s if isinstance(s, str) else "+".join(s)) for s in spec]
+  return "[" + ", ".join(dims) + "]"
+
+
+def array_table(lora: dict, frozen: dict) -> list[dict]:
+  """One row per parameter array: where it sits, its kind and how it is split."""
+  rows = []
+  for tree_name, tree in (("frozen", frozen), ("lora", lora)):
+    for keys, a in param_count.leaves(tree):
+      stacked = "segments" in keys  # scanned segments carry a leading layers axis
+      per_layer = math.prod(a.shape[1:] if stacked else a.shape)
+      axes = sorted({n for s in a.sharding.spec if s is not None
+                     for n in ((s,) if isinstance(s, str) else s)})
+      rows.append({
+          "tree": tree_name, "path": "/".join(keys), "kind": param_count.kind_of(keys),
+          "shape": list(a.shape), "dtype": str(np.dtype(a.dtype)), "spec": _spec_text(a),
+          "mesh_axes": axes, "shard_shape": list(shard_shape(a)),
+          "split": math.prod(a.shape) // max(1, math.prod(shard_shape(a))),
+          "large": per_layer >= LARGE_PER_LAYER,
+      })
+  return rows
+
+
+def sharding_summary(rows: list[dict]) -> dict:
+  """{kind: [{"spec", "arrays", "split", "tree"}]}: the distinct layouts of each kind."""
+  out: dict[str, dict] = {}
+  for r in rows:
+    key = (r["tree"], r["spec"], r["split"])
+    kind = out.setdefault(r["kind"], {})
+    kind[key] = kind.get(key, 0) + 1
+  return {kind: [{"tree": t, "spec": s, "split": split, "arrays": n}
+                 for (t, s, split), n in sorted(layouts.items(), key=lambda kv: -kv[1])]
+          for kind, layouts in out.items()}
+
+
+# ---- memory ---------------------------------------------------------------------------
+
+def tokens_per_device(batch: dict) -> int:
+  """Tokens each device processes per step: the batch shard it holds."""
+  return math.prod(shard_shape(batch["tokens"]))
+
+
+def analytic_bytes(cfg: Config, lora, opt_state, frozen, batch) -> dict:
+  weights, adapters, optimizer = tree_bytes(frozen), tree_bytes(lora), tree_bytes(opt_state)
+  batch_bytes = tree_bytes(batch)
+  arguments = weights + adapters + optimizer + batch_bytes + 4  # + the int32 step
+  grads = sum(math.prod(shard_shape(a)) * 4 for a in jax.tree.leaves(lora))  # fp32
+  micro_tokens = tokens_per_device(batch) // cfg.train.grad_accum
+  checkpoints = (cfg.model.layers * micro_tokens * cfg.model.d_model * 2
+                 if cfg.memory.remat != "none" else 0)
+  return {"weights": weights, "lora": adapters, "grads": grads, "optimizer": optimizer,
+          "batch": batch_bytes, "analytic_arguments": arguments,
+          "analytic_checkpoints": checkpoints,
+          "analytic_peak": arguments + grads + checkpoints}
+
+
+def xla_bytes(compiled) -> dict:
+  m = compiled.memory_analysis()
+  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+  return {"xla_arguments": m.argument_size_in_bytes, "xla_outputs": m.output_size_in_bytes,
+          "xla_aliased": m.alias_size_in_bytes, "xla_temporaries": m.temp_size_in_bytes,
+          "xla_peak": peak}
+
+
+def memory_plan(cfg: Config, mesh, device_memory: float):
+  """The memory planner's plan and predicted peak, when the planner is installed."""
+  try:
+    from hylora.memory_plan import plan_memory
+  except ImportError:
+    return None
+  plan = plan_memory(cfg, (mesh.shape["fsdp"], mesh.shape["expert"]), int(device_memory))
+  if dataclasses.is_dataclass(plan):
+    plan = dataclasses.asdict(plan)
+  return json.loads(json.dumps(plan, default=str))
+
+
+def host_peak_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def parse_bytes(text: str) -> float:
+  """"141GB", "141 GiB", "1.5e11", "141" (GB) -> bytes."""
+  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(text))
+  try:
+    value = float(m.group(1)) if m else float("nan")
+  except ValueError:
+    value = float("nan")
+  if not m or not math.isfinite(value) or value <= 0:
+    raise ConfigError(f"--device-memory: expected a positive size like 141GB, got {text!r}")
+  unit = m.group(2) or "GB"
+  scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+           "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+  return value * scale
+
+
+# ---- the dry run ----------------------------------------------------------------------
+
+def with_simulated_devices(cfg: Config) -> Config:
+  """A dry run always simulates its devices: by default as many as the mesh asks for."""
+  if cfg.mesh.devices > 0:
+    return cfg
+  if cfg.mesh.fsdp < 1:
+    raise ConfigError("mesh.fsdp: a dry run needs a fixed mesh (mesh.fsdp >= 1) or --devices N")
+  devices = cfg.mesh.fsdp * cfg.mesh.expert
+  return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, devices=devices))
+
+
+def check_devices(cfg: Config) -> None:
+  want, have = cfg.mesh.devices, len(jax.devices())
+  if want > 0 and have != want:
+    raise ConfigError(f"mesh.devices: asked for {want} simulated devices but JAX started with "
+                      f"{have} (is XLA_FLAGS forcing another host device count?)")
+
+
+def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
+            compile_step: bool = True) -> dict:
+  """Builds the mesh, compiles the step from abstract inputs, returns the report."""
+  from hylora.train.trainer import Trainer
+  from meshes.mesh import build_mesh
+
+  cfg = cfg.validate()
+  check_devices(cfg)
+  mesh = build_mesh(cfg.mesh)
+  trainer = Trainer(cfg, mesh)
+  lora, opt_state, frozen, batch = abstract_inputs(trainer)
+  counts = param_count.count_params(cfg, lora, frozen)
+  rows = array_table(lora, frozen)
+  memory = analytic_bytes(cfg, lora, opt_state, frozen, batch)
+  resident = memory["analytic_arguments"] + memory["grads"]
+  if resident > device_memory:
+    raise PlanDoesNotFit(
+        f"--device-memory: {device_memory / GB:.1f} GB per device cannot hold the resident "
+        f"state alone ({resident / GB:.1f} GB: base weights {memory['weights'] / GB:.1f}, "
+        f"LoRA params+grads+optimizer "
+        f"{(memory['lora'] + memory['grads'] + memory['optimizer']) / GB:.2f}); "
+        f"use more devices or a larger device memory")
+  if compile_step:
+    trainer.compile(lora, opt_state, frozen, batch)  # the run's own lower + compile
+    memory.update(xla_bytes(trainer.compiled))
+  peak = memory.get("xla_peak", memory["analytic_peak"])
+  m, tc = cfg.model, cfg.train
+  return {
+      "preset": cfg.preset,
+      "params_total": counts["total"],
+      "params_active_per_token": counts["active"],
+      "params_lora": counts["lora"],
+      "params_by_kind": counts["by_kind"],
+      "devices": mesh.size,
+      "mesh": {name: int(size) for name, size in mesh.shape.items()},
+      "bytes_per_device": memory,
+      "compile_seconds": trainer.compile_seconds if compile_step else None,
+      "compiled": compile_step,
+      "device_memory": device_memory,
+      "fits": bool(peak <= device_memory),
+      "peak_source": "xla_peak" if compile_step else "analytic_peak",
+      "memory_plan": memory_plan(cfg, mesh, device_memory),
+      "step": {"layers": m.layers, "batch_size": tc.batch_size, "seq_len": tc.seq_len,
+               "grad_accum": tc.grad_accum, "tokens_per_device": tokens_per_device(batch),
+               "batch_spec": _spec_text(batch["tokens"]), "remat": cfg.memory.remat,
+               "dispatch": m.moe.dispatch, "backend": jax.default_backend()},
+      "shardings": sharding_summary(rows),
+      "arrays": rows,
+      "host_peak_bytes": host_peak_bytes(),
+  }
+
+
+class PlanDoesNotFit(ConfigError):
+  """The plan cannot fit the device memory even before compiling."""
+
+
+# ---- text -----------------------------------------------------------------------------
+
+def _gb(x) -> str:
+  return "" if x is None else f"{x / GB:9.2f} GB"
+
+
+def format_report(r: dict) -> str:
+  s, b = r["step"], r["bytes_per_device"]
+  mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+  lines = [
+      f"dry run: preset {r['preset']}, {s['layers']} layers, {r['devices']} simulated "
+      f"devices, mesh {mesh}",
+      f"  step: batch {s['batch_size']} x seq {s['seq_len']} (grad_accum {s['grad_accum']}), "
+      f"batch split {s['batch_spec']} -> {s['tokens_per_device']} tokens per device; "
+      f"remat {s['remat']}, dispatch {s['dispatch']}, compiled for {s['backend']}",
+      "",
+      f"  {'parameters':<16}{'total':>12}{'active/token':>15}{'LoRA':>12}",
+  ]
+  for kind, c in r["params_by_kind"].items():
+    lines.append(f"  {kind:<16}{c['total']:>12.4g}{c['active']:>15.4g}{c['lora']:>12.4g}")
+  lines.append(f"  {'all':<16}{r['params_total']:>12.4g}{r['params_active_per_token']:>15.4g}"
+               f"{r['params_lora']:>12.4g}  (LoRA = "
+               f"{100 * r['params_lora'] / r['params_total']:.2f}% of total)")
+  lines += ["", "  sharding per kind (mesh axes per dimension; split = shards per array):"]
+  for kind, layouts in r["shardings"].items():
+    for i, lay in enumerate(layouts):
+      label = kind if i == 0 else ""
+      lines.append(f"  {label:<16}{lay['tree']:<7}{lay['spec']:<32} split {lay['split']:>4}"
+                   f"  ({lay['arrays']} arrays)")
+  lines += ["", f"  {'bytes per device':<34}{'analytic':>12}{'XLA':>13}"]
+  for label, key in (("base weights (bf16)", "weights"), ("LoRA params (fp32)", "lora"),
+                     ("LoRA grads (fp32)", "grads"), ("optimizer state", "optimizer"),
+                     ("batch", "batch")):
+    lines.append(f"  {label:<34}{_gb(b[key]):>12}")
+  lines.append(f"  {'arguments':<34}{_gb(b['analytic_arguments']):>12}"
+               f"{_gb(b.get('xla_arguments')):>13}")
+  if "xla_outputs" in b:
+    lines.append(f"  {'outputs (aliased with inputs)':<34}{'':>12}{_gb(b['xla_outputs']):>13}"
+                 f"  ({_gb(b['xla_aliased']).strip()} aliased)")
+  lines.append(f"  {'layer-input checkpoints':<34}{_gb(b['analytic_checkpoints']):>12}")
+  lines.append(f"  {'temporaries':<34}{'':>12}{_gb(b.get('xla_temporaries')):>13}")
+  lines.append(f"  {'peak':<34}{_gb(b['analytic_peak']):>12}{_gb(b.get('xla_peak')):>13}"
+               "   (analytic: a lower bound)")
+  if r.get("memory_plan") is not None:
+    lines += ["", "  memory plan (hylora.memory_plan):"]
+    lines += ["    " + line for line in json.dumps(r["memory_plan"], indent=1).splitlines()]
+  lines.append("")
+  if r["compiled"]:
+    lines.append(f"  compile: {r['compile_seconds']:.1f} s (lower + compile of the real step)")
+  else:
+    lines.append("  compile: skipped (--no-compile); peak is the analytic lower bound")
+  lines.append(f"  peak host memory: {r['host_peak_bytes'] / GB:.2f} GB")
+  peak = b[r["peak_source"]]
+  verdict = "fits" if r["fits"] else "does NOT fit"
+  lines.append(f"verdict: {verdict} in {r['device_memory'] / GB:.1f} GB per device "
+               f"({r['peak_source']} {peak / GB:.2f} GB)")
+  return "\n".join(lines)
+
+
+# ---- sweep ----------------------------------------------------------------------------
+
+def sweep_variants(cfg: Config) -> list[tuple[str, Config]]:
+  """One factor at a time around `cfg`: sequence length, batch, remat policy."""
+  tc, chunk = cfg.train, cfg.model.linear_attention.chunk_size
+  out = [("base", cfg)]
+  for div in (4, 2):
+    seq = max(chunk, tc.seq_len // div // chunk * chunk)
+    if seq != tc.seq_len:
+      out.append((f"seq/{div}", dataclasses.replace(
+          cfg, train=dataclasses.replace(tc, seq_len=seq))))
+  half = tc.batch_size // 2
+  if half >= tc.grad_accum and half % tc.grad_accum == 0:
+    out.append(("batch/2", dataclasses.replace(
+        cfg, train=dataclasses.replace(tc, batch_size=half))))
+  for remat in ("full", "minimal", "none"):
+    if remat != cfg.memory.remat:
+      out.append((f"remat={remat}", dataclasses.replace(
+          cfg, memory=dataclasses.replace(cfg.memory, remat=remat))))
+  return out
+
+
+def sweep(cfg: Config, device_memory: float, log=print) -> list[dict]:
+  rows = []
+  for label, variant in sweep_variants(cfg):
+    start = time.perf_counter()
+    r = dry_run(variant, device_memory)
+    b, s = r["bytes_per_device"], r["step"]
+    rows.append({"variant": label, "seq_len": s["seq_len"], "batch_size": s["batch_size"],
+                 "tokens_per_device": s["tokens_per_device"], "remat": s["remat"],
+                 "xla_arguments": b["xla_arguments"], "xla_temporaries": b["xla_temporaries"],
+                 "xla_peak": b["xla_peak"], "analytic_peak": b["analytic_peak"],
+                 "fits": r["fits"], "compile_seconds": r["compile_seconds"]})
+    log(f"  sweep {label}: peak {b['xla_peak'] / GB:.2f} GB "
+        f"({time.perf_counter() - start:.0f} s)")
+  return rows
+
+
+def format_sweep(rows: list[dict], device_memory: float) -> str:
+  head = ("| variant | seq | batch | tokens/device | remat | XLA arguments GB | "
+          "XLA temporaries GB | XLA peak GB | analytic peak GB | fits "
+          f"{device_memory / GB:.0f} GB |")
+  lines = [head, "|" + "---|" * 10]
+  for r in rows:
+    lines.append(f"| {r['variant']} | {r['seq_len']} | {r['batch_size']} | "
+                 f"{r['tokens_per_device']} | {r['remat']} | {r['xla_arguments'] / GB:.2f} | "
+                 f"{r['xla_temporaries'] / GB:.2f} | {r['xla_peak'] / GB:.2f} | "
+                 f"{r['analytic_peak'] / GB:.2f} | {'yes' if r['fits'] else 'no'} |")
+  return "\n".join(lines)
+
+
+# ---- command line ---------------------------------------------------------------------
+
+def command(cfg: Config, *, device_memory: str | float, json_path: str | None = None,
+            compile_step: bool = True, run_sweep: bool = False) -> int:
+  """`--dry-run`: prints the report (and the sweep table); 0 fits, 1 does not fit."""
+  memory = parse_bytes(device_memory) if isinstance(device_memory, str) else device_memory
+  try:
+    report = dry_run(cfg, memory, compile_step=compile_step)
+  except PlanDoesNotFit as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(format_report(report), flush=True)
+  if run_sweep:
+    print("\nhow the peak moves (one factor at a time; each row is a compile):", flush=True)
+    report["sweep"] = sweep(cfg, memory)
+    print(format_sweep(report["sweep"], memory))
+    report["host_peak_bytes"] = host_peak_bytes()
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(report, f, indent=1)
+      f.write("\n")
+  return 0 if report["fits"] else 1

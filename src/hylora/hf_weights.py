@@ -1,0 +1,375 @@
+"""Base weights in the Hugging Face layout (safetensors shards + config.json): loading
+them into the sharded model, and writing a model out in the same layout.
+
+Loading is lazy and local: every parameter is built with `jax.make_array_from_callback`,
+which asks only for the slices this process's devices own; each slice is read from the
+memory-mapped shards with `safe_open(...).get_slice`, so no host ever holds the whole
+model. Names and layouts come from the one table in `hylora.hf_names`. Every problem
+with the folder is a `WeightsError` naming the tensor (and file) at fault.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from hylora.config import Config
+from hylora.errors import ConfigError, WeightsError
+from hylora.hf_names import Leaf, plan
+
+INDEX_FILE = "model.safetensors.index.json"
+ACCEPTED_DTYPES = ("BF16", "F16", "F32")  # cast to the parameter's dtype on load
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+
+
+class CheckpointFiles:
+  """The tensors of a folder of safetensors shards: name -> (file, shape, dtype), with
+  lazily read slices. Only headers are read when opening."""
+
+  def __init__(self, directory: str | Path):
+    self.dir = Path(directory)
+    if not self.dir.is_dir():
+      raise WeightsError(f"base weights: {self.dir} is not a folder")
+    listed = self._index()
+    files = sorted(set(listed.values())) if listed else sorted(
+        p.name for p in self.dir.glob("*.safetensors"))
+    if not files:
+      raise WeightsError(f"base weights: no *.safetensors files in {self.dir}")
+    self.handles, self.info = {}, {}
+    for name in files:
+      self._open(name, [t for t, f in listed.items() if f == name])
+    for tensor, name in listed.items():
+      if tensor not in self.info:
+        raise WeightsError(f"tensor {tensor!r}: {INDEX_FILE} places it in {name}, which does "
+                           "not contain it")
+
+  def _index(self) -> dict[str, str]:
+    path = self.dir / INDEX_FILE
+    if not path.exists():
+      return {}
+    try:
+      return dict(json.loads(path.read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError) as e:
+      raise WeightsError(f"{path}: not a safetensors index ({e})") from None
+
+  def _open(self, name: str, expected: list[str]) -> None:
+    path = self.dir / name
+    held = f" (it should hold {', '.join(map(repr, expected[:3]))}" + (
+        ", ...)" if len(expected) > 3 else ")") if expected else ""
+    if not path.exists():
+      raise WeightsError(f"{path}: listed in {INDEX_FILE} but missing{held}")
+    try:
+      handle = safe_open(str(path), framework="numpy")
+      tensors = {t: handle.get_slice(t) for t in handle.keys()}
+    except SafetensorError as e:
+      raise WeightsError(f"{path}: truncated or corrupt safetensors file{held}: {e}") from None
+    self.handles[name] = handle
+    for tensor, view in tensors.items():
+      if tensor in self.info:
+        raise WeightsError(f"tensor {tensor!r} appears in both {self.info[tensor][0]} and {name}")
+      self.info[tensor] = (name, tuple(view.get_shape()), view.get_dtype())
+
+  def read(self, tensor: str, index: tuple[slice, ...]) -> np.ndarray:
+    return self.handles[self.info[tensor][0]].get_slice(tensor)[index]
+
+
+def _expected(leaves: Iterable[Leaf]) -> dict[str, Leaf]:
+  return {name: leaf for leaf in leaves for _, names in leaf.items() for name in names}
+
+
+def check(files: CheckpointFiles, leaves: list[Leaf], extra: list[Leaf] = ()) -> None:
+  """Every tensor present, known, of the right shape and a float dtype; `extra` leaves
+  (trainable non-adapter parameters) may be present or not."""
+  need, may = _expected(leaves), _expected(extra)
+  missing = [n for n, leaf in need.items() if n not in files.info and not leaf.rule.optional]
+  if missing:
+    more = f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
+    raise WeightsError(f"tensor {missing[0]!r} is missing from {files.dir} (model parameter "
+                       f"{need[missing[0]].key}){more}")
+  for name, (file, shape, dtype) in files.info.items():
+    leaf = need.get(name) or may.get(name)
+    if leaf is None:
+      raise WeightsError(f"unexpected tensor {name!r} in {file}: no model parameter maps to it "
+                         "(see the table in hylora.hf_names; check the model config)")
+    want = leaf.tensor_shape()
+    if shape != want:
+      raise WeightsError(f"tensor {name!r} in {file}: shape {list(shape)}, but the model expects "
+                         f"{list(want)} (parameter {leaf.key}, shape {list(leaf.shape)})")
+    if dtype not in ACCEPTED_DTYPES:
+      raise WeightsError(f"tensor {name!r} in {file}: dtype {dtype}, expected one of "
+                         f"{'/'.join(ACCEPTED_DTYPES)}")
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+  return [s.indices(n)[:2] for s, n in zip(index, shape)]
+
+
+def _flat_span(bounds, shape) -> tuple[int, int]:
+  """Flat range covering a block whose first dim is cut and the others read whole."""
+  rest = math.prod(shape[1:])
+  return bounds[0][0] * rest, bounds[0][1] * rest
+
+
+def _read_item(leaf: Leaf, files: CheckpointFiles, names, bounds) -> np.ndarray:
+  rule, item = leaf.rule, leaf.item_shape
+  cut = tuple(slice(a, b) for a, b in bounds)
+  if rule.optional and names[0] not in files.info:
+    return np.zeros([b - a for a, b in bounds], np.float32)
+  if not rule.linear:
+    return files.read(names[0], cut)
+  n = rule.in_dims
+  in_shape, out_shape = item[:n], item[n:]
+  col_lo, col_hi = _flat_span(bounds[:n], in_shape)
+  row_lo, row_hi = _flat_span(bounds[n:], out_shape)
+  part = math.prod(out_shape) // len(names)
+  pieces = []
+  for p, name in enumerate(names):  # fused tensors: rows [p * part, (p + 1) * part)
+    lo, hi = max(row_lo, p * part), min(row_hi, (p + 1) * part)
+    if lo < hi:
+      pieces.append(files.read(name, (slice(lo - p * part, hi - p * part), slice(col_lo, col_hi))))
+  block = np.concatenate(pieces, axis=0).T  # [in, out]
+  block = block.reshape(bounds[0][1] - bounds[0][0], *in_shape[1:],
+                        bounds[n][1] - bounds[n][0], *out_shape[1:])
+  return block[(slice(None), *cut[1:n], slice(None), *cut[n + 1:])]
+
+
+def read_block(leaf: Leaf, files: CheckpointFiles, index: tuple[slice, ...]) -> np.ndarray:
+  """The model-layout block `leaf[index]`, read from the checkpoint."""
+  bounds = _bounds(index, leaf.shape)
+  if leaf.rule.fill == "expert_ids":
+    ids = np.arange(leaf.shape[-1], dtype=leaf.dtype)
+    return np.broadcast_to(ids, leaf.shape)[tuple(slice(a, b) for a, b in bounds)].copy()
+  stack, item = bounds[:leaf.stack_dims], bounds[leaf.stack_dims:]
+  ranges = [range(a, b) for a, b in stack]
+  blocks = [_read_item(leaf, files, leaf.names_at(i), item) for i in itertools.product(*ranges)]
+  out = np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape) if ranges else blocks[0]
+  return np.asarray(out).astype(leaf.dtype)
+
+
+def _build(leaf: Leaf, files: CheckpointFiles, sharding) -> jax.Array:
+  cache = {}  # devices holding the same slice (replicas) share one read
+
+  def slice_for(index):
+    key = tuple(_bounds(index, leaf.shape))
+    if key not in cache:
+      cache[key] = read_block(leaf, files, index)
+    return cache[key]
+
+  return jax.make_array_from_callback(leaf.shape, sharding, slice_for)
+
+
+def _flat(tree) -> dict[tuple, object]:
+  return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): v
+          for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _unflatten_like(tree, values: dict[tuple, object]):
+  paths = _flat(tree)
+  return jax.tree.unflatten(jax.tree.structure(tree), [values[p] for p in paths])
+
+
+def _non_adapters(tree) -> dict:
+  """The trainable leaves that are not LoRA factors (e.g. depth-mix residual weights)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: None if getattr(path[-1], "key", None) in ADAPTER_LEAVES else x, tree)
+
+
+def load(directory: str | Path, cfg: Config, frozen_abstract: dict, lora=None):
+  """(frozen, lora): the frozen parameters read from `directory` (ShapeDtypeStructs with
+  shardings in `frozen_abstract`), and `lora` with any trainable non-adapter parameter
+  the checkpoint holds (e.g. from a merged export) replaced by the stored value."""
+  check_config(Path(directory), cfg)
+  files = CheckpointFiles(directory)
+  leaves = plan(cfg, frozen_abstract)
+  extras = plan(cfg, _non_adapters(lora)) if lora is not None else []
+  check(files, leaves, extras)
+  shardings = _flat(frozen_abstract)
+  frozen = _unflatten_like(frozen_abstract, {
+      leaf.path: _build(leaf, files, shardings[leaf.path].sharding) for leaf in leaves})
+  if lora is not None:
+    present = {leaf.path: leaf for leaf in extras
+               if all(n in files.info for _, names in leaf.items() for n in names)}
+    values = {p: (_build(present[p], files, v.sharding) if p in present else v)
+              for p, v in _flat(lora).items()}
+    lora = _unflatten_like(lora, values)
+  return frozen, lora
+
+
+# config.json keys checked against the model config (when present in the file).
+CONFIG_KEYS = {
+    "vocab_size": "model.vocab_size",
+    "hidden_size": "model.d_model",
+    "num_hidden_layers": "model.layers",
+    "intermediate_size": "model.dense_ffn",
+    "first_k_dense_replace": "model.dense_layers",
+    "n_routed_experts": "model.moe.experts",
+    "num_experts_per_tok": "model.moe.top_k",
+    "moe_intermediate_size": "model.moe.expert_ffn",
+    "n_shared_experts": "model.moe.shared_experts",
+}
+
+
+def _field(cfg: Config, dotted: str):
+  value = cfg
+  for part in dotted.split("."):
+    value = getattr(value, part)
+  return value
+
+
+def check_config(directory: Path, cfg: Config) -> None:
+  path = directory / "config.json"
+  if not path.exists():
+    raise WeightsError(f"base weights: {path} is missing (the model's config.json)")
+  try:
+    hf = json.loads(path.read_text())
+  except ValueError as e:
+    raise WeightsError(f"{path}: not valid JSON ({e})") from None
+  for key, field in CONFIG_KEYS.items():
+    if key in hf and hf[key] != _field(cfg, field):
+      raise ConfigError(f"{field}: the base weights' config.json has {key}={hf[key]}, but the "
+                        f"model config has {_field(cfg, field)} (set --{field}={hf[key]} or pick "
+                        "the matching preset)")
+
+
+def hf_config(cfg: Config) -> dict:
+  """The config.json written next to exported weights."""
+  from hylora.overrides import to_dict
+
+  out = {key: _field(cfg, field) for key, field in CONFIG_KEYS.items()}
+  out.update({"architectures": ["HybridLMForCausalLM"], "model_type": "hylora_hybrid",
+              "rms_norm_eps": cfg.model.norm_eps, "tie_word_embeddings": False,
+              "hylora_model": to_dict(cfg.model)})
+  return out
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+def item_reader(array: jax.Array, stack_dims: int):
+  """index -> the host copy of `array[index]` (one layer / expert slice), gathered on every
+  process (a collective: all processes call it in the same order)."""
+  replicated = NamedSharding(array.sharding.mesh, P())
+
+  def take(a, *index):
+    for i in index:
+      a = jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False)
+    return a
+
+  fn = jax.jit(take, out_shardings=replicated)
+  return lambda index: np.asarray(fn(array, *(np.int32(i) for i in index)))
+
+
+def to_tensors(leaf: Leaf, item: np.ndarray) -> list[np.ndarray]:
+  """One model-layout slice -> its checkpoint tensors (inverse of `_read_item`)."""
+  if not leaf.rule.linear:
+    return [item]
+  n_in = math.prod(leaf.item_shape[:leaf.rule.in_dims])
+  return np.split(item.reshape(n_in, -1).T, len(leaf.rule.names), axis=0)
+
+
+def expert_slots(leaf: Leaf, frozen_flat: dict):
+  """index (layer, logical expert) -> (layer, storage slot) under the layer's expert
+  placement; the identity for leaves without an expert axis."""
+  if not leaf.experts:
+    return lambda index: index
+  table = np.asarray(frozen_flat[leaf.path[:-2] + ("placement",)])  # [layers, slots]
+  slot_of = [{int(e): s for s, e in reversed(list(enumerate(row)))} for row in table]
+  return lambda index: (index[0], slot_of[index[0]][index[1]])
+
+
+def _adapter_paths(leaf: Leaf) -> tuple[tuple, tuple] | None:
+  if leaf.rule.adapter is None:
+    return None
+  base = leaf.path[:len(leaf.path) - len(leaf.rule.model.split("/"))]
+  module = base + tuple(leaf.rule.adapter.split("/"))
+  return module + ("lora_a",), module + ("lora_b",)
+
+
+def lora_delta(a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+  """scale * A B for one slice: A [*in, r], B [r, *out] -> [*in, *out] (fp32)."""
+  return scale * np.tensordot(a.astype(np.float32), b.astype(np.float32), axes=1)
+
+
+def model_tensors(cfg: Config, frozen: dict, lora: dict | None = None,
+                  merge: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+  """(checkpoint name, host array) for every tensor of the model, one slice at a time;
+  with `merge`, adapted weights become base + scale * B @ A, and trainable non-adapter
+  parameters are written too."""
+  arrays = _flat(frozen)
+  adapters = _flat(lora) if (merge and lora is not None) else {}
+  trees = [frozen] + ([_non_adapters(lora)] if adapters else [])
+  for tree in trees:
+    source = _flat(tree)
+    for leaf in plan(cfg, tree):
+      if leaf.rule.fill:
+        continue
+      read = item_reader(source[leaf.path], leaf.stack_dims)
+      slot = expert_slots(leaf, arrays)
+      pair = _adapter_paths(leaf)
+      a_read = b_read = None
+      if pair and pair[0] in adapters:
+        a, b = adapters[pair[0]], adapters[pair[1]]
+        a_dims = a.ndim - leaf.rule.in_dims - 1  # one less than the leaf's: A shared by experts
+        a_read, b_read = item_reader(a, a_dims), item_reader(b, leaf.stack_dims)
+      for index, names in leaf.items():
+        index = slot(index)
+        item = read(index)
+        if a_read is not None:
+          delta = lora_delta(a_read(index[:a_dims]), b_read(index), cfg.lora.scale)
+          item = (item.astype(np.float32) + delta).astype(item.dtype)
+        yield from zip(names, to_tensors(leaf, item))
+
+
+def write_sharded(directory: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
+                  max_shard_bytes: int = 4 << 30) -> list[str]:
+  """Writes `model-0000i-of-0000n.safetensors` shards + the index (process 0 writes; every
+  process must iterate `tensors`, whose gathers are collectives)."""
+  out = Path(directory)
+  write = jax.process_index() == 0
+  if write:
+    out.mkdir(parents=True, exist_ok=True)
+  shards, current, size, weight_map, total = [], {}, 0, {}, 0
+
+  def flush():
+    nonlocal current, size
+    if current and write:
+      name = f"part-{len(shards):05d}.safetensors"
+      save_file(current, str(out / name))
+      shards.append((name, list(current)))
+    current, size = {}, 0
+
+  for name, array in tensors:
+    if current and size + array.nbytes > max_shard_bytes:
+      flush()
+    current[name] = np.ascontiguousarray(array)
+    size += array.nbytes
+    total += array.nbytes
+  flush()
+  if not write:
+    return []
+  final = []
+  for i, (tmp, names) in enumerate(shards):
+    name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    (out / tmp).rename(out / name)
+    weight_map.update({n: name for n in names})
+    final.append(name)
+  index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+  (out / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
+  return final
+
+
+def save(directory: str | Path, cfg: Config, frozen: dict, lora: dict | None = None,
+         merge: bool = False, max_shard_bytes: int = 4 << 30) -> list[str]:
+  """The model (merged with its adapters when `merge`) as an HF-layout folder."""
+  files = write_sharded(directory, model_tensors(cfg, frozen, lora, merge), max_shard_bytes)
+  if jax.process_index() == 0:
+    (Path(directory) / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+  return files
