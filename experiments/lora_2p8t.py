@@ -3,6 +3,7 @@
   python -m experiments.lora_2p8t                      # tiny preset, 8 simulated CPU devices
   python -m experiments.lora_2p8t --preset gpu-1 --steps 50 --out runs/gpu1
   python -m experiments.lora_2p8t --model.moe.top_k=4 --lora.rank=8
+  python -m experiments.lora_2p8t --dry-run             # compile 2p8t for 128 simulated devices
   python -m experiments.lora_2p8t --data chats.jsonl   # image + text conversations
 """
 
@@ -32,6 +33,26 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, default=None,
                  help="simulate this many CPU devices (mesh.devices)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  ck = p.add_argument_group("weights and checkpoints (docs/checkpoints.md)")
+  ck.add_argument("--base-weights", default=None, metavar="DIR",
+                  help="base weights: a Hugging Face-layout folder of safetensors shards + "
+                       "config.json (checkpoint.base_weights); default: random weights")
+  ck.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                  help="save a checkpoint every N steps under --out (checkpoint.every; one is "
+                       "always saved after the last step)")
+  ck.add_argument("--resume", action="store_true",
+                  help="continue from the latest checkpoint in --out up to --steps in total")
+  ck.add_argument("--export-adapter", default=None, metavar="DIR",
+                  help="after training, write the adapter in the PEFT layout to DIR")
+  ck.add_argument("--merge", action="store_true",
+                  help="with --export-adapter: also write the merged model to DIR/merged")
+  mh = p.add_argument_group("multi-host (default: from SLURM variables when SLURM_NTASKS > 1)")
+  mh.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                  help="address of process 0's coordination service")
+  mh.add_argument("--num-processes", type=int, default=None)
+  mh.add_argument("--process-id", type=int, default=None)
+  mh.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                  help="a process silent this long counts as dead: the others stop (default 30)")
   dry = p.add_argument_group("dry run (docs/dry_run.md)")
   dry.add_argument("--dry-run", action="store_true",
                    help="compile the real step for simulated devices from abstract shapes and "
@@ -80,13 +101,23 @@ def main(argv: list[str] | None = None) -> int:
       overrides.setdefault("train.steps", str(args.steps))
     if args.data is not None:
       overrides.setdefault("train.data", args.data)
+    if args.base_weights is not None:
+      overrides.setdefault("checkpoint.base_weights", args.base_weights)
+    if args.checkpoint_every is not None:
+      overrides.setdefault("checkpoint.every", str(args.checkpoint_every))
+    if args.resume and args.out is None:
+      raise ConfigError("--resume: name the run's folder with --out")
+    if args.merge and args.export_adapter is None:
+      raise ConfigError("--merge: goes with --export-adapter DIR")
+    from hylora.distributed import resolve
+    group = resolve(args.coordinator, args.num_processes, args.process_id)
     if args.reference:
       for field in dataclasses.fields(KernelConfig):
         overrides.setdefault(f"kernels.{field.name}", "reference")
     cfg = apply_overrides(cfg, overrides).validate()
     if args.dry_run:
-      from hylora.dry_run import with_simulated_devices
-      cfg = with_simulated_devices(cfg)
+      from hylora.dry_run import dry_run_config
+      cfg = dry_run_config(cfg, explicit=overrides)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -96,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from meshes.mesh import ensure_cpu_devices
     ensure_cpu_devices(cfg.mesh.devices)
+  if group is not None:
+    from hylora.distributed import initialize
+    initialize(group, heartbeat_timeout_s=args.heartbeat_timeout,
+               cpu_collectives=cfg.mesh.devices > 0)
 
   if args.dry_run:
     from hylora.dry_run import command
@@ -109,16 +144,30 @@ def main(argv: list[str] | None = None) -> int:
   from hylora.train.run import train
 
   out = args.out or os.path.join("runs", f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+  from hylora.errors import CheckpointError, TrainingHalted, WeightsError
   try:
-    summary = train(cfg, out, progress=not args.quiet)
-  except (ConfigError, DataError) as e:
+    summary = train(cfg, out, progress=not args.quiet, resume=args.resume,
+                    export_adapter=args.export_adapter, merge=args.merge)
+  except (ConfigError, DataError, WeightsError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except TrainingHalted as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except Exception as e:  # noqa: BLE001
+    if group is None or type(e).__name__ != "JaxRuntimeError":
+      raise
+    print(f"error: process {group.process_id} of {group.num_processes} lost contact with the "
+          f"others ({str(e).strip().splitlines()[0][:300]})", file=sys.stderr, flush=True)
+    os._exit(1)  # no orderly jax.distributed shutdown: it would wait for the dead peer
   print(f"\n{summary['preset']}: {summary['steps']} steps on {summary['devices']} devices "
         f"(mesh {summary['mesh']}), loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f}, {summary['steps_per_s']:.2f} steps/s, "
         f"{summary['tokens_per_s']:.0f} tokens/s, compile {summary['compile_seconds']:.1f} s")
   print(f"outputs: {out}/ (metrics.jsonl, config.json, loss.png, summary.json)")
+  if args.export_adapter:
+    print(f"adapter: {args.export_adapter}/ (adapter_config.json, adapter_model.safetensors"
+          + (", merged/" if args.merge else "") + ")")
   return 0
 
 

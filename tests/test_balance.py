@@ -78,7 +78,8 @@ def test_replacement_leaves_outputs_and_gradients_unchanged_and_lowers_the_busie
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(
       cfg.model, moe=dataclasses.replace(cfg.model.moe, dispatch="ep_alltoall")))
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
-  graphdef, lora, rest = nnx.split(_skewed_layer(cfg), LoRAParam, ...)
+  # Built under jit: one compile instead of hundreds of eager initialisers.
+  graphdef, lora, rest = nnx.split(nnx.jit(lambda: _skewed_layer(cfg))(), LoRAParam, ...)
   b, t, d = 4, 16, cfg.model.d_model
   ctx = ForwardContext(jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32))
   x = jax.random.normal(jax.random.key(0), (b, t, d))
@@ -92,11 +93,12 @@ def test_replacement_leaves_outputs_and_gradients_unchanged_and_lowers_the_busie
     with activation_mesh(mesh):
       return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(lora, x)
 
+  relocate = jax.jit(lambda tree, table: relocate_module(tree, table, 8, jnp.arange(8)))
+
   def placed(table):
-    identity = jnp.arange(8)
     lora_p, rest_p = jax.tree.map(lambda v: v, (lora, rest))
-    nnx.replace_by_pure_dict(lora_p, relocate_module(nnx.to_pure_dict(lora), table, 8, identity))
-    nnx.replace_by_pure_dict(rest_p, relocate_module(nnx.to_pure_dict(rest), table, 8, identity))
+    nnx.replace_by_pure_dict(lora_p, relocate(nnx.to_pure_dict(lora), table))
+    nnx.replace_by_pure_dict(rest_p, relocate(nnx.to_pure_dict(rest), table))
     assert rest_p["experts"]["gate_up"][...].shape[0] == table.shape[0]
     return lora_p, rest_p
 

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hylora.data import ConversationLoader, is_conversation_file
 from hylora.data.images import choose_grid, tile_count
-from hylora.errors import DataError
+from hylora.errors import ConfigError, DataError
 from hylora.train.data import IGNORE_INDEX
 from tests.helpers import small_config
 
@@ -76,8 +76,8 @@ def test_chat_template_loss_mask_and_image_placeholders(tmp_path):
   write_image(tmp_path / "cat.png", 20, 12)  # 2x1 grid + thumbnail = 3 tiles
   path = write_data(tmp_path, [chat("what is this", "a cat .", image="cat.png",
                                     system="w1 w2")])
-  # 4 tile slots: the next copy of the record (3 more tiles) must wait for the next row.
-  batch = loader(path, config(tiles_per_row=4)).next_batch(1)
+  # 5 tile slots: the next copy of the record (3 more tiles) must wait for the next row.
+  batch = loader(path, config(tiles_per_row=5)).next_batch(1)
   n = int((batch["segment_ids"][0] > 0).sum())
   tokens, labels = batch["tokens"][0, :n], batch["labels"][0, :n]
   im = 3 * TPT * [ID["<|image|>"]]
@@ -196,6 +196,12 @@ def test_hosts_read_disjoint_shares_of_the_epoch(tmp_path):
   assert len(firsts[0] | firsts[1]) == n  # 12 per host: the whole epoch
 
 
+def test_tile_slots_must_hold_the_largest_image():
+  with pytest.raises(ConfigError, match="train.tiles_per_row: 4 slots"):
+    config(tiles_per_row=4).validate()  # 4 tiles + thumbnail need 5
+  config(tiles_per_row=0).validate()  # text-only rows
+
+
 def test_is_conversation_file(tmp_path):
   (tmp_path / "ids.jsonl").write_text("[1, 2, 3]\n")
   (tmp_path / "conv.jsonl").write_text(json.dumps({"text": "w1"}) + "\n")
@@ -214,6 +220,7 @@ BAD = [
     ("image too large", chat("w1", "w2", image="huge.png"),
      "huge.png is 300x10, larger than model.vision.max_image_side=256"),
     ("not json", "{oops", "not valid JSON"),
+    ("placeholder in text", {"text": "w1 <|image|> w2"}, "contains the image placeholder"),
 ]
 
 

@@ -58,7 +58,6 @@ class MoEConfig:
   transport: str = "padded"  # "padded" all_to_all (any backend) or "ragged" (GPU only)
   overlap_chunks: int = 1  # token chunks per device: one chunk's all-to-all overlaps another's FFN
   aux_loss_kind: str = "global"  # balance loss over the whole batch or per "sequence"
-  bias_update_rate: float = 0.0  # aux-loss-free balancing: router-bias step per update (0: off)
 
 
 @dataclass(frozen=True)
@@ -153,6 +152,10 @@ class MemoryConfig:
   remat: str = "full"  # "none", "full", "minimal", "tiered"
   hbm_names: tuple[str, ...] = ()  # tiered: save points kept in device memory
   host_names: tuple[str, ...] = ()  # tiered: save points offloaded to pinned host memory
+  # tiered: "auto" offloads where the backend has pinned host memory inside jit (GPU, TPU)
+  # and keeps host_names in device memory elsewhere (CPU); "on" always emits the offload
+  # (lowering for another platform); "off" never offloads.
+  host_offload: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,17 @@ class TrainConfig:
   tiles_per_row: int = 8  # image tiles each packed row can carry (fixed batch shape)
   skip_bad_records: bool = False  # skip (and count) bad records instead of stopping
   log_every: int = 1
+  max_nonfinite_in_a_row: int = 5  # non-finite steps (update skipped) tolerated in a row
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+  """Base weights in, training state out (docs/checkpoints.md)."""
+
+  base_weights: str = ""  # HF-layout folder (safetensors + config.json); "": random weights
+  every: int = 0  # save every N steps (0: only after the last step)
+  keep: int = 3  # the last K checkpoints stay on disk
+  async_save: bool = True  # write while training continues
 
 
 @dataclass(frozen=True)
@@ -188,6 +202,7 @@ class Config:
   kernels: KernelConfig = field(default_factory=KernelConfig)
   memory: MemoryConfig = field(default_factory=MemoryConfig)
   train: TrainConfig = field(default_factory=TrainConfig)
+  checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
   def validate(self) -> "Config":
     m, t = self.model, self.train
@@ -227,6 +242,11 @@ class Config:
     _check(t.batch_size % t.grad_accum == 0, "train.batch_size",
            f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
+    _check(t.max_nonfinite_in_a_row >= 1, "train.max_nonfinite_in_a_row",
+           f"must be >= 1, got {t.max_nonfinite_in_a_row}")
+    _check(self.checkpoint.every >= 0, "checkpoint.every",
+           f"must be >= 0, got {self.checkpoint.every}")
+    _check(self.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.checkpoint.keep}")
     v = m.vision
     if v.enabled:
       _check(v.image_size % v.patch_size == 0, "model.vision.image_size",
@@ -236,6 +256,11 @@ class Config:
       _check(v.width % v.heads == 0, "model.vision.width",
              f"{v.width} is not a multiple of model.vision.heads={v.heads}")
       _check(v.max_tiles >= 1, "model.vision.max_tiles", f"must be >= 1, got {v.max_tiles}")
+      most = v.max_tiles + (1 if v.max_tiles > 1 else 0)  # the grid and its thumbnail
+      _check(t.tiles_per_row == 0 or t.tiles_per_row >= most, "train.tiles_per_row",
+             f"{t.tiles_per_row} slots cannot hold one image of model.vision.max_tiles="
+             f"{v.max_tiles} tiles plus its thumbnail ({most}); use >= {most}, or 0 for "
+             "text-only data")
     _check(t.tiles_per_row >= 0, "train.tiles_per_row", f"must be >= 0, got {t.tiles_per_row}")
     la = m.linear_attention
     _check(la.chunk_size == 64, "model.linear_attention.chunk_size",

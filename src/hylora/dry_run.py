@@ -22,12 +22,16 @@ Memory figures (bytes per device):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
+import os
 import re
 import resource
 import sys
+import tempfile
 import time
 
 import jax
@@ -140,16 +144,83 @@ def xla_bytes(compiled) -> dict:
           "xla_peak": peak}
 
 
-def memory_plan(cfg: Config, mesh, device_memory: float):
-  """The memory planner's plan and predicted peak, when the planner is installed."""
+def memory_plan(cfg: Config, mesh, device_memory: float) -> dict | None:
+  """The memory planner's GPU-side prediction for this policy and its best plan, when
+  `hylora.memory_plan` is present (None otherwise; its failure is reported, not raised)."""
   try:
-    from hylora.memory_plan import plan_memory
+    from hylora import memory_plan as planner
   except ImportError:
     return None
-  plan = plan_memory(cfg, (mesh.shape["fsdp"], mesh.shape["expert"]), int(device_memory))
-  if dataclasses.is_dataclass(plan):
-    plan = dataclasses.asdict(plan)
-  return json.loads(json.dumps(plan, default=str))
+  shape = (mesh.shape["fsdp"], mesh.shape["expert"])
+  try:
+    this = planner.estimate_policy(cfg, shape, device_memory)
+    best = planner.plan_memory(cfg, shape, device_memory)
+  except Exception as e:  # the planner must never stop a dry run
+    return {"error": f"{type(e).__name__}: {e}"}
+  return {"policy": cfg.memory.remat, "predicted_peak": this.predicted_peak_bytes,
+          "fits": bool(this.fits), "best_plan_peak": best.predicted_peak_bytes,
+          "best_plan_fits": bool(best.fits), "best_plan": best.table()}
+
+
+@contextlib.contextmanager
+def captured_stderr():
+  """Captures what XLA's C++ writes to stderr (fd 2) into a temporary file."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+b") as tmp:
+    os.dup2(tmp.fileno(), 2)
+    reader = io.StringIO()
+    try:
+      yield reader
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      reader.write(tmp.read().decode(errors="replace"))
+      reader.seek(0)
+
+
+_REPLICATION = re.compile(r"Involuntary full rematerialization.*?HLO operation %\S+ = "
+                          r"(\w+\[[0-9,]*\])")
+
+
+def involuntary_replications(log: str) -> list[dict]:
+  """Tensors the SPMD partitioner had to replicate in full ("involuntary full
+  rematerialization"), by shape: the sign of a sharding the partitioner cannot follow."""
+  counts: dict[str, int] = {}
+  for shape in _REPLICATION.findall(log):
+    counts[shape] = counts.get(shape, 0) + 1
+  return [{"shape": k, "count": v} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
+_VALUE = re.compile(r"%\S+ = (\w+)\[([0-9,]+)\][^ ]* (\S+?)\(.*?(?:op_name=\"([^\"]*)\")?")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def largest_values(hlo_text: str, count: int = 6) -> list[dict]:
+  """The largest array shapes the optimized per-device program computes (shape, bytes,
+  op and the JAX op that made it): where the temporaries go."""
+  best: dict[str, dict] = {}
+  fused = False  # values inside a fusion are never materialised
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      fused = "fused" in header.group(1) or "region" in header.group(1)
+      continue
+    m = None if fused else _VALUE.search(line)
+    if not m or m.group(1) not in _DTYPE_BYTES or m.group(3) == "parameter":
+      continue
+    dims = [int(d) for d in m.group(2).split(",")]
+    nbytes = math.prod(dims) * _DTYPE_BYTES[m.group(1)]
+    shape = f"{m.group(1)}[{m.group(2)}]"
+    if shape not in best:
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      best[shape] = {"shape": shape, "bytes": nbytes, "op": m.group(3),
+                     "source": op_name.group(1)[-120:] if op_name else ""}
+  return sorted(best.values(), key=lambda v: -v["bytes"])[:count]
 
 
 def host_peak_bytes() -> int:
@@ -173,14 +244,29 @@ def parse_bytes(text: str) -> float:
 
 # ---- the dry run ----------------------------------------------------------------------
 
-def with_simulated_devices(cfg: Config) -> Config:
-  """A dry run always simulates its devices: by default as many as the mesh asks for."""
-  if cfg.mesh.devices > 0:
-    return cfg
-  if cfg.mesh.fsdp < 1:
-    raise ConfigError("mesh.fsdp: a dry run needs a fixed mesh (mesh.fsdp >= 1) or --devices N")
-  devices = cfg.mesh.fsdp * cfg.mesh.expert
-  return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, devices=devices))
+EP_DISPATCHER = "ep_alltoall"
+
+
+def dry_run_config(cfg: Config, explicit=()) -> Config:
+  """The configuration a dry run compiles.
+
+  Devices are always simulated: by default as many as the mesh asks for. Routed
+  experts go through the expert-parallel dispatcher when it is registered and the mesh
+  has an expert axis, unless `model.moe.dispatch` is among the `explicit` overrides."""
+  from hylora.model.ffn.dispatch import DISPATCHERS
+  from hylora.model.ffn import moe  # noqa: F401  (registers every dispatcher)
+
+  if cfg.mesh.devices <= 0:
+    if cfg.mesh.fsdp < 1:
+      raise ConfigError("mesh.fsdp: a dry run needs a fixed mesh (mesh.fsdp >= 1) or "
+                        "--devices N")
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+        cfg.mesh, devices=cfg.mesh.fsdp * cfg.mesh.expert))
+  if ("model.moe.dispatch" not in explicit and EP_DISPATCHER in DISPATCHERS
+      and cfg.mesh.expert > 1):
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, moe=dataclasses.replace(cfg.model.moe, dispatch=EP_DISPATCHER)))
+  return cfg.validate()
 
 
 def check_devices(cfg: Config) -> None:
@@ -212,9 +298,14 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
         f"LoRA params+grads+optimizer "
         f"{(memory['lora'] + memory['grads'] + memory['optimizer']) / GB:.2f}); "
         f"use more devices or a larger device memory")
+  replicated, largest = [], []
   if compile_step:
-    trainer.compile(lora, opt_state, frozen, batch)  # the run's own lower + compile
+    print(f"compiling the train step for {mesh.size} simulated devices ...", flush=True)
+    with captured_stderr() as log:
+      trainer.compile(lora, opt_state, frozen, batch)  # the run's own lower + compile
+    replicated = involuntary_replications(log.read())
     memory.update(xla_bytes(trainer.compiled))
+    largest = largest_values(trainer.compiled.as_text())
   peak = memory.get("xla_peak", memory["analytic_peak"])
   m, tc = cfg.model, cfg.train
   return {
@@ -236,6 +327,8 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
                "grad_accum": tc.grad_accum, "tokens_per_device": tokens_per_device(batch),
                "batch_spec": _spec_text(batch["tokens"]), "remat": cfg.memory.remat,
                "dispatch": m.moe.dispatch, "backend": jax.default_backend()},
+      "partitioner_replications": replicated,
+      "largest_values": largest,
       "shardings": sharding_summary(rows),
       "arrays": rows,
       "host_peak_bytes": host_peak_bytes(),
@@ -261,9 +354,13 @@ def format_report(r: dict) -> str:
       f"  step: batch {s['batch_size']} x seq {s['seq_len']} (grad_accum {s['grad_accum']}), "
       f"batch split {s['batch_spec']} -> {s['tokens_per_device']} tokens per device; "
       f"remat {s['remat']}, dispatch {s['dispatch']}, compiled for {s['backend']}",
-      "",
-      f"  {'parameters':<16}{'total':>12}{'active/token':>15}{'LoRA':>12}",
   ]
+  ideal = s["batch_size"] * s["seq_len"] // r["devices"]
+  if s["tokens_per_device"] > ideal:
+    lines.append(f"  note: {s['batch_size']} rows cannot be split over {r['devices']} devices, so "
+                 f"each device computes {s['tokens_per_device']} tokens, not {ideal} (the "
+                 "sequence axis is not sharded); more rows or fewer devices per row fix it")
+  lines += ["", f"  {'parameters':<16}{'total':>12}{'active/token':>15}{'LoRA':>12}"]
   for kind, c in r["params_by_kind"].items():
     lines.append(f"  {kind:<16}{c['total']:>12.4g}{c['active']:>15.4g}{c['lora']:>12.4g}")
   lines.append(f"  {'all':<16}{r['params_total']:>12.4g}{r['params_active_per_token']:>15.4g}"
@@ -289,9 +386,23 @@ def format_report(r: dict) -> str:
   lines.append(f"  {'temporaries':<34}{'':>12}{_gb(b.get('xla_temporaries')):>13}")
   lines.append(f"  {'peak':<34}{_gb(b['analytic_peak']):>12}{_gb(b.get('xla_peak')):>13}"
                "   (analytic: a lower bound)")
-  if r.get("memory_plan") is not None:
-    lines += ["", "  memory plan (hylora.memory_plan):"]
-    lines += ["    " + line for line in json.dumps(r["memory_plan"], indent=1).splitlines()]
+  if r.get("largest_values"):
+    lines += ["", "  largest values in the compiled per-device program:"]
+    for v in r["largest_values"]:
+      lines.append(f"    {v['bytes'] / GB:9.2f} GB  {v['shape']:<28} {v['op']:<10} {v['source']}")
+  if r["compiled"]:
+    reps = r["partitioner_replications"]
+    lines.append("  partitioner: " + ("no tensor replicated in full" if not reps else
+                 "replicated in full (involuntary): " +
+                 ", ".join(f"{x['shape']} x{x['count']}" for x in reps)))
+  plan = r.get("memory_plan")
+  if plan is not None and "error" in plan:
+    lines += ["", f"  memory planner failed: {plan['error']}"]
+  elif plan is not None:
+    lines += ["", f"  memory planner (GPU model), remat {plan['policy']}: predicted peak "
+              f"{plan['predicted_peak'] / GB:.2f} GB ({'fits' if plan['fits'] else 'does not fit'})"
+              f"; its best plan:"]
+    lines += ["    " + line for line in plan["best_plan"].splitlines()]
   lines.append("")
   if r["compiled"]:
     lines.append(f"  compile: {r['compile_seconds']:.1f} s (lower + compile of the real step)")

@@ -202,7 +202,8 @@ def _leaf(cfg: Config, path: tuple, shape, dtype, starts) -> Leaf:
     return Leaf(path, _MODEL[joined], shape, dtype, None, _MODEL[joined].names)
   if joined.startswith(VISION_PREFIX[0]):
     rest = joined[len(VISION_PREFIX[0]):].replace("/", ".")
-    rule = Rule(joined, (VISION_PREFIX[1] + rest,))
+    adapter = joined.rsplit("/", 1)[0] if joined.endswith("/kernel") else None
+    rule = Rule(joined, (VISION_PREFIX[1] + rest,), adapter=adapter)
     if joined.startswith(VISION_STACK):
       tail = joined[len(VISION_STACK):].replace("/", ".")
       stem = VISION_STACK[len(VISION_PREFIX[0]):].replace("/", ".")

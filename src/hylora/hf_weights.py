@@ -167,17 +167,17 @@ def _build(leaf: Leaf, files: CheckpointFiles, sharding) -> jax.Array:
   return jax.make_array_from_callback(leaf.shape, sharding, slice_for)
 
 
-def _flat(tree) -> dict[tuple, object]:
+def flat_paths(tree) -> dict[tuple, object]:
   return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): v
           for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _unflatten_like(tree, values: dict[tuple, object]):
-  paths = _flat(tree)
+  paths = flat_paths(tree)
   return jax.tree.unflatten(jax.tree.structure(tree), [values[p] for p in paths])
 
 
-def _non_adapters(tree) -> dict:
+def non_adapters(tree) -> dict:
   """The trainable leaves that are not LoRA factors (e.g. depth-mix residual weights)."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: None if getattr(path[-1], "key", None) in ADAPTER_LEAVES else x, tree)
@@ -190,16 +190,16 @@ def load(directory: str | Path, cfg: Config, frozen_abstract: dict, lora=None):
   check_config(Path(directory), cfg)
   files = CheckpointFiles(directory)
   leaves = plan(cfg, frozen_abstract)
-  extras = plan(cfg, _non_adapters(lora)) if lora is not None else []
+  extras = plan(cfg, non_adapters(lora)) if lora is not None else []
   check(files, leaves, extras)
-  shardings = _flat(frozen_abstract)
+  shardings = flat_paths(frozen_abstract)
   frozen = _unflatten_like(frozen_abstract, {
       leaf.path: _build(leaf, files, shardings[leaf.path].sharding) for leaf in leaves})
   if lora is not None:
     present = {leaf.path: leaf for leaf in extras
                if all(n in files.info for _, names in leaf.items() for n in names)}
     values = {p: (_build(present[p], files, v.sharding) if p in present else v)
-              for p, v in _flat(lora).items()}
+              for p, v in flat_paths(lora).items()}
     lora = _unflatten_like(lora, values)
   return frozen, lora
 
@@ -256,6 +256,9 @@ def hf_config(cfg: Config) -> dict:
 def item_reader(array: jax.Array, stack_dims: int):
   """index -> the host copy of `array[index]` (one layer / expert slice), gathered on every
   process (a collective: all processes call it in the same order)."""
+  if array.is_fully_addressable:  # one process: copy the leaf to the host once
+    host = np.asarray(array)
+    return lambda index: host[tuple(index)]
   replicated = NamedSharding(array.sharding.mesh, P())
 
   def take(a, *index):
@@ -285,7 +288,7 @@ def expert_slots(leaf: Leaf, frozen_flat: dict):
   return lambda index: (index[0], slot_of[index[0]][index[1]])
 
 
-def _adapter_paths(leaf: Leaf) -> tuple[tuple, tuple] | None:
+def adapter_paths(leaf: Leaf) -> tuple[tuple, tuple] | None:
   if leaf.rule.adapter is None:
     return None
   base = leaf.path[:len(leaf.path) - len(leaf.rule.model.split("/"))]
@@ -303,17 +306,17 @@ def model_tensors(cfg: Config, frozen: dict, lora: dict | None = None,
   """(checkpoint name, host array) for every tensor of the model, one slice at a time;
   with `merge`, adapted weights become base + scale * B @ A, and trainable non-adapter
   parameters are written too."""
-  arrays = _flat(frozen)
-  adapters = _flat(lora) if (merge and lora is not None) else {}
-  trees = [frozen] + ([_non_adapters(lora)] if adapters else [])
+  arrays = flat_paths(frozen)
+  adapters = flat_paths(lora) if (merge and lora is not None) else {}
+  trees = [frozen] + ([non_adapters(lora)] if adapters else [])
   for tree in trees:
-    source = _flat(tree)
+    source = flat_paths(tree)
     for leaf in plan(cfg, tree):
       if leaf.rule.fill:
         continue
       read = item_reader(source[leaf.path], leaf.stack_dims)
       slot = expert_slots(leaf, arrays)
-      pair = _adapter_paths(leaf)
+      pair = adapter_paths(leaf)
       a_read = b_read = None
       if pair and pair[0] in adapters:
         a, b = adapters[pair[0]], adapters[pair[1]]

@@ -14,18 +14,20 @@ MIXER_NORM = "mixer_norm"  # normalised input of the attention mixer
 QKV = "qkv"  # q, k, v projections (both attention kinds)
 GATES = "gates"  # low-rank gate projections (decay, output gate, beta)
 INDEXER = "indexer"  # indexer queries / keys / weights of the sparse layers
+TOPK = "topk_indices"  # the indexer's chosen keys per query (int32; costly to recompute)
 ATTENTION = "attention"  # the attention core's output (before the output projection)
 MIXER_OUT = "mixer_out"  # output projection of the mixer
 FFN_NORM = "ffn_norm"  # normalised input of the FFN
 ROUTER = "router"  # router logits
+EXPERT_INPUT = "expert_input"  # token rows as they reach the routed experts (after dispatch)
 MLP_GATE_UP = "mlp_gate_up"  # dense / shared-expert gate_up output
 MLP_DOWN = "mlp_down"  # dense / shared-expert down output
 EXPERT_GATE_UP = "expert_gate_up"  # routed experts' grouped gate_up output
 EXPERT_DOWN = "expert_down"  # routed experts' grouped down output
 LORA_A = "lora_a"  # x @ A of the adapters
 
-ALL = (LAYER_INPUT, MIXER_NORM, QKV, GATES, INDEXER, ATTENTION, MIXER_OUT, FFN_NORM, ROUTER,
-       MLP_GATE_UP, MLP_DOWN, EXPERT_GATE_UP, EXPERT_DOWN, LORA_A)
+ALL = (LAYER_INPUT, MIXER_NORM, QKV, GATES, INDEXER, TOPK, ATTENTION, MIXER_OUT, FFN_NORM,
+       ROUTER, MLP_GATE_UP, MLP_DOWN, EXPERT_INPUT, EXPERT_GATE_UP, EXPERT_DOWN, LORA_A)
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:

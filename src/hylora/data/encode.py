@@ -39,14 +39,14 @@ class ExampleEncoder:
 
     special = self.tok.ids
     if record.text is not None:
-      add(self.tok.encode(record.text) + [special["end_of_text"]], True)
+      add(self._text(record.text, record.where) + [special["end_of_text"]], True)
     else:
       for message in record.messages:
         assistant = message.role == "assistant"
         add([special["turn_start"]] + self.tok.encode(message.role + "\n"), False)
         for part in message.parts:
           if part.kind == "text":
-            add(self.tok.encode(part.value), assistant)
+            add(self._text(part.value, record.where), assistant)
             continue
           self._check_images_allowed(record.where)
           for tile in load_tiles(part.value, self.vision, record.where):
@@ -65,6 +65,13 @@ class ExampleEncoder:
     return Example(record.where, tokens.astype(np.int32), np.asarray(trained, bool),
                    np.stack(tiles) if tiles else np.zeros((0, s, s, 3), np.uint8),
                    np.asarray(starts, np.int32))
+
+  def _text(self, text: str, where: str) -> list[int]:
+    ids = self.tok.encode(text)
+    if self.tok.ids["image"] in ids:  # it would stand for an image that is not there
+      raise DataError(f"{where}: text contains the image placeholder "
+                      f"{self.tok.template.image!r}; give images as image parts")
+    return ids
 
   def _check_images_allowed(self, where: str) -> None:
     if not self.vision.enabled:

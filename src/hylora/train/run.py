@@ -3,6 +3,7 @@ config, a loss plot, and a final summary."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -12,7 +13,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from hylora import peft_export
+from hylora.checkpoint import Checkpoints, Position, data_state, restore_data, trim_metrics
 from hylora.config import Config
+from hylora.distributed import local_rows
+from hylora.errors import ConfigError, TrainingHalted
 from hylora.overrides import to_dict
 from hylora.data import ConversationLoader, is_conversation_file
 from hylora.train.data import Packer, make_source
@@ -52,44 +57,93 @@ def data_stream(cfg: Config):
                 tc.seq_len)
 
 
-def train(cfg: Config, out_dir: str | Path, *, progress: bool = True) -> dict:
+def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bool = False,
+          export_adapter: str | Path | None = None, merge: bool = False) -> dict:
+  """Trains to `train.steps` total steps; `resume` continues from the latest checkpoint
+  under `out_dir` (docs/checkpoints.md); `export_adapter` writes the PEFT adapter at
+  the end (with `merge`, also the merged model)."""
   cfg = cfg.validate()
   out = Path(out_dir)
-  write_config(cfg, out)
+  primary = jax.process_index() == 0  # one process writes the run's files
   mesh = build_mesh(cfg.mesh)
-  tc = cfg.train
+  tc, cc = cfg.train, cfg.checkpoint
   packer = data_stream(cfg)  # before the model: bad data fails fast
+  ckpt = Checkpoints(out, every=cc.every, keep=cc.keep, async_save=cc.async_save)
+  position, latest = Position(), ckpt.latest()
+  if latest is not None and not resume:
+    raise ConfigError(f"--out {out}: already holds checkpoints (latest: step {latest}); pass "
+                      "--resume to continue that run, or choose another --out")
+  if latest is not None:
+    ckpt.check_config(latest, cfg)  # a mismatch fails before the model is built
+  if primary:
+    write_config(cfg, out)
   trainer = Trainer(cfg, mesh)
-  lora, opt_state, frozen = trainer.init()
-
+  lora, opt_state, frozen = trainer.init(base_weights=cc.base_weights)
+  if latest is not None:
+    abstract = lambda tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    lora, opt_state, position = ckpt.restore(latest, cfg, abstract(lora), abstract(opt_state))
+    packer = restore_data(packer, position.data)
   metrics_path = out / "metrics.jsonl"
-  metrics_path.write_text("")
-  bar = tqdm(range(tc.steps), desc=f"{cfg.preset} on {mesh.size} devices", disable=not progress,
-             dynamic_ncols=True)
-  losses, step_times = [], []
-  with open(metrics_path, "a") as log:
+  if primary:
+    trim_metrics(metrics_path, position.step)
+  rows = local_rows(trainer.batch_sharding, (tc.batch_size, tc.seq_len))
+  bar = tqdm(range(position.step, tc.steps), desc=f"{cfg.preset} on {mesh.size} devices",
+             disable=not (progress and primary), dynamic_ncols=True, initial=position.step,
+             total=tc.steps)
+  first_step, step_times = position.step, []
+  with open(metrics_path, "a") if primary else contextlib.nullcontext() as log:
     for step in bar:
-      batch = trainer.put_batch(packer.next_batch(tc.batch_size))
+      batch = packer.next_batch(tc.batch_size)
+      if isinstance(packer, Packer):  # the full global batch: feed this process's rows
+        batch = {k: v[rows] for k, v in batch.items()}
+      batch = trainer.put_batch(batch)
       if trainer.compiled is None:
         trainer.compile(lora, opt_state, frozen, batch)
       start = time.perf_counter()
       lora, opt_state, metrics = trainer.step(lora, opt_state, frozen, batch, step)
       metrics = jax.device_get(metrics)
       seconds = time.perf_counter() - start
+      skipped = bool(metrics["skipped"] > 0)
+      position.step = step + 1
+      position.nonfinite_total += skipped
+      position.nonfinite_in_a_row = position.nonfinite_in_a_row + 1 if skipped else 0
       record = {"step": step, **{k: float(v) for k, v in metrics.items()},
+                "nonfinite_total": position.nonfinite_total,
                 "step_seconds": seconds, "tokens_per_s": float(metrics["tokens"]) / seconds}
-      log.write(json.dumps(record) + "\n")
-      log.flush()
-      losses.append(record["loss"])
+      if primary:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
       step_times.append(seconds)
-      if not math.isfinite(record["loss"]):
-        raise FloatingPointError(f"non-finite loss {record['loss']} at step {step}")
+      halted = position.nonfinite_in_a_row >= tc.max_nonfinite_in_a_row
+      if halted or ckpt.due(position.step, tc.steps):
+        position.data = data_state(packer)
+        ckpt.save(position, cfg, lora, opt_state)
+      if halted:
+        ckpt.close()
+        raise TrainingHalted(
+            f"{position.nonfinite_in_a_row} non-finite steps in a row (steps "
+            f"{step + 1 - position.nonfinite_in_a_row}..{step}; train.max_nonfinite_in_a_row="
+            f"{tc.max_nonfinite_in_a_row}): their updates were skipped and the last good state "
+            f"is saved as checkpoint {ckpt.directory / str(position.step)}")
       bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-  plot_loss(metrics_path, out / "loss.png")
-  steady = step_times[1:] or step_times
+  ckpt.close()
+  if export_adapter is not None:
+    peft_export.export(export_adapter, cfg, frozen, lora, merge=merge)
+  return _summary(cfg, mesh, trainer, out, metrics_path, first_step, step_times, packer, primary)
+
+
+def _summary(cfg, mesh, trainer, out, metrics_path, first_step, step_times, packer, primary):
+  tc = cfg.train
+  rows = ([json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+          if primary else [])
+  losses = [r["loss"] for r in rows] or [math.nan]
+  steady = step_times[1:] or step_times or [math.nan]
   summary = {
       "preset": cfg.preset, "devices": mesh.size, "mesh": dict(mesh.shape), "steps": tc.steps,
+      "resumed_from": first_step, "processes": jax.process_count(),
       "first_loss": losses[0], "final_loss": losses[-1],
+      "skipped_steps": int(sum(r.get("skipped", 0) for r in rows)),
       "compile_seconds": trainer.compile_seconds,
       "steps_per_s": 1.0 / float(np.mean(steady)),
       "tokens_per_s": tc.batch_size * tc.seq_len / float(np.mean(steady)),
@@ -97,5 +151,7 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True) -> dict:
   }
   if isinstance(packer, ConversationLoader):
     summary["data"] = packer.state()  # position, truncated and skipped examples
-  (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  if primary:
+    plot_loss(metrics_path, out / "loss.png")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   return summary

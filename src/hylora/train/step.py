@@ -72,17 +72,26 @@ def make_train_step(cfg: Config, parts: ModelParts, optimizer: optax.GradientTra
 
     zeros = jax.tree.map(jnp.zeros_like, lora)
     (grads,), infos = jax.lax.scan(one, (zeros,), (micro, jnp.arange(accum)))
-    updates, opt_state = optimizer.update(grads, opt_state, lora)
-    lora = optax.apply_updates(lora, updates)
-
+    updates, new_opt_state = optimizer.update(grads, opt_state, lora)
+    new_lora = optax.apply_updates(lora, updates)
     tokens = jnp.sum(infos["tokens"])
+    loss = jnp.sum(infos["loss_sum"]) / jnp.maximum(tokens, 1)
+    grad_norm = optax.global_norm(grads)
+    # A non-finite loss or gradient skips the update: parameters and optimizer state
+    # (its step count included) stay as they were; the run counts and limits these.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    lora = jax.tree.map(keep, new_lora, lora)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+
     load = jnp.sum(infos["expert_load"], axis=0)  # [layers, experts]; dense layers: zeros
     busiest = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
     # A Python float: at the 2p8t shape the count (2.3e9) overflows int32.
     routed_pairs = float(batch["tokens"].size * k * _moe_layer_count(cfg))
     metrics = {
-        "loss": jnp.sum(infos["loss_sum"]) / jnp.maximum(tokens, 1),
-        "grad_norm": optax.global_norm(grads),
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "skipped": (~finite).astype(jnp.float32),
         "moe_aux_loss": jnp.mean(infos["moe_aux_loss"]),
         "moe_z_loss": jnp.mean(infos["moe_z_loss"]),
         "expert_load_max_over_mean": jnp.max(busiest),

@@ -40,12 +40,26 @@ class Trainer:
     self.compiled = None
     self.compile_seconds = 0.0
 
-  def init(self, seed: int | None = None):
-    """(lora, opt_state, frozen), all sharded over the mesh."""
+  def init(self, seed: int | None = None, base_weights: str = ""):
+    """(lora, opt_state, frozen), all sharded over the mesh; with `base_weights` (an
+    HF-layout folder, hylora.hf_weights) the frozen weights are read from it."""
     seed = self.cfg.train.seed if seed is None else seed
-    lora, frozen = st.init_params(self.cfg, self.parts, self.mesh, seed)
+    if base_weights:
+      lora, frozen = self.load_base(base_weights, seed)
+    else:
+      lora, frozen = st.init_params(self.cfg, self.parts, self.mesh, seed)
     opt_state = self.init_optimizer(lora)
     return lora, opt_state, frozen
+
+  def load_base(self, directory: str, seed: int):
+    from hylora import hf_weights
+
+    # Fresh adapters only: the random base weights of init_params are dead code here.
+    make = lambda: st.init_params(self.cfg, self.parts, self.mesh, seed)[0]
+    lora = jax.jit(make, out_shardings=self.lora_sharding)()
+    _, frozen_abstract = st.abstract_arrays(self.parts, self.mesh)
+    frozen, lora = hf_weights.load(directory, self.cfg, frozen_abstract, lora)
+    return lora, frozen
 
   def optimizer_sharding(self, lora):
     """Moments sharded like the adapters; counters and scalars replicated."""

@@ -117,7 +117,7 @@ def _ragged_offsets(cap, ranks):
 
 def _ragged_out(x, token_of_pair, plan, cap, ranks, recv_sizes):
   rows = jnp.take(x, token_of_pair[plan.order], axis=0)  # pairs in send order
-  mine, blocks = _ragged_offsets(cap, ranks)
+  mine, _ = _ragged_offsets(cap, ranks)
   out = jnp.zeros((ranks * cap, x.shape[1]), x.dtype)
   return ragged_collective(rows, out, plan.start, plan.sent, mine, recv_sizes,
                            axis_name=EXPERT_AXIS)

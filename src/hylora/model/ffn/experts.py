@@ -63,6 +63,7 @@ def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,
   """SwiGLU of rows x [M, d] sorted by expert; group_sizes [G] over the G experts whose
   weights are given ([G, ...] stacks). Rows past sum(group_sizes) come out zero."""
   gmm = ops.resolve("grouped_matmul", kernels)
+  x = remat.tag(x, remat.EXPERT_INPUT)
   h = gmm(x, weights["gate_up"].astype(x.dtype), group_sizes)
   if "lora_a" in weights:
     xd = dropout(x, lora_dropout, dropout_key, "experts.gate_up")

@@ -58,13 +58,14 @@ class LinearAttention(nnx.Module):
     names = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     q, k, v, g = (constrain(t, names) for t in (q, k, v, g))
     if self.beta is not None:
-      beta = jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
+      beta = remat.tag(jax.nn.sigmoid(self.beta(x).astype(jnp.float32)), remat.GATES)
       kda = ops.resolve("linear_attention.kda", self.kernels)
       o, _ = kda(q, k, v, g, beta, segment_ids=ctx.segment_ids)
     else:
       gla = ops.resolve("linear_attention.gla", self.kernels)
       o, _ = gla(q, k, v, g, segment_ids=ctx.segment_ids)
     o = remat.tag(o, remat.ATTENTION)
-    out_gate = jax.nn.sigmoid(self.out_gate_up(self.out_gate_down(x)).astype(jnp.float32))
+    out_gate = remat.tag(
+        jax.nn.sigmoid(self.out_gate_up(self.out_gate_down(x)).astype(jnp.float32)), remat.GATES)
     o = (rms_norm(o, self.head_norm[...], self.norm_eps).astype(jnp.float32) * out_gate)
     return remat.tag(self.o(o.astype(x.dtype), key), remat.MIXER_OUT), {}

@@ -1,0 +1,210 @@
+"""Remat policies side by side: step time and peak memory of full, minimal, tiered and the
+planner's choice (and none, to show it does not fit), in one run, next to the planner's
+predictions.
+
+  python -m experiments.bench_memory                      # one GPU, gpu-1 preset
+  python -m experiments.bench_memory --seq 32768 --budget 141GB --json out.json
+  python -m experiments.bench_memory --small              # CPU, 8 simulated devices
+
+Peak is XLA's figure for the compiled step (arguments + outputs - aliased + temporaries);
+on a GPU the allocator's peak (`peak_bytes_in_use`, cumulative over the run) is recorded
+too. The budget defaults to the device's `bytes_limit` (run with
+XLA_PYTHON_CLIENT_MEM_FRACTION=.95 to give XLA most of the GPU). Without --seq the sequence is the shortest of 8K..128K at which the planner predicts
+that `none` does not fit the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+GB = 1e9
+HAND_TIERED = {"hbm_names": ("qkv", "attention", "topk_indices", "lora_a"),
+               "host_names": ("expert_gate_up", "mlp_gate_up", "gates")}
+
+
+def _args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--small", action="store_true", help="tiny model on 8 simulated CPU devices")
+  p.add_argument("--seq", type=int, default=None, help="sequence length (train.seq_len)")
+  p.add_argument("--batch", type=int, default=None, help="sequences per step (train.batch_size)")
+  p.add_argument("--budget", default=None,
+                 help="device memory for the planner, e.g. 141GB (default: the device's)")
+  p.add_argument("--steps", type=int, default=5, help="timed steps per policy (after 2 warm-up)")
+  p.add_argument("--policies", default="full,minimal,tiered,planned,none",
+                 help="run in this order (none last: it may run out of memory)")
+  p.add_argument("--json", default=None, help="write the report here")
+  return p.parse_args(argv)
+
+
+def _bytes(text: str) -> float:
+  from hylora.dry_run import parse_bytes
+  return parse_bytes(text)
+
+
+def _small():
+  """The tiny preset cut to one `L L L S` period on a 2 x 4 mesh, short rows."""
+  from hylora.config import MeshConfig
+  from hylora.presets import tiny
+  cfg = tiny()
+  return dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model, layers=4, dense_layers=1),
+      mesh=MeshConfig(fsdp=2, expert=4),
+      train=dataclasses.replace(cfg.train, seq_len=64, batch_size=8))
+
+
+def _config(args):
+  from hylora.presets import gpu_1
+  cfg = _small() if args.small else gpu_1()
+  train = {}
+  if args.batch:
+    train["batch_size"] = args.batch
+  if args.seq:
+    train["seq_len"] = args.seq
+  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+
+
+def _device_memory(args, small: bool) -> float:
+  import jax
+  if args.budget:
+    return _bytes(args.budget)
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return float(stats["bytes_limit"])
+  if small:
+    return 0.0  # set from the planner below
+  return 141e9
+
+
+def _pick_sequence(cfg, mesh_shape, budget):
+  """The shortest sequence (8K..128K) at which `none` is predicted not to fit."""
+  from hylora.config import MemoryConfig
+  from hylora.memory_plan import estimate_policy
+  for seq in (8192, 16384, 32768, 65536, 131072):
+    trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq))
+    if not estimate_policy(trial, mesh_shape, budget, MemoryConfig(remat="none")).fits:
+      return trial
+  return trial
+
+
+def _random_batch(cfg, seed=0):
+  import numpy as np
+  b, t = cfg.train.batch_size, cfg.train.seq_len
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, cfg.model.vocab_size, (b, t)).astype(np.int32)
+  labels = np.roll(tokens, -1, axis=1)
+  labels[:, -1] = -100
+  return {"tokens": tokens, "labels": labels, "segment_ids": np.ones((b, t), np.int32),
+          "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()}
+
+
+def measure(cfg, mesh, params, steps: int) -> dict:
+  """Compile one train step under cfg.memory; XLA's peak, then the median step time."""
+  import jax
+  import numpy as np
+  from hylora.dry_run import xla_bytes
+  from hylora.train.trainer import Trainer
+
+  trainer = Trainer(cfg, mesh)
+  lora0, frozen = params
+  lora = jax.tree.map(lambda a: a.copy(), lora0)  # the step donates its adapters
+  opt_state = trainer.init_optimizer(lora)
+  batch = trainer.put_batch(_random_batch(cfg))
+  row = {}
+  try:
+    compiled = trainer.compile(lora, opt_state, frozen, batch)
+    row.update(xla_bytes(compiled), compile_s=round(trainer.compile_seconds, 1))
+    times = []
+    for i in range(steps + 2):
+      start = time.perf_counter()
+      lora, opt_state, metrics = compiled(lora, opt_state, frozen, batch, np.int32(i))
+      loss = float(metrics["loss"])
+      times.append(time.perf_counter() - start)
+    row.update(step_ms=round(statistics.median(times[2:]) * 1e3, 2), loss=round(loss, 5))
+  except Exception as e:  # an OOM is a result here (`none` at a long sequence)
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    row["allocator_peak_so_far"] = stats["peak_bytes_in_use"]
+  return row
+
+
+def main(argv=None) -> int:
+  args = _args(sys.argv[1:] if argv is None else argv)
+  if args.small:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from meshes.mesh import ensure_cpu_devices
+    ensure_cpu_devices(8)
+  import jax
+  from hylora.config import MemoryConfig
+  from hylora.errors import ConfigError
+  from hylora.memory_plan import estimate_policy, plan_memory
+  from hylora.train import state as st
+  from meshes.mesh import build_mesh
+
+  try:
+    cfg = _config(args)
+    mesh = build_mesh(cfg.mesh)
+    mesh_shape = (mesh.shape["fsdp"], mesh.shape["expert"])
+    budget = _device_memory(args, args.small)
+    if args.small and not budget:
+      # a budget between `full` and `none`, so that the plan has to choose
+      lo = estimate_policy(cfg, mesh_shape, 1e12, MemoryConfig(remat="full"))
+      hi = estimate_policy(cfg, mesh_shape, 1e12, MemoryConfig(remat="none"))
+      budget = (lo.predicted_peak_bytes + hi.predicted_peak_bytes) / 2
+    if not args.seq and not args.small:
+      cfg = _pick_sequence(cfg, mesh_shape, budget)
+    plan = plan_memory(cfg, mesh_shape, budget)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(plan.table(), flush=True)
+
+  policies = {"none": MemoryConfig(remat="none"), "full": MemoryConfig(remat="full"),
+              "minimal": MemoryConfig(remat="minimal"),
+              "tiered": MemoryConfig(remat="tiered", **HAND_TIERED),
+              "planned": plan.policy_config()}
+  chosen = [p for p in args.policies.split(",") if p]
+  unknown = [p for p in chosen if p not in policies]
+  if unknown:
+    print(f"error: --policies: unknown {unknown}; choose from {sorted(policies)}",
+          file=sys.stderr)
+    return 2
+  report = {"device": str(jax.devices()[0]), "jax": jax.__version__, "preset": cfg.preset,
+            "seq_len": cfg.train.seq_len, "batch_size": cfg.train.batch_size,
+            "mesh": mesh_shape, "budget_bytes": budget, "plan": plan.policy_config().__dict__,
+            "policies": {}}
+  params = st.init_params(cfg, st.model_parts(cfg), mesh)
+  for name in chosen:
+    policy_cfg = dataclasses.replace(cfg, memory=policies[name])
+    predicted = estimate_policy(cfg, mesh_shape, budget, policies[name])
+    row = {"predicted_peak": predicted.predicted_peak_bytes,
+           "predicted_step_ms": float(f"{predicted.predicted_step_seconds * 1e3:.4g}")}
+    row.update(measure(policy_cfg, mesh, params, args.steps))
+    report["policies"][name] = row
+    print(json.dumps({name: row}), flush=True)
+
+  full = report["policies"].get("full", {}).get("step_ms")
+  print(f"\n{'policy':<9} {'XLA peak GB':>12} {'predicted GB':>13} {'step ms':>9} "
+        f"{'predicted ms':>13} {'vs full':>8}")
+  for name, row in report["policies"].items():
+    peak = row.get("xla_peak")
+    ms = row.get("step_ms")
+    speed = f"{full / ms:.2f}x" if full and ms else "-"
+    print(f"{name:<9} {peak / GB if peak else float('nan'):>12.3f} "
+          f"{row['predicted_peak'] / GB:>13.3f} {ms if ms else float('nan'):>9.1f} "
+          f"{row['predicted_step_ms']:>13.4g} {speed:>8}"
+          + (f"  ({row['error'][:60]})" if "error" in row else ""))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1, default=str)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,277 @@
+"""Whole-step profile on one GPU: tokens/s, step time split by layer kind, and model-FLOPs
+utilisation against the H200's dense bf16 peak.
+
+  python -m experiments.bench_step                 # gpu-1 preset (one H200)
+  python -m experiments.bench_step --small         # tiny shapes on one CPU device (CI)
+
+The whole step is the compiled train step (`hylora.train.trainer.Trainer`). Its split
+comes from separate jitted sub-benchmarks at the step's shapes, each forward + backward
+(input gradient, and LoRA gradients where there are adapters): one linear-attention
+mixer, one sparse-attention mixer, one MoE FFN, one dense FFN, the LM-head loss and the
+optimizer update; each is multiplied by how often the model runs it. "other" is the
+whole step minus their sum (embedding, norms, residuals, layer glue).
+
+Model FLOPs count what the LoRA step has to compute, from the config: every frozen
+matmul forward + input gradient (4 m n k per token-row), every LoRA factor forward +
+input gradient + weight gradient (6 m n k), attention cores forward + backward (3x the
+forward), the indexer forward only (its selection is not differentiated). Remat
+recomputation is not counted (it is overhead, not model work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s
+
+
+def _linear(tokens, k, n, lora_rank=0):
+  """Forward + input gradient of a frozen [k, n] matmul, plus its LoRA factors."""
+  flops = 4 * tokens * k * n
+  if lora_rank:
+    flops += 6 * tokens * lora_rank * (k + n)
+  return flops
+
+
+def flops_per_step(cfg) -> dict[str, float]:
+  """Model FLOPs of one optimizer step, split like the timing table."""
+  m, t = cfg.model, cfg.train
+  tokens = t.batch_size * t.seq_len
+  d, lora = m.d_model, cfg.lora
+
+  def r(name):
+    return lora.rank if any(__import__("fnmatch").fnmatchcase(name, p)
+                            for p in lora.targets) else 0
+
+  la, sa, moe = m.linear_attention, m.sparse_attention, m.moe
+  hd = la.heads * la.head_dim
+  linear = (3 * _linear(tokens, d, hd, r("q")) + _linear(tokens, hd, d, r("o"))
+            + 2 * _linear(tokens, d, la.gate_rank) + 2 * _linear(tokens, la.gate_rank, hd))
+  if la.delta_rule:
+    linear += _linear(tokens, d, la.heads)
+  # chunked core per token and head: intra-chunk q.k and p.v over half a chunk on
+  # average, plus reading and updating the [Dk, Dv] state; backward = 2 x forward.
+  c, dk = la.chunk_size, la.head_dim
+  core = 2 * (c / 2) * dk * 2 + 2 * dk * dk * 2
+  linear += 3 * tokens * la.heads * core
+
+  q_dim, kv_dim = sa.q_heads * sa.head_dim, sa.kv_heads * sa.head_dim
+  sparse = (_linear(tokens, d, q_dim, r("q")) + 2 * _linear(tokens, d, kv_dim, r("k"))
+            + _linear(tokens, q_dim, d, r("o")))
+  keys = min(sa.top_k, t.seq_len)
+  sparse += 3 * tokens * sa.q_heads * 2 * keys * sa.head_dim * 2  # q.k and p.v over top-K
+  index_proj = (d * sa.index_q_rank + sa.index_q_rank * sa.index_heads * sa.index_head_dim
+                + d * sa.index_head_dim + d * sa.index_heads)
+  # indexer: forward only; scores over the causal half of the row on average
+  sparse += 2 * tokens * index_proj
+  sparse += 2 * tokens * (t.seq_len / 2) * sa.index_heads * sa.index_head_dim
+
+  def swiglu(rows, ffn):
+    return _linear(rows, d, 2 * ffn, r("gate_up")) + _linear(rows, ffn, d, r("down"))
+
+  moe_ffn = (_linear(tokens, d, moe.experts)  # router (input gradient through the weights)
+             + swiglu(tokens * moe.top_k, moe.expert_ffn)
+             + (swiglu(tokens, moe.expert_ffn * moe.shared_experts) if moe.shared_experts else 0))
+  dense_ffn = swiglu(tokens, m.dense_ffn)
+  counts = layer_counts(cfg)
+  return {"linear attention": counts["linear"] * linear,
+          "sparse attention": counts["sparse"] * sparse,
+          "MoE FFN": counts["moe"] * moe_ffn, "dense FFN": counts["dense"] * dense_ffn,
+          "loss (LM head)": _linear(tokens, d, m.vocab_size), "optimizer": 0.0}
+
+
+def layer_counts(cfg) -> dict[str, int]:
+  kinds = cfg.model.layer_kinds()
+  return {"linear": sum(k == "linear" for k, _ in kinds),
+          "sparse": sum(k == "sparse" for k, _ in kinds),
+          "moe": sum(f == "moe" for _, f in kinds), "dense": sum(f == "dense" for _, f in kinds)}
+
+
+def _median_ms(fn, args, repeats: int) -> float:
+  import jax
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def _module_ms(module, x, ctx, repeats: int) -> float:
+  """Forward + gradients (input and LoRA) of one mixer / FFN module."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from hylora.model import LoRAParam
+
+  graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
+
+  def loss(lora, x):
+    y, _ = nnx.merge(graphdef, lora, rest)(x, ctx)
+    return jnp.sum(y.astype(jnp.float32))
+
+  step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  return _median_ms(step, (lora, x), repeats)
+
+
+def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
+  """Milliseconds per step of each part (one module's time x how often a step runs it)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from hylora import ops
+  from hylora.model import LoRAParam
+  from hylora.model.context import ForwardContext
+  from hylora.model.ffn import FFNS
+  from hylora.model.init import ParamInit
+  from hylora.model.mixers import MIXERS
+  from hylora.train.optimizer import make_optimizer
+
+  m, t = cfg.model, cfg.train
+  b, s, d = t.batch_size, t.seq_len, m.d_model
+  x = jax.random.normal(jax.random.key(0), (b, s, d), jnp.float32).astype(jnp.bfloat16)
+  segments = jnp.zeros((b, s), jnp.int32)
+  ctx = ForwardContext(segments, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
+  counts = layer_counts(cfg)
+  init = ParamInit(0)
+  out = {}
+  for part, kind, table in (("linear attention", "linear", MIXERS),
+                            ("sparse attention", "sparse", MIXERS),
+                            ("MoE FFN", "moe", FFNS), ("dense FFN", "dense", FFNS)):
+    if counts[kind]:
+      out[part] = counts[kind] * _module_ms(table[kind](cfg, init=init), x, ctx, repeats)
+
+  ce = ops.resolve("cross_entropy", cfg.kernels)
+  head = jax.random.normal(jax.random.key(1), (d, m.vocab_size), jnp.float32)
+  head = (head * d ** -0.5).astype(jnp.bfloat16)
+  labels = jax.random.randint(jax.random.key(2), (b * s,), 0, m.vocab_size)
+  loss_grad = jax.jit(jax.grad(lambda h: ce(h, head, labels)[0] / (b * s)))
+  out["loss (LM head)"] = _median_ms(loss_grad, (x.reshape(b * s, d),), repeats)
+
+  from hylora.train.state import model_parts
+  parts = model_parts(cfg, t.seed)
+  lora = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), nnx.to_pure_dict(parts.lora_template))
+  optimizer = make_optimizer(t)
+  state = optimizer.init(lora)
+
+  @jax.jit
+  def update(lora, state, grads):
+    updates, state = optimizer.update(grads, state, lora)
+    return jax.tree.map(lambda p, u: p + u, lora, updates), state
+
+  grads = jax.tree.map(lambda a: jnp.full(a.shape, 1e-3, a.dtype), lora)
+  out["optimizer"] = _median_ms(update, (lora, state, grads), repeats)
+  del np, LoRAParam
+  return out
+
+
+def whole_step(cfg, steps: int, devices) -> dict:
+  """Seconds per compiled train step (median over `steps` after the first)."""
+  import jax
+
+  from hylora.train.data import Packer, make_source
+  from hylora.train.trainer import Trainer
+  from meshes.mesh import build_mesh
+
+  tc = cfg.train
+  trainer = Trainer(cfg, build_mesh(cfg.mesh, devices))
+  lora, opt_state, frozen = trainer.init()
+  packer = Packer(make_source(tc.data, cfg.model.vocab_size, tc.seed, tc.synthetic_docs),
+                  tc.seq_len)
+  times = []
+  for step in range(steps + 1):
+    batch = trainer.put_batch(packer.next_batch(tc.batch_size))
+    if trainer.compiled is None:
+      trainer.compile(lora, opt_state, frozen, batch)
+    start = time.perf_counter()
+    lora, opt_state, metrics = trainer.step(lora, opt_state, frozen, batch, step)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  seconds = statistics.median(times[1:])
+  return {"step_seconds": seconds, "tokens_per_s": tc.batch_size * tc.seq_len / seconds,
+          "compile_seconds": trainer.compile_seconds,
+          "final_loss": float(jax.device_get(metrics["loss"]))}
+
+
+def small_config():
+  """The tiny preset on one device, one `L L L S` period: a CPU smoke run."""
+  from hylora.config import MeshConfig
+  from hylora.presets import tiny
+  cfg = tiny()
+  return dataclasses.replace(
+      cfg, preset="tiny-1", mesh=MeshConfig(fsdp=1, expert=1, devices=0),
+      model=dataclasses.replace(cfg.model, layers=4, dense_layers=1),
+      train=dataclasses.replace(cfg.train, batch_size=2, seq_len=64))
+
+
+def profile(cfg, steps: int, repeats: int, peak: float, devices=None) -> dict:
+  step = whole_step(cfg, steps, devices)
+  parts = sub_benchmarks(cfg, repeats)
+  flops = flops_per_step(cfg)
+  step_ms = step["step_seconds"] * 1e3
+  total_flops = sum(flops.values())
+  return {"preset": cfg.preset, **step, "step_ms": step_ms, "parts_ms": parts,
+          "other_ms": step_ms - sum(parts.values()), "flops": flops,
+          "model_flops_per_step": total_flops, "peak_flops": peak,
+          "mfu": total_flops / step["step_seconds"] / peak}
+
+
+def format_report(r: dict) -> str:
+  lines = [f"{r['preset']}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, "
+           f"MFU {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:.0f} TFLOP/s "
+           f"(compile {r['compile_seconds']:.0f} s)",
+           f"{'part':<18} {'ms/step':>9} {'share':>7} {'model TFLOP':>12} {'TFLOP/s':>9}"]
+  for part, ms in r["parts_ms"].items():
+    f = r["flops"].get(part, 0.0)
+    rate = f / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
+    lines.append(f"{part:<18} {ms:>9.2f} {100 * ms / r['step_ms']:>6.1f}% {f / 1e12:>12.3f} "
+                 f"{rate:>9.1f}")
+  lines.append(f"{'other':<18} {r['other_ms']:>9.2f} {100 * r['other_ms'] / r['step_ms']:>6.1f}%")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  from hylora.errors import ConfigError
+  from hylora.overrides import apply_overrides, split_overrides
+  from hylora.presets import get_preset
+
+  p = argparse.ArgumentParser(prog="python -m experiments.bench_step",
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--small", action="store_true", help="tiny shapes on one CPU device")
+  p.add_argument("--steps", type=int, default=5, help="timed steps after the first")
+  p.add_argument("--repeats", type=int, default=5, help="timed runs per sub-benchmark")
+  p.add_argument("--peak", type=float, default=H200_BF16_PEAK, help="peak FLOP/s for MFU")
+  p.add_argument("--out", default=None, help="folder for bench_step.json")
+  try:
+    overrides, rest = split_overrides(argv)
+    args = p.parse_args(rest)
+    base = small_config() if args.small else get_preset("gpu-1")
+    cfg = apply_overrides(base, overrides).validate()
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  import jax
+  devices = jax.devices()[:1]
+  report = profile(cfg, args.steps, args.repeats, args.peak, devices)
+  print(format_report(report))
+  if args.out:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_step.json").write_text(json.dumps(report, indent=2) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

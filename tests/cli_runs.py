@@ -1,0 +1,102 @@
+"""Runs of the main command in subprocesses, shared by the checkpoint and multi-host
+tests: one tiny configuration, one persistent compilation cache, one reference run."""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model.layers=4", "--model.dense_layers=1", "--train.seq_len=64",
+        "--train.batch_size=8", "--quiet"]
+STEPS = 8
+EVERY = 4
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN_ID:  # pytest -n: the workers of one session share runs (and leave them in /tmp)
+  _SCRATCH = Path(tempfile.gettempdir()) / f"hylora-cli-{_RUN_ID}"
+  _SCRATCH.mkdir(exist_ok=True)
+else:
+  _SCRATCH = Path(tempfile.mkdtemp(prefix="hylora-cli-"))
+  atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
+
+
+def env() -> dict:
+  out = dict(os.environ)
+  out.pop("XLA_FLAGS", None)  # the command sets its own device count
+  out["JAX_COMPILATION_CACHE_DIR"] = str(_SCRATCH / "jit-cache")  # one compile for all runs
+  out["PYTHONUNBUFFERED"] = "1"
+  return out
+
+
+def command(*args: str) -> list[str]:
+  return [sys.executable, "-m", "experiments.lora_2p8t", *TINY, *args]
+
+
+def launch(*args: str, log: Path | None = None) -> subprocess.Popen:
+  sink = open(log, "w") if log else subprocess.DEVNULL
+  return subprocess.Popen(command(*args), cwd=ROOT, env=env(), stdout=sink,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+  return subprocess.run(command(*args), cwd=ROOT, env=env(), capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+  path = Path(out) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 900, what: str = ""):
+  start = time.monotonic()
+  while not condition():
+    if proc.poll() is not None:
+      raise AssertionError(f"the run exited ({proc.returncode}) before {what}")
+    if time.monotonic() - start > timeout:
+      kill(proc)
+      raise AssertionError(f"timed out waiting for {what}")
+    time.sleep(0.05)
+
+
+def kill(proc: subprocess.Popen) -> None:
+  if proc.poll() is None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def scratch(name: str) -> Path:
+  return _SCRATCH / name
+
+
+@functools.cache
+def reference_run() -> Path:
+  """STEPS straight steps on one process x 8 devices, a checkpoint every EVERY steps,
+  and the adapter exported at the end."""
+  out = scratch("reference")
+  with open(scratch("reference.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be running it: wait, then reuse
+    if not (out / "summary.json").exists():
+      shutil.rmtree(out, ignore_errors=True)
+      done = run("--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--out", str(out),
+                 "--export-adapter", str(out / "adapter"))
+      assert done.returncode == 0, done.stderr[-3000:]
+  return out
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+  """Metrics without the wall-clock fields."""
+  return [{k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_s")}
+          for r in rows]

@@ -1,0 +1,90 @@
+"""Two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) train
+like one process x 8 devices, and a killed process takes the other one down quickly;
+plus the process-group settings from flags and SLURM variables."""
+
+import socket
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cli_runs
+from hylora.distributed import first_host, local_rows, resolve
+from hylora.errors import ConfigError
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_match_one_and_a_dead_peer_stops_the_other():
+  reference = cli_runs.comparable(cli_runs.metrics(cli_runs.reference_run()))
+  out, port = cli_runs.scratch("multihost"), _free_port()
+  procs = [cli_runs.launch("--steps", str(cli_runs.STEPS), "--devices", "4", "--out", str(out),
+                           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                           "--process-id", str(i), log=cli_runs.scratch(f"multihost-{i}.log"))
+           for i in range(2)]
+  try:
+    checked = 3
+    cli_runs.wait_for(lambda: len(cli_runs.metrics(out)) >= checked, procs[0],
+                      what=f"{checked} steps on two processes")
+    got = cli_runs.comparable(cli_runs.metrics(out))[:checked]
+    assert [r["step"] for r in got] == list(range(checked))
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in reference[:checked]],
+                               rtol=1e-6)
+    np.testing.assert_allclose([r["grad_norm"] for r in got],
+                               [r["grad_norm"] for r in reference[:checked]], rtol=1e-5)
+    assert procs[0].poll() is None  # still training when its peer dies
+    cli_runs.kill(procs[1])
+    start = time.monotonic()
+    procs[0].wait(timeout=90)
+    waited = time.monotonic() - start
+  finally:
+    for proc in procs:
+      cli_runs.kill(proc)
+  log = cli_runs.scratch("multihost-0.log").read_text()
+  assert procs[0].returncode != 0, log[-2000:]
+  assert waited < 60, f"the surviving process took {waited:.0f} s to stop"
+  assert len(cli_runs.metrics(out)) < cli_runs.STEPS
+
+
+def test_process_group_from_flags_and_slurm():
+  assert resolve() is None or resolve().source == "slurm"
+  group = resolve("10.0.0.1:1234", 4, 3, env={})
+  assert (group.coordinator, group.num_processes, group.process_id) == ("10.0.0.1:1234", 4, 3)
+  with pytest.raises(ConfigError, match="--process-id"):
+    resolve("10.0.0.1:1234", 4, None, env={})
+  with pytest.raises(ConfigError, match=r"--process-id: must be in \[0, 4\)"):
+    resolve("10.0.0.1:1234", 4, 4, env={})
+  slurm = {"SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_JOB_ID": "4097",
+           "SLURM_STEP_NODELIST": "gpu[003-007,011],cpu1"}
+  group = resolve(env=slurm)
+  assert group == type(group)("gpu003:61441", 16, 5, "slurm")
+  assert resolve(env={**slurm, "JAX_COORDINATOR_PORT": "5000"}).coordinator == "gpu003:5000"
+  assert resolve(env={"SLURM_NTASKS": "1"}) is None
+  assert first_host("node7") == "node7" and first_host("a1,b2") == "a1"
+
+
+class _SecondProcessView:
+  """A sharding as process 1 of 2 sees it: only devices 4-7 are its own."""
+
+  def __init__(self, sharding):
+    self.sharding = sharding
+
+  def addressable_devices_indices_map(self, shape):
+    return {d: i for d, i in self.sharding.devices_indices_map(shape).items() if d.id >= 4}
+
+
+def test_each_process_feeds_its_rows():
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("fsdp", "expert"))
+  rows = NamedSharding(mesh, P(("fsdp", "expert")))
+  assert local_rows(rows, (8, 64)) == slice(0, 8)  # one process holds every device
+  assert local_rows(_SecondProcessView(rows), (8, 64)) == slice(4, 8)
+  assert local_rows(_SecondProcessView(rows), (16, 64)) == slice(8, 16)
+  by_fsdp = NamedSharding(mesh, P("fsdp"))  # replicated over `expert`: overlapping copies
+  assert local_rows(_SecondProcessView(by_fsdp), (8, 64)) == slice(4, 8)
+  assert local_rows(_SecondProcessView(NamedSharding(mesh, P())), (8, 64)) == slice(0, 8)
