@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import json
 import statistics
 import sys
@@ -46,8 +47,7 @@ def flops_per_step(cfg) -> dict[str, float]:
   d, lora = m.d_model, cfg.lora
 
   def r(name):
-    return lora.rank if any(__import__("fnmatch").fnmatchcase(name, p)
-                            for p in lora.targets) else 0
+    return lora.rank if any(fnmatch.fnmatchcase(name, p) for p in lora.targets) else 0
 
   la, sa, moe = m.linear_attention, m.sparse_attention, m.moe
   hd = la.heads * la.head_dim
@@ -126,11 +126,9 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
   """Milliseconds per step of each part (one module's time x how often a step runs it)."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from flax import nnx
 
   from hylora import ops
-  from hylora.model import LoRAParam
   from hylora.model.context import ForwardContext
   from hylora.model.ffn import FFNS
   from hylora.model.init import ParamInit
@@ -171,7 +169,6 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
 
   grads = jax.tree.map(lambda a: jnp.full(a.shape, 1e-3, a.dtype), lora)
   out["optimizer"] = _median_ms(update, (lora, state, grads), repeats)
-  del np, LoRAParam
   return out
 
 
@@ -230,12 +227,12 @@ def format_report(r: dict) -> str:
   lines = [f"{r['preset']}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, "
            f"MFU {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:.0f} TFLOP/s "
            f"(compile {r['compile_seconds']:.0f} s)",
-           f"{'part':<18} {'ms/step':>9} {'share':>7} {'model TFLOP':>12} {'TFLOP/s':>9}"]
+           f"{'part':<18} {'ms/step':>9} {'share':>7} {'model GFLOP':>12} {'TFLOP/s':>9}"]
   for part, ms in r["parts_ms"].items():
     f = r["flops"].get(part, 0.0)
     rate = f / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
-    lines.append(f"{part:<18} {ms:>9.2f} {100 * ms / r['step_ms']:>6.1f}% {f / 1e12:>12.3f} "
-                 f"{rate:>9.1f}")
+    lines.append(f"{part:<18} {ms:>9.2f} {100 * ms / r['step_ms']:>6.1f}% {f / 1e9:>12.2f} "
+                 f"{rate:>9.3f}")
   lines.append(f"{'other':<18} {r['other_ms']:>9.2f} {100 * r['other_ms'] / r['step_ms']:>6.1f}%")
   return "\n".join(lines)
 

@@ -32,9 +32,15 @@ PARAM_RULES: dict[str, tuple[tuple[str, ...], ...]] = {
     ax.LOW_RANK: _FSDP_FIRST,
 }
 
+# Activations: the batch over every device when it divides; otherwise over the larger
+# `expert` axis, and the sequence then takes `fsdp` (the target's 64 sequences on 2 x 64
+# devices: one sequence per expert group, split in two along its length).
+_BATCH_FIRST = (_BOTH, ("expert",), ("fsdp",))
+
 ACTIVATION_RULES: dict[str, tuple[tuple[str, ...], ...]] = {
-    ax.BATCH: _FSDP_FIRST,
-    ax.TOKENS: _FSDP_FIRST,
+    ax.BATCH: _BATCH_FIRST,
+    ax.TOKENS: _BATCH_FIRST,
+    ax.SEQ: (("fsdp",),),
     ax.EXP: (("expert",),),
 }
 

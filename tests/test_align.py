@@ -4,7 +4,6 @@ cross-entropy) against the plain-JAX reference ops, same seed and batches."""
 import dataclasses
 
 import jax
-import pytest
 
 from experiments import align
 from hylora.config import MemoryConfig, MeshConfig

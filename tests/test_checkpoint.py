@@ -47,7 +47,8 @@ def saved(tmp_path):
     lora, opt = _trees(step)
     ck.save(Position(step, {"packer": [step, 1]}, 1, 0), cfg, lora, opt)
   ck.wait()
-  return cfg, ck, tmp_path
+  yield cfg, ck, tmp_path
+  ck.close()
 
 
 def test_keeps_last_k_and_restores_exactly(saved):
@@ -55,8 +56,9 @@ def test_keeps_last_k_and_restores_exactly(saved):
   assert ck.steps() == [4, 6] and ck.latest() == 6
   assert ck.due(4, 10) and ck.due(10, 10) and not ck.due(5, 10)
   lora, opt = _trees(6)
-  got_lora, got_opt, position = Checkpoints(saved[2]).restore(6, cfg, _abstract(lora),
-                                                              _abstract(opt))
+  reopened = Checkpoints(saved[2])
+  got_lora, got_opt, position = reopened.restore(6, cfg, _abstract(lora), _abstract(opt))
+  reopened.close()
   assert position == Position(6, {"packer": [6, 1]}, 1, 0)
   for a, b in zip(jax.tree.leaves((lora, opt)), jax.tree.leaves((got_lora, got_opt))):
     assert a.sharding == b.sharding

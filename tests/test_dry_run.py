@@ -40,12 +40,30 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str
   return proc.returncode, out, err
 
 
+BAD_INPUTS = [
+    (["--devices", "64"], 2, "mesh: fsdp=2 x expert=64 = 128 devices, but only 64"),
+    (["--devices", "96", "--mesh.fsdp=2", "--mesh.expert=48"], 2,
+     "896 experts cannot be split evenly over the expert mesh axis of size 48"),
+    (["--device-memory", "20GB"], 1, "--device-memory: 20.0 GB per device cannot hold"),
+    (["--device-memory", "lots"], 2, "--device-memory: expected a positive size"),
+]
+
+
 @pytest.fixture(scope="module")
-def reduced(tmp_path_factory):
+def runs(tmp_path_factory):
+  """The reduced-depth compile and the bad-input runs, started side by side."""
   path = tmp_path_factory.mktemp("dry") / "reduced.json"
-  rc, out, err = _finish(_command(*REDUCED, "--json", str(path)))
+  compile_proc = _command(*REDUCED, "--json", str(path))
+  bad = [_command("--no-compile", *args) for args, _, _ in BAD_INPUTS]
+  bad_results = [_finish(proc, timeout=600) for proc in bad]
+  rc, out, err = _finish(compile_proc)
   assert rc == 0, out + err
-  return json.loads(path.read_text()), out
+  return (json.loads(path.read_text()), out), bad_results
+
+
+@pytest.fixture(scope="module")
+def reduced(runs):
+  return runs[0]
 
 
 def _expected_by_kind(cfg) -> dict:
@@ -145,19 +163,8 @@ def test_full_2p8t_counts_from_abstract_shapes():
   assert counts["by_kind"]["attention"]["total"] == pytest.approx(1.575e10, rel=0.01)
 
 
-BAD_INPUTS = [
-    (["--devices", "64"], 2, "mesh: fsdp=2 x expert=64 = 128 devices, but only 64"),
-    (["--devices", "96", "--mesh.fsdp=2", "--mesh.expert=48"], 2,
-     "896 experts cannot be split evenly over the expert mesh axis of size 48"),
-    (["--device-memory", "20GB"], 1, "--device-memory: 20.0 GB per device cannot hold"),
-    (["--device-memory", "lots"], 2, "--device-memory: expected a positive size"),
-]
-
-
-def test_bad_input_is_one_line_and_a_nonzero_exit():
-  procs = [_command("--no-compile", *args) for args, _, _ in BAD_INPUTS]  # side by side
-  for proc, (args, code, message) in zip(procs, BAD_INPUTS):
-    rc, out, err = _finish(proc, timeout=300)
+def test_bad_input_is_one_line_and_a_nonzero_exit(runs):
+  for (rc, out, err), (args, code, message) in zip(runs[1], BAD_INPUTS):
     assert rc == code, (args, out + err)
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, err)

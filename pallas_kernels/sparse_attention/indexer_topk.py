@@ -80,6 +80,8 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None):
     check_head_dim("q_idx", q_idx.shape[3])
     if k_idx.dtype != q_idx.dtype:
         raise ValueError(f"k_idx dtype {k_idx.dtype} must match q_idx dtype {q_idx.dtype}")
+    # Integer indices carry no gradient: keep autodiff from linearising the kernel.
+    q_idx, k_idx, w = (jax.lax.stop_gradient(x) for x in (q_idx, k_idx, w))
     b, t, hi, _ = q_idx.shape
     block_k = _BLOCK_K if t >= _BLOCK_K else max(16, tile_rows(t))
     tp = -(-t // block_k) * block_k

@@ -55,8 +55,11 @@ class SparseAttention(nnx.Module):
     w = self.index_w(x).astype(jnp.float32) * (sa.index_heads ** -0.5)
     q_idx, k_idx, w = (remat.tag(t, remat.INDEXER) for t in (q_idx, k_idx, w))
     topk = ops.resolve("sparse_attention.topk_indices", self.kernels)
-    indices = remat.tag(jax.lax.stop_gradient(
-        topk(q_idx, k_idx, w, top_k=sa.top_k, segment_ids=ctx.segment_ids)), remat.TOPK)
+    # The selection carries no gradient: stop it at the inputs, so autodiff never
+    # linearises the indexer kernel.
+    q_sel, k_sel, w_sel = (jax.lax.stop_gradient(t) for t in (q_idx, k_idx, w))
+    indices = remat.tag(topk(q_sel, k_sel, w_sel, top_k=sa.top_k, segment_ids=ctx.segment_ids),
+                        remat.TOPK)
 
     attend = ops.resolve("sparse_attention.attend", self.kernels)
     o = remat.tag(attend(q, k, v, indices), remat.ATTENTION)
