@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -157,10 +156,8 @@ def main(argv: list[str] | None = None) -> int:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if cfg.mesh.devices > 0:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from meshes.mesh import ensure_cpu_devices
-    ensure_cpu_devices(cfg.mesh.devices)
+  from meshes.mesh import use_simulated_devices
+  use_simulated_devices(cfg.mesh)
   try:
     report = align(cfg, args.steps)
   except (ConfigError, DataError) as e:

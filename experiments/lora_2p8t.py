@@ -122,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  if cfg.mesh.devices > 0:
-    # Simulated devices: run on the host CPU, whatever accelerators exist.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from meshes.mesh import ensure_cpu_devices
-    ensure_cpu_devices(cfg.mesh.devices)
+  from meshes.mesh import use_simulated_devices
+  use_simulated_devices(cfg.mesh)
   if group is not None:
     from hylora.distributed import initialize
     initialize(group, heartbeat_timeout_s=args.heartbeat_timeout,

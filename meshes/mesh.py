@@ -23,6 +23,14 @@ def ensure_cpu_devices(count: int) -> None:
   jax.config.update("jax_num_cpu_devices", count)
 
 
+def use_simulated_devices(cfg: MeshConfig) -> None:
+  """`mesh.devices > 0`: run on that many simulated CPU devices, whatever accelerators
+  exist. Must run before JAX initialises a backend."""
+  if cfg.devices > 0:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    ensure_cpu_devices(cfg.devices)
+
+
 def mesh_shape(cfg: MeshConfig, device_count: int) -> tuple[int, int]:
   if cfg.expert < 1:
     raise ConfigError(f"mesh.expert: must be >= 1, got {cfg.expert}")
