@@ -1,6 +1,7 @@
 """GPU benchmark: Pallas chunked GLA vs the plain-JAX chunked reference (same run).
 
     PYTHONPATH=src:. python3 experiments/bench_linear_attention.py [--peers]
+    PYTHONPATH=src:. python3 experiments/bench_linear_attention.py --op kda [--shapes 1,8192,64,128]
 
 Prints forward and forward+backward milliseconds (median of timed calls after warm-up),
 a correctness check against the reference, and (with --peers) the jla / fla figures from
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
+from pallas_kernels.linear_attention.gla import Tiling
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
 REFERENCE_SKIP = {(1, 1048576, 8, 128): "reference skipped: its fwd+bwd alone would take seconds per call"}
@@ -64,21 +66,112 @@ def correctness(shape=(1, 4096, 4, 128)):
     print(json.dumps({"correctness_vs_fp32_reference": list(shape), "rel_rms": errs}), flush=True)
 
 
+def kernel_breakdown(shape, tiling):
+    """Milliseconds of each of the four kernels (and the plain-JAX preparation) alone."""
+    from pallas_kernels.linear_attention import _chunk_prep
+    from pallas_kernels.linear_attention._gla_chunks import (
+        chunk_grads, chunk_outputs, chunk_score_grads)
+    from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
+    B, T, H, D = shape
+    q, k, v, g = inputs(*shape)
+    t = tiling
+    prep = jax.jit(lambda q, k, v, g: _chunk_prep.prepare(q, k, v, g, None, B, T))
+    qp, kp, vp, b, runs = prep(q, k, v, g)
+    ci, il = _chunk_prep.segment_masks(runs)
+    h0 = jnp.zeros((B, H, D, D), jnp.float32)
+    sk = dict(block_k=t.block_k, block_v=t.block_v, interpret=False, num_warps=t.state_warps,
+              num_stages=t.state_stages)
+    ck = dict(interpret=False, num_warps=t.chunk_warps, num_stages=t.chunk_stages)
+    states = jax.jit(lambda k, v, b: chunk_states(k, v, b, il, ci, h0, **sk))
+    h, _ = states(kp, vp, b)
+    dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=D ** -0.5, **sk))
+    ds, _ = dstates(qp, b, vp)
+    outputs = jax.jit(lambda q, k, v, b, h: chunk_outputs(q, k, v, b, runs, ci, h, scale=D ** -0.5, **ck))
+    _, a = outputs(qp, kp, vp, b, h)
+    dscores = jax.jit(lambda v, do: chunk_score_grads(v, runs, do, scale=D ** -0.5, interpret=False))
+    da, dat = dscores(vp, vp)
+    grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_grads(q, k, v, b, ci, il, h, ds, do, a, da, dat,
+                                                              scale=D ** -0.5, **ck))
+    return {"shape": list(shape), "kernel_ms": {
+        "prepare": round(timed(prep, q, k, v, g), 3),
+        "states": round(timed(states, kp, vp, b), 3),
+        "outputs": round(timed(outputs, qp, kp, vp, b, h), 3),
+        "state_grads": round(timed(dstates, qp, b, vp), 3),
+        "score_grads": round(timed(dscores, vp, vp), 3),
+        "grads": round(timed(grads, qp, kp, vp, b, h, ds, vp), 3)}}
+
+
+def bench_kda(shapes, skip_reference):
+    """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked, fwd and fwd+bwd."""
+    from pallas_kernels.linear_attention import chunked_kda, kda_chunked
+
+    def kda_inputs(shape, seed=0):
+        beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
+        return (*inputs(*shape, seed=seed), beta)
+
+    def fns(fn):
+        loss = lambda *a: fn(*a)[0].astype(jnp.float32).sum()
+        return jax.jit(lambda *a: fn(*a)[0]), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+    x = kda_inputs((1, 4096, 4, 128), seed=1)
+    f32 = [a.astype(jnp.float32) for a in x]
+    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
+    o_ref, o = jax.jit(lambda *a: kda_chunked(*a)[0])(*f32), jax.jit(lambda *a: chunked_kda(*a)[0])(*x)
+    g_ref = jax.jit(jax.grad(loss(kda_chunked), range(5)))(*f32)
+    g_pal = jax.jit(jax.grad(loss(chunked_kda), range(5)))(*x)
+    errs = {"o": rel_rms(o_ref, o)} | {f"d{n}": rel_rms(a, b) for n, a, b in
+                                       zip(("q", "k", "v", "g", "beta"), g_ref, g_pal)}
+    print(json.dumps({"kda_correctness_vs_fp32_reference": [1, 4096, 4, 128], "rel_rms": errs}),
+          flush=True)
+    for shape in shapes:
+        row = {"op": "kda", "shape": list(shape)}
+        x = kda_inputs(shape)
+        impls = [("pallas", chunked_kda)]
+        if not skip_reference and shape not in REFERENCE_SKIP:
+            impls.append(("reference", kda_chunked))
+        for name, fn in impls:
+            fwd, fwdbwd = fns(fn)
+            n = 10 if name == "pallas" else 3
+            row[f"{name}_fwd_ms"] = round(timed(fwd, *x, n=n), 3)
+            row[f"{name}_fwdbwd_ms"] = round(timed(fwdbwd, *x, n=n), 3)
+        print(json.dumps(row), flush=True)
+        del x
+
+
+def parse_tiling(spec):
+    """"block_k=64,state_stages=3" -> ("[block_k=64,state_stages=3]", Tiling(...)); "" -> defaults."""
+    fields = dict(kv.split("=") for kv in spec.split(",") if kv)
+    return (f"[{spec}]" if spec else ""), Tiling(**{k: int(v) for k, v in fields.items()})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--peers", action="store_true")
-    ap.add_argument("--block-v", type=int, nargs="*", default=[64])
+    ap.add_argument("--tiling", nargs="*", default=[""], type=parse_tiling,
+                    help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
+    ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
+                    default=SHAPES, help="B,T,H,D")
+    ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="also time each kernel alone")
+    ap.add_argument("--op", choices=("gla", "kda"), default="gla")
     args = ap.parse_args()
     print(jax.devices(), flush=True)
+    if args.op == "kda":
+        return bench_kda(args.shapes, args.skip_reference)
     correctness()
-    for shape in SHAPES:
+    if args.breakdown:
+        for _, tiling in args.tiling:
+            print(json.dumps(kernel_breakdown(args.shapes[0], tiling)), flush=True)
+    for shape in args.shapes:
         row = {"shape": list(shape)}
         q, k, v, g = inputs(*shape)
-        for bv in args.block_v:
-            fwd, fwdbwd = fwd_and_fwdbwd(lambda *a, bv=bv: chunked_gla(*a, block_v=bv))
-            row[f"pallas_bv{bv}_fwd_ms"] = round(timed(fwd, q, k, v, g), 3)
-            row[f"pallas_bv{bv}_fwdbwd_ms"] = round(timed(fwdbwd, q, k, v, g), 3)
-        if shape in REFERENCE_SKIP:
+        for name, tiling in args.tiling:
+            fwd, fwdbwd = fwd_and_fwdbwd(lambda *a, t=tiling: chunked_gla(*a, tiling=t))
+            row[f"pallas{name}_fwd_ms"] = round(timed(fwd, q, k, v, g), 3)
+            row[f"pallas{name}_fwdbwd_ms"] = round(timed(fwdbwd, q, k, v, g), 3)
+        if args.skip_reference:
+            pass
+        elif shape in REFERENCE_SKIP:
             row["reference"] = REFERENCE_SKIP[shape]
         else:
             fwd, fwdbwd = fwd_and_fwdbwd(gla_chunked)

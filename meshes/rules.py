@@ -2,7 +2,8 @@
 
 Each logical axis lists candidate mesh-axis groups in order of preference. A dimension
 takes the first candidate whose mesh axes are still unused by the array's other
-dimensions and whose size divides the dimension; otherwise it stays replicated. So an
+dimensions and whose size divides the dimension; otherwise it stays replicated.
+Dimensions choose left to right, those in CHOOSE_LAST after the others. So an
 expert weight `[exp, embed, exp_mlp]` gets `exp -> expert`, `embed -> fsdp` (expert is
 taken), and any other large weight gets its first shardable dimension split over both
 axes (FSDP over every device).
@@ -21,6 +22,7 @@ from hylora import axes as ax
 
 _BOTH = ("fsdp", "expert")
 _FSDP_FIRST = (_BOTH, ("fsdp",), ("expert",))
+_EXPERT_FIRST = (("expert",), ("fsdp",))
 
 PARAM_RULES: dict[str, tuple[tuple[str, ...], ...]] = {
     ax.EXP: (("expert",),),
@@ -30,7 +32,17 @@ PARAM_RULES: dict[str, tuple[tuple[str, ...], ...]] = {
     ax.EXP_MLP: (("fsdp",),),
     ax.HEADS: _FSDP_FIRST,
     ax.LOW_RANK: _FSDP_FIRST,
+    # 64 heads (or 8 KV heads) cannot take 128 shards: a LoRA B factor [r, heads, head_dim]
+    # splits heads over `fsdp` and head_dim over `expert`. A weight whose model width
+    # already holds both axes leaves these unsplit.
+    ax.KV_HEADS: _FSDP_FIRST,
+    ax.HEAD_DIM: _EXPERT_FIRST,
 }
+
+# Dimensions that choose last, from what the array's other dimensions left: the output
+# projection [heads, head_dim, embed] keeps embed over `expert` (contiguous rows of the
+# checkpoint's [embed, heads * head_dim]), and head_dim takes nothing.
+CHOOSE_LAST = (ax.HEAD_DIM,)
 
 # Activations: the batch over every device when it divides; otherwise over the larger
 # `expert` axis, and the sequence then takes `fsdp` (the target's 64 sequences on 2 x 64
@@ -51,20 +63,19 @@ def logical_to_spec(names, shape, mesh: jax.sharding.Mesh, rules) -> P:
   if len(names) != len(shape):
     raise ValueError(f"logical axes {names} do not match shape {shape}")
   used: set[str] = set()
-  spec = []
-  for name, size in zip(names, shape):
+  spec: list = [None] * len(names)
+  order = sorted(range(len(names)), key=lambda i: names[i] in CHOOSE_LAST)  # stable
+  for i in order:
     choice = None
-    for group in rules.get(name, ()):
+    for group in rules.get(names[i], ()):
       if any(a in used or a not in mesh.shape for a in group):
         continue
-      if size % math.prod(mesh.shape[a] for a in group) == 0:
+      if shape[i] % math.prod(mesh.shape[a] for a in group) == 0:
         choice = group
         break
-    if choice is None:
-      spec.append(None)
-    else:
+    if choice is not None:
       used.update(choice)
-      spec.append(choice[0] if len(choice) == 1 else choice)
+      spec[i] = choice[0] if len(choice) == 1 else choice
   return P(*spec)
 
 

@@ -86,9 +86,10 @@ def test_command_writes_reports_and_rejects_unknown_ops(tmp_path, capsys):
   report = json.loads((tmp_path / "check_ops.json").read_text())
   assert report["failures"] == 0
   assert {(r["op"], r["impl"]) for r in report["results"]} == {
-      ("rms_norm", "reference"), ("grouped_matmul", "reference"), ("grouped_matmul", "mosaic")}
+      ("rms_norm", "reference"), ("grouped_matmul", "reference"), ("grouped_matmul", "mosaic"),
+      ("grouped_matmul", "loop")}
   assert "| grouped_matmul | mosaic | pass |" in (tmp_path / "check_ops.md").read_text()
-  assert "3/3 checks passed" in capsys.readouterr().out
+  assert "4/4 checks passed" in capsys.readouterr().out
   assert check_ops.main(["--ops", "no_such_op"]) == 2
   assert capsys.readouterr().err.startswith("error: --ops")
 

@@ -54,6 +54,10 @@ def test_unknown_preset():
     ({"train.grad_accum": "3"}, "train.batch_size"),
     ({"model.pattern": "linear,global"}, "model.pattern"),
     ({"memory.remat": "some"}, "memory.remat"),
+    ({"model.moe.spare_slots": "-1"}, "model.moe.spare_slots"),
+    ({"model.moe.rebalance_every": "-2"}, "model.moe.rebalance_every"),
+    ({"model.moe.bias_update_every": "1", "model.moe.bias_update_rate": "0"},
+     "model.moe.bias_update_rate"),
 ])
 def test_validate_names_the_field(changes, field):
   with pytest.raises(ConfigError, match=field):

@@ -152,6 +152,18 @@ def test_argument_bytes_match_the_analytic_figure(reduced):
   assert "verdict: fits" in out and "peak host memory" in out
 
 
+def test_report_names_its_implementations_and_dry_run_choices(reduced):
+  report, out = reduced
+  impls, step = report["implementations"], report["step"]
+  assert impls["grouped_matmul"] == impls["grouped_lora"] == "loop"
+  assert step["capacity_factor"] == 1.25
+  assert any("capacity_factor=1.25" in line for line in report["stand_ins"])
+  assert "grouped_matmul=loop" in out and "dry-run choice: kernels.grouped_matmul=loop" in out
+  # the planner counts the tokens the batch sharding gives each device
+  assert step["micro_batch_tokens_per_device"] * step["grad_accum"] == step["tokens_per_device"]
+  assert report["memory_plan"]["best_plan"].count(f"{step['tokens_per_device']} tokens") == 1
+
+
 def test_full_2p8t_counts_from_abstract_shapes():
   cfg = get_preset("2p8t")
   lora, frozen = st.abstract_arrays(st.model_parts(cfg))

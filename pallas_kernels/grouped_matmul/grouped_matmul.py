@@ -42,8 +42,9 @@ def zero_rows_past_groups(out, group_sizes):
     return jax.lax.fori_loop(jnp.minimum(total, m) // block, m // block, zero_block, out)
 
 
-def grouped_weight_gradient(lhs, dout, group_sizes):
+def grouped_weight_gradient(lhs, dout, group_sizes, num_groups=None):
     """d rhs [G, K, N] with d rhs[g] = lhs_g^T @ dout_g (rows past the groups ignored)."""
+    del num_groups  # ragged_dot_general reads G from group_sizes
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
         lhs_ragged_dimensions=[0],
@@ -53,8 +54,9 @@ def grouped_weight_gradient(lhs, dout, group_sizes):
                                       preferred_element_type=jnp.float32)
 
 
-def make_grouped_matmul(kernel):
-    """Build grouped_matmul(lhs, rhs, group_sizes) -> [M, N] on `kernel` (see module doc)."""
+def make_grouped_matmul(kernel, weight_gradient=grouped_weight_gradient):
+    """Build grouped_matmul(lhs, rhs, group_sizes) -> [M, N] on `kernel` (see module doc);
+    `weight_gradient(lhs, dout, group_sizes, num_groups) -> [G, K, N]` is the rhs gradient."""
 
     @jax.custom_vjp
     def _grouped(lhs, rhs, group_sizes):
@@ -80,7 +82,7 @@ def make_grouped_matmul(kernel):
                 kernel(dout, rhs, group_sizes, transpose_rhs=True), group_sizes)
         drhs = None
         if saved_lhs is not None:
-            drhs = grouped_weight_gradient(saved_lhs, dout, group_sizes).astype(rhs.dtype)
+            drhs = weight_gradient(saved_lhs, dout, group_sizes, rhs.shape[0]).astype(rhs.dtype)
         return dlhs, drhs, None
 
     _grouped.defvjp(_forward, _backward, symbolic_zeros=True)

@@ -1,4 +1,4 @@
-"""Plain-JAX preparation around the kernels: padding, in-chunk cumulative decay, run ids."""
+"""Plain-JAX preparation around the kernels: padding, in-chunk cumulative decay, segment masks."""
 import jax.numpy as jnp
 
 from pallas_kernels.linear_attention._inputs import CHUNK, pad_time, run_ids
@@ -14,6 +14,20 @@ def chunk_cumsum(g):
     return jnp.cumsum(g.astype(jnp.float32).reshape(B, Tp // CHUNK, CHUNK, H, D), axis=2).reshape(g.shape)
 
 
+def segment_masks(runs):
+    """Per-token int32 flags from run ids [B, Tp]:
+    carry_in: the token is in the run that was open before its chunk (it sees the chunk's
+      start state; at the chunk's last token it says whether that state survives the chunk);
+    in_last: the token is in the chunk's last run (its key/value reach the next chunk).
+    """
+    B, Tp = runs.shape
+    per_chunk = runs.reshape(B, Tp // CHUNK, CHUNK)
+    before = jnp.concatenate([jnp.zeros((B, 1), runs.dtype), per_chunk[:, :-1, -1]], axis=1)
+    carry_in = per_chunk == before[:, :, None]
+    in_last = per_chunk == per_chunk[:, :, -1:]
+    return carry_in.reshape(B, Tp).astype(jnp.int32), in_last.reshape(B, Tp).astype(jnp.int32)
+
+
 def prepare(q, k, v, g, segment_ids, B, T):
     """Pads to a multiple of the chunk (zero tokens: no contribution, no decay)."""
     Tp = padded_length(T)
@@ -23,5 +37,8 @@ def prepare(q, k, v, g, segment_ids, B, T):
     return q, k, v, b, runs
 
 
-def block_v(Dv):
-    return min(Dv, 64)
+def block(d, cap=64):
+    return min(d, cap)
+
+
+block_v = block  # the Dv tile of the sequential kernels

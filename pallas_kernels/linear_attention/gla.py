@@ -1,50 +1,92 @@
-"""chunked_gla: Pallas chunked gated linear attention with a Pallas backward (custom_vjp)."""
+"""chunked_gla: Pallas chunked gated linear attention with a Pallas backward (custom_vjp).
+
+Forward: a thin sequential kernel computes every chunk's start state, then a parallel
+kernel computes each chunk's output and its in-chunk scores A. Backward: the start
+states are recomputed (the inputs and A are the residuals: A costs as much memory as
+one [B, T, H, 64] fp32 tensor), a reverse sequential kernel gives each chunk's
+end-state gradient, a parallel kernel the score gradients dA, and a last parallel
+kernel dq, dk, dv and the decay gradient.
+"""
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear_attention import _chunk_prep
-from pallas_kernels.linear_attention._gla_kernels import gla_backward, gla_forward
+from pallas_kernels.linear_attention._gla_chunks import (
+    chunk_grads, chunk_outputs, chunk_score_grads)
+from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
 from pallas_kernels.linear_attention._inputs import default_scale, validate
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _gla_core(q, k, v, b, h0, runs, scale, bv, interpret):
-    return gla_forward(q, k, v, b, runs, h0, scale=scale, block_v=bv, emit_output=True,
-                       interpret=interpret)
+class Tiling(NamedTuple):
+    """Launch settings (hashable: they are static arguments of the custom VJP)."""
+    block_k: int = 64
+    block_v: int = 64
+    state_warps: int = 4
+    state_stages: int = 2
+    chunk_warps: int = 8
+    chunk_stages: int = 1
+    interpret: bool = False
 
 
-def _gla_core_fwd(q, k, v, b, h0, runs, scale, bv, interpret):
-    out = _gla_core(q, k, v, b, h0, runs, scale, bv, interpret)
-    return out, (q, k, v, b, h0, runs)  # per-chunk states are recomputed in the backward
+def _states(k, v, b, masks, h0, t: Tiling):
+    carry_in, in_last = masks
+    return chunk_states(k, v, b, in_last, carry_in, h0, block_k=t.block_k, block_v=t.block_v,
+                        interpret=t.interpret, num_warps=t.state_warps, num_stages=t.state_stages)
 
 
-def _gla_core_bwd(scale, bv, interpret, res, cts):
-    q, k, v, b, h0, runs = res
+def _forward(q, k, v, b, h0, runs, masks, scale, t):
+    h, ht = _states(k, v, b, masks, h0, t)
+    o, a = chunk_outputs(q, k, v, b, runs, masks[0], h, scale=scale, interpret=t.interpret,
+                         num_warps=t.chunk_warps, num_stages=t.chunk_stages)
+    return (o, ht), a
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _gla_core(q, k, v, b, h0, runs, masks, scale, t):
+    return _forward(q, k, v, b, h0, runs, masks, scale, t)[0]
+
+
+def _gla_core_fwd(q, k, v, b, h0, runs, masks, scale, t):
+    # per-chunk states are recomputed in the backward; the in-chunk scores are kept
+    out, a = _forward(q, k, v, b, h0, runs, masks, scale, t)
+    return out, (q, k, v, b, h0, runs, masks, a)
+
+
+def _gla_core_bwd(scale, t, res, cts):
+    q, k, v, b, h0, runs, masks, a = res
     do, dht = cts
-    h = gla_forward(q, k, v, b, runs, h0, scale=scale, block_v=bv, emit_output=False,
-                    interpret=interpret)
-    dq, dk, dv, db, dh0 = gla_backward(q, k, v, b, runs, h, do.astype(v.dtype), dht,
-                                       scale=scale, block_v=bv, interpret=interpret)
-    return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv, db.sum(0), dh0, None)
+    do = do.astype(v.dtype)
+    h, _ = _states(k, v, b, masks, h0, t)
+    ds, dh0 = chunk_state_grads(q, b, masks[0], do, dht, scale=scale, block_k=t.block_k,
+                                block_v=t.block_v, interpret=t.interpret,
+                                num_warps=t.state_warps, num_stages=t.state_stages)
+    da, dat = chunk_score_grads(v, runs, do, scale=scale, interpret=t.interpret)
+    dq, dk, dv, db = chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat, scale=scale,
+                                 interpret=t.interpret, num_warps=t.chunk_warps,
+                                 num_stages=t.chunk_stages)
+    return dq, dk, dv, db, dh0, None, None
 
 
 _gla_core.defvjp(_gla_core_fwd, _gla_core_bwd)
 
 
 def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
-                output_final_state=False, block_v=None):
+                output_final_state=False, tiling: Tiling | None = None):
     """Chunked GLA on Pallas kernels; same contract as reference.gla_chunked."""
     B, T, H, Dk, Dv = validate(q, k, v, g, None, initial_state, segment_ids)
     _check_head_dims(Dk, Dv)
     scale = default_scale(scale, Dk)
     qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
+    masks = _chunk_prep.segment_masks(runs)
     h0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    bv = block_v or _chunk_prep.block_v(Dv)
-    o, ht = _gla_core(qp, kp, vp, b, h0, runs, float(scale), bv, interpret_mode())
+    t = (tiling or Tiling())._replace(interpret=interpret_mode())
+    t = t._replace(block_k=min(t.block_k, Dk), block_v=min(t.block_v, Dv))
+    o, ht = _gla_core(qp, kp, vp, b, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)
 
 

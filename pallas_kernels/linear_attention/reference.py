@@ -17,6 +17,7 @@ from pallas_kernels.linear_attention._inputs import (
     CHUNK, default_scale, l2_normalize, pad_time, run_ids, validate)
 
 _HI = jax.lax.Precision.HIGHEST
+SUB = 16  # sub-chunk of the decay factorisation in _pair_decay_scores
 
 
 def _time_major(x):
@@ -72,43 +73,56 @@ def _chunk_decays(g, runs, prev_run):
 
     g: [B, H, C, Dk]; runs: [B, C]; prev_run: [B] run index of the token before the chunk.
     """
-    C = g.shape[2]
     b = jnp.cumsum(g, axis=2)
-    causal = jnp.tril(jnp.ones((C, C), bool))
     same = (runs[:, :, None] == runs[:, None, :])[:, None]           # [B, 1, C, C]
     carry_in = (runs == prev_run[:, None])[:, None, :, None]           # token still sees S_0
     in_last = (runs == runs[:, -1:])[:, None, :, None]                 # token reaches S_C
     keep_old = (runs[:, -1] == prev_run)[:, None, None, None]          # S_0 survives the chunk
-    return b, causal, same, carry_in, in_last, keep_old
+    return b, same, carry_in, in_last, keep_old
 
 
-def _pair_decay_scores(x, k, b, mask):
-    """sum_d x_t[d] k_s[d] exp(b_t[d] - b_s[d]) for the (t, s) pairs in mask, else 0.
+def _pair_decay_scores(x, k, b, same, strict):
+    """sum_d x_t[d] k_s[d] exp(b_t[d] - b_s[d]) for s < t (s <= t unless strict) in the same
+    run (same: [.., C, C]), else 0. x, k, b: [.., C, D].
 
-    The exponent is masked to -inf before exp, so only b_t - b_s <= 0 is ever exponentiated.
+    No [.., C, C, D] tensor: keys in an earlier 16-token sub-chunk take the decay split at
+    the end of the sub-chunk before the query's, (x_t exp(b_t - b_ref)) . (k_s exp(b_ref - b_s)),
+    a plain matmul whose factors are both exp(<= 0); pairs inside a 16x16 diagonal block
+    form each exp(b_t - b_s) exactly ([.., C/16, 16, 16, D], 4x smaller). Exponents outside
+    the pair structure are masked to -inf before exp, so with g <= 0 only exp(<= 0) is taken.
     """
-    diff = b[:, :, :, None, :] - b[:, :, None, :, :]
-    decay = jnp.exp(jnp.where(mask[..., None], diff, -jnp.inf))
-    return jnp.einsum("bhtd,bhsd,bhtsd->bhts", x, k, decay, precision=_HI)
+    *lead, C, D = x.shape
+    n = C // SUB
+    xs, ks, bs = (a.reshape(*lead, n, SUB, D) for a in (x, k, b))
+    # sub-chunks 1..n-1 against every key before their start
+    b_ref = bs[..., :-1, -1, :]                                          # [.., n-1, D]
+    q_fac = xs[..., 1:, :, :] * jnp.exp(bs[..., 1:, :, :] - b_ref[..., :, None, :])
+    earlier = jnp.arange(C)[None, :] < SUB * jnp.arange(1, n)[:, None]   # [n-1, C]
+    k_exp = jnp.where(earlier[:, :, None], b_ref[..., :, None, :] - b[..., None, :, :], -jnp.inf)
+    off = jnp.einsum("...itd,...isd->...its", q_fac, k[..., None, :, :] * jnp.exp(k_exp),
+                     precision=_HI)                                      # [.., n-1, SUB, C]
+    off = jnp.concatenate([jnp.zeros_like(off[..., :1, :, :]), off], axis=-3).reshape(*lead, C, C)
+    # exact 16x16 diagonal blocks
+    tri = jnp.tril(jnp.ones((SUB, SUB), bool), -1 if strict else 0)
+    diff = bs[..., :, :, None, :] - bs[..., :, None, :, :]               # [.., n, SUB, SUB, D]
+    decay = jnp.exp(jnp.where(tri[:, :, None], diff, -jnp.inf))
+    diag = jnp.einsum("...itd,...isd,...itsd->...its", xs, ks, decay, precision=_HI)
+    diag = jnp.einsum("...its,ij->...itjs", diag, jnp.eye(n, dtype=diag.dtype)).reshape(*lead, C, C)
+    return jnp.where(same, off + diag, 0.0)
 
 
-def _unit_lower_inverse(a):
-    """Inverse of a unit lower-triangular [..., C, C] matrix I + L by repeated squaring:
-    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...; L is nilpotent (L^C = 0), so log2(C)
-    batched matmuls give the exact inverse. Unlike a triangular solve this stays a few
-    dense matmuls, which partition and vectorise well on every backend."""
-    c = a.shape[-1]
-    eye = jnp.eye(c, dtype=a.dtype)
-    low = a - eye
-    inv = eye - low
-    power = low
-    for _ in range(max(1, (c - 1).bit_length()) - 1):
-        power = jnp.matmul(power, power, precision=_HI)
-        inv = jnp.matmul(inv, eye + power, precision=_HI)
-    return inv
+def _unit_lower_solve(strict_lower, rhs):
+    """(I + L)^-1 rhs for strictly lower-triangular L [..., C, C] by a triangular solve.
+
+    Stable for any keys: a power series in L (e.g. repeated squaring) builds intermediates
+    that grow combinatorially when nearby keys are nearly parallel and returns garbage in
+    fp32, although the inverse itself stays moderate."""
+    return jax.lax.linalg.triangular_solve(strict_lower, rhs, left_side=True, lower=True,
+                                           unit_diagonal=True)
 
 
-def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, output_final_state):
+def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, output_final_state,
+             normalize_qk=False):
     B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids)
     scale = default_scale(scale, Dk)
     C = CHUNK
@@ -116,42 +130,44 @@ def _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, output_final_s
     t_pad = n * C
     runs = pad_time(run_ids(segment_ids, B, T), t_pad, "edge")
 
-    def chunks(x):  # [B, T, H, D] -> [N, B, H, C, D]
-        x = pad_time(x.astype(jnp.float32), t_pad)
-        return jnp.moveaxis(x.reshape(B, n, C, H, -1), (1, 3), (0, 2))
+    def chunks(x):  # [B, T, H, ...] -> [N, B, C, H, ...], input dtype (a cheap reshape)
+        x = pad_time(x, t_pad)
+        return jnp.moveaxis(x.reshape(B, n, C, *x.shape[2:]), 1, 0)
 
-    xs = (chunks(q), chunks(k), chunks(v), chunks(g),
-          jnp.moveaxis(runs.reshape(B, n, C), 1, 0))
-    xs += (chunks(beta[..., None])[..., 0],) if beta is not None else (jnp.zeros((n, 0)),)
+    xs = (chunks(q), chunks(k), chunks(v), chunks(g), jnp.moveaxis(runs.reshape(B, n, C), 1, 0))
+    xs += (chunks(beta),) if beta is not None else (jnp.zeros((n, 0)),)
 
     @jax.checkpoint  # keep autodiff residuals at one state per chunk
     def step(carry, x):
         S, prev_run = carry
-        qc, kc, vc, gc, rc, bc = x
-        b, causal, same, carry_in, in_last, keep_old = _chunk_decays(gc, rc, prev_run)
+        rc = x[4]
+        # fp32 [B, H, C, D] only inside the step: no full-length fp32 copies of the inputs
+        qc, kc, vc, gc = (jnp.moveaxis(a.astype(jnp.float32), 2, 1) for a in x[:4])
+        bc = jnp.moveaxis(x[5].astype(jnp.float32), 2, 1) if beta is not None else None
+        if normalize_qk:
+            qc, kc = l2_normalize(qc), l2_normalize(kc)
+        b, same, carry_in, in_last, keep_old = _chunk_decays(gc, rc, prev_run)
         q_dec = qc * jnp.exp(b) * carry_in
         if beta is None:
             u = vc
         else:
-            strict = same & jnp.tril(jnp.ones((C, C), bool), -1)
-            akk = _pair_decay_scores(kc, kc, b, strict)
-            lower = jnp.eye(C) + bc[..., None] * akk
+            akk = _pair_decay_scores(kc, kc, b, same, strict=True)
             rhs = bc[..., None] * (vc - jnp.einsum("bhck,bhkv->bhcv", kc * jnp.exp(b) * carry_in,
                                                    S, precision=_HI))
-            u = jnp.einsum("bhts,bhsv->bhtv", _unit_lower_inverse(lower), rhs, precision=_HI)
-        aqk = _pair_decay_scores(qc, kc, b, same & causal)
+            u = _unit_lower_solve(bc[..., None] * akk, rhs)
+        aqk = _pair_decay_scores(qc, kc, b, same, strict=False)
         o = scale * (jnp.einsum("bhck,bhkv->bhcv", q_dec, S, precision=_HI)
                      + jnp.einsum("bhts,bhsv->bhtv", aqk, u, precision=_HI))
         b_last = b[:, :, -1:, :]
         k_dec = kc * jnp.exp(b_last - b) * in_last
         S = (jnp.where(keep_old, jnp.exp(b_last[:, :, 0, :, None]) * S, 0.0)
              + jnp.einsum("bhck,bhcv->bhkv", k_dec, u, precision=_HI))
-        return (S, rc[:, -1]), o
+        return (S, rc[:, -1]), jnp.moveaxis(o, 1, 2).astype(v.dtype)
 
     init = (_initial(initial_state, B, H, Dk, Dv), jnp.zeros((B,), jnp.int32))
     (S, _), o = jax.lax.scan(step, init, xs)
-    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(B, t_pad, H, Dv)[:, :T]
-    return o.astype(v.dtype), (S if output_final_state else None)
+    o = jnp.moveaxis(o, 0, 1).reshape(B, t_pad, H, Dv)[:, :T]
+    return o, (S if output_final_state else None)
 
 
 def gla_chunked(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
@@ -162,8 +178,10 @@ def gla_chunked(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True):
-    """Chunked KDA in plain JAX: per-chunk UT transform (unit lower-triangular solve)."""
+    """Chunked KDA in plain JAX: per-chunk UT transform (unit lower-triangular solve).
+
+    q and k are L2-normalised chunk by chunk inside the scan, so no full-length fp32 copy
+    of them (or of their gradients) is kept."""
     validate(q, k, v, g, beta, initial_state, segment_ids)
-    if normalize_qk:
-        q, k = l2_normalize(q), l2_normalize(k)
-    return _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, output_final_state)
+    return _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, output_final_state,
+                    normalize_qk)

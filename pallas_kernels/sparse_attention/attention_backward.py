@@ -2,9 +2,10 @@
 
 One program per (batch, query, KV head), mirroring the forward: it re-gathers the
 selected K/V rows, rebuilds the probabilities from the saved log-sum-exp and writes
-dq of its query heads (each program owns them). dk and dv come from the key-major
-pass (attention_backward_by_key.py); with ``atomic_dkdv`` this pass adds them
-instead, with fp32 atomic adds (kept to compare the two).
+dq of its query heads (each program owns them). With ``atomic_dkdv`` (the default
+method) this pass also adds each selected key's dk and dv rows, summed over the query
+heads of its KV head first, with relaxed fp32 atomic adds (relaxed_atomics.py); the
+key-major pass (attention_backward_by_key.py) is the atomic-free alternative.
 """
 
 import functools
@@ -13,6 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.sparse_attention import relaxed_atomics
+
+relaxed_atomics.enable()
 
 
 def _atomic_add_rows(ref, idx, valid, rows, interpret):

@@ -39,11 +39,14 @@ class Position:
   data: dict = dataclasses.field(default_factory=dict)  # data_state() of the data stream
   nonfinite_total: int = 0
   nonfinite_in_a_row: int = 0
+  # Expert placement, router biases and load windows (hylora.train.balancer.state): the
+  # LoRA factors and optimizer moments are stored under this placement.
+  balance: dict = dataclasses.field(default_factory=dict)
 
   def meta(self, cfg: Config) -> dict:
     return {"format": FORMAT, "step": self.step, "data": self.data,
             "nonfinite_total": self.nonfinite_total,
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row, "balance": self.balance,
             # The step RNG is jax.random.fold_in(key(seed), step): seed + step restore it.
             "rng": {"seed": cfg.train.seed, "derivation": "fold_in(key(train.seed), step)"},
             "config": to_dict(cfg)}
@@ -51,7 +54,7 @@ class Position:
   @classmethod
   def from_meta(cls, meta: dict) -> "Position":
     return cls(int(meta["step"]), dict(meta["data"]), int(meta["nonfinite_total"]),
-               int(meta["nonfinite_in_a_row"]))
+               int(meta["nonfinite_in_a_row"]), dict(meta.get("balance") or {}))
 
 
 def data_state(stream) -> dict:

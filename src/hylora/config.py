@@ -58,6 +58,16 @@ class MoEConfig:
   transport: str = "padded"  # "padded" all_to_all (any backend) or "ragged" (GPU only)
   overlap_chunks: int = 1  # token chunks per device: one chunk's all-to-all overlaps another's FFN
   aux_loss_kind: str = "global"  # balance loss over the whole batch or per "sequence"
+  # Balancing a frozen router during training (docs/moe.md, hylora.train.balancer):
+  spare_slots: int = 0  # expert slots beyond `experts`: copies of hot experts
+  rebalance_every: int = 0  # steps between re-placements of experts from the measured load; 0: off
+  bias_update_every: int = 0  # steps between aux-loss-free router-bias updates; 0: off
+  bias_update_rate: float = 1e-3  # bias step per update: b_e += rate * sign(mean - load_e)
+
+  @property
+  def slots(self) -> int:
+    """Stored expert slots: every expert once, plus the spare ones."""
+    return self.experts + self.spare_slots
 
 
 @dataclass(frozen=True)
@@ -233,6 +243,11 @@ class Config:
            f"must be >= 1, got {moe.overlap_chunks}")
     _check(moe.aux_loss_kind in ("global", "sequence"), "model.moe.aux_loss_kind",
            f"must be 'global' or 'sequence', got {moe.aux_loss_kind!r}")
+    for name in ("spare_slots", "rebalance_every", "bias_update_every"):
+      _check(getattr(moe, name) >= 0, f"model.moe.{name}",
+             f"must be >= 0, got {getattr(moe, name)}")
+    _check(moe.bias_update_rate > 0 or moe.bias_update_every == 0, "model.moe.bias_update_rate",
+           f"must be > 0 when model.moe.bias_update_every > 0, got {moe.bias_update_rate}")
     _check(self.lora.rank >= 1, "lora.rank", f"must be >= 1, got {self.lora.rank}")
     _check(0.0 <= self.lora.dropout < 1.0, "lora.dropout", "must be in [0, 1)")
     _check(self.memory.remat in ("none", "full", "minimal", "tiered"), "memory.remat",

@@ -5,7 +5,9 @@ The step is `Trainer.jitted_step`, the one a real run executes (model, LoRA, los
 gradient accumulation, AdamW update). Its inputs are `jax.ShapeDtypeStruct`s carrying
 the run's shardings: parameters from `state.abstract_arrays`, the optimizer state from
 `jax.eval_shape(optimizer.init)` with `Trainer.optimizer_sharding`, the batch with
-`Trainer.batch_sharding`. No weight is ever materialised.
+`Trainer.batch_sharding`. No weight is ever materialised. What is compiled is the run's
+configuration with the choices of `hylora.dry_run_setup` (capacity factor, kernels
+whose CPU lowering allocates what the GPU kernels allocate, XLA:CPU flags).
 
 Memory figures (bytes per device):
   weights / lora / grads / optimizer / batch: the per-device shard of every array, from
@@ -22,16 +24,12 @@ Memory figures (bytes per device):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import math
-import os
 import re
 import resource
 import sys
-import tempfile
 import time
 
 import jax
@@ -39,6 +37,11 @@ import numpy as np
 
 from hylora import param_count
 from hylora.config import Config
+from hylora.compiled_program import (captured_stderr, involuntary_replications,  # noqa: F401
+                                     largest_values)
+from hylora.dry_run_setup import (dry_run_config, implementations, set_xla_flags,  # noqa: F401
+                                   stand_ins)
+from hylora.dry_run_text import format_report, format_sweep  # noqa: F401
 from hylora.errors import ConfigError
 from hylora.train import state as st
 from hylora.train.step import BATCH_KEYS
@@ -121,12 +124,19 @@ def tokens_per_device(batch: dict) -> int:
   return math.prod(shard_shape(batch["tokens"]))
 
 
-def analytic_bytes(cfg: Config, lora, opt_state, frozen, batch) -> dict:
+def micro_batch_tokens(cfg: Config, mesh) -> int:
+  """Tokens of one micro-batch on one device, as the memory planner counts them (the
+  activation rules applied to a micro-batch's [rows, seq])."""
+  from hylora.memory_plan import tokens_per_device as planned
+  return planned(cfg, dict(mesh.shape))
+
+
+def analytic_bytes(cfg: Config, lora, opt_state, frozen, batch, mesh) -> dict:
   weights, adapters, optimizer = tree_bytes(frozen), tree_bytes(lora), tree_bytes(opt_state)
   batch_bytes = tree_bytes(batch)
   arguments = weights + adapters + optimizer + batch_bytes + 4  # + the int32 step
   grads = sum(math.prod(shard_shape(a)) * 4 for a in jax.tree.leaves(lora))  # fp32
-  micro_tokens = tokens_per_device(batch) // cfg.train.grad_accum
+  micro_tokens = micro_batch_tokens(cfg, mesh)
   checkpoints = (cfg.model.layers * micro_tokens * cfg.model.d_model * 2
                  if cfg.memory.remat != "none" else 0)
   return {"weights": weights, "lora": adapters, "grads": grads, "optimizer": optimizer,
@@ -162,67 +172,6 @@ def memory_plan(cfg: Config, mesh, device_memory: float) -> dict | None:
           "best_plan_fits": bool(best.fits), "best_plan": best.table()}
 
 
-@contextlib.contextmanager
-def captured_stderr():
-  """Captures what XLA's C++ writes to stderr (fd 2) into a temporary file."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile(mode="w+b") as tmp:
-    os.dup2(tmp.fileno(), 2)
-    reader = io.StringIO()
-    try:
-      yield reader
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      tmp.seek(0)
-      reader.write(tmp.read().decode(errors="replace"))
-      reader.seek(0)
-
-
-_REPLICATION = re.compile(r"Involuntary full rematerialization.*?HLO operation %\S+ = "
-                          r"(\w+\[[0-9,]*\])")
-
-
-def involuntary_replications(log: str) -> list[dict]:
-  """Tensors the SPMD partitioner had to replicate in full ("involuntary full
-  rematerialization"), by shape: the sign of a sharding the partitioner cannot follow."""
-  counts: dict[str, int] = {}
-  for shape in _REPLICATION.findall(log):
-    counts[shape] = counts.get(shape, 0) + 1
-  return [{"shape": k, "count": v} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
-
-
-_VALUE = re.compile(r"%\S+ = (\w+)\[([0-9,]+)\][^ ]* (\S+?)\(.*?(?:op_name=\"([^\"]*)\")?")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def largest_values(hlo_text: str, count: int = 6) -> list[dict]:
-  """The largest array shapes the optimized per-device program computes (shape, bytes,
-  op and the JAX op that made it): where the temporaries go."""
-  best: dict[str, dict] = {}
-  fused = False  # values inside a fusion are never materialised
-  for line in hlo_text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header:
-      fused = "fused" in header.group(1) or "region" in header.group(1)
-      continue
-    m = None if fused else _VALUE.search(line)
-    if not m or m.group(1) not in _DTYPE_BYTES or m.group(3) == "parameter":
-      continue
-    dims = [int(d) for d in m.group(2).split(",")]
-    nbytes = math.prod(dims) * _DTYPE_BYTES[m.group(1)]
-    shape = f"{m.group(1)}[{m.group(2)}]"
-    if shape not in best:
-      op_name = re.search(r'op_name="([^"]*)"', line)
-      best[shape] = {"shape": shape, "bytes": nbytes, "op": m.group(3),
-                     "source": op_name.group(1)[-120:] if op_name else ""}
-  return sorted(best.values(), key=lambda v: -v["bytes"])[:count]
-
-
 def host_peak_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
@@ -244,31 +193,6 @@ def parse_bytes(text: str) -> float:
 
 # ---- the dry run ----------------------------------------------------------------------
 
-EP_DISPATCHER = "ep_alltoall"
-
-
-def dry_run_config(cfg: Config, explicit=()) -> Config:
-  """The configuration a dry run compiles.
-
-  Devices are always simulated: by default as many as the mesh asks for. Routed
-  experts go through the expert-parallel dispatcher when it is registered and the mesh
-  has an expert axis, unless `model.moe.dispatch` is among the `explicit` overrides."""
-  from hylora.model.ffn.dispatch import DISPATCHERS
-  from hylora.model.ffn import moe  # noqa: F401  (registers every dispatcher)
-
-  if cfg.mesh.devices <= 0:
-    if cfg.mesh.fsdp < 1:
-      raise ConfigError("mesh.fsdp: a dry run needs a fixed mesh (mesh.fsdp >= 1) or "
-                        "--devices N")
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
-        cfg.mesh, devices=cfg.mesh.fsdp * cfg.mesh.expert))
-  if ("model.moe.dispatch" not in explicit and EP_DISPATCHER in DISPATCHERS
-      and cfg.mesh.expert > 1):
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, moe=dataclasses.replace(cfg.model.moe, dispatch=EP_DISPATCHER)))
-  return cfg.validate()
-
-
 def check_devices(cfg: Config) -> None:
   want, have = cfg.mesh.devices, len(jax.devices())
   if want > 0 and have != want:
@@ -289,7 +213,7 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
   lora, opt_state, frozen, batch = abstract_inputs(trainer)
   counts = param_count.count_params(cfg, lora, frozen)
   rows = array_table(lora, frozen)
-  memory = analytic_bytes(cfg, lora, opt_state, frozen, batch)
+  memory = analytic_bytes(cfg, lora, opt_state, frozen, batch, mesh)
   resident = memory["analytic_arguments"] + memory["grads"]
   if resident > device_memory:
     raise PlanDoesNotFit(
@@ -335,8 +259,12 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
       "memory_plan": plan,
       "step": {"layers": m.layers, "batch_size": tc.batch_size, "seq_len": tc.seq_len,
                "grad_accum": tc.grad_accum, "tokens_per_device": tokens_per_device(batch),
+               "micro_batch_tokens_per_device": micro_batch_tokens(cfg, mesh),
                "batch_spec": _spec_text(batch["tokens"]), "remat": cfg.memory.remat,
-               "dispatch": m.moe.dispatch, "backend": jax.default_backend()},
+               "dispatch": m.moe.dispatch, "capacity_factor": m.moe.capacity_factor,
+               "backend": jax.default_backend()},
+      "implementations": implementations(cfg.kernels),
+      "stand_ins": stand_ins(cfg),
       "partitioner_replications": replicated,
       "largest_values": largest,
       "shardings": sharding_summary(rows),
@@ -347,83 +275,6 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
 
 class PlanDoesNotFit(ConfigError):
   """The plan cannot fit the device memory even before compiling."""
-
-
-# ---- text -----------------------------------------------------------------------------
-
-def _gb(x) -> str:
-  return "" if x is None else f"{x / GB:9.2f} GB"
-
-
-def format_report(r: dict) -> str:
-  s, b = r["step"], r["bytes_per_device"]
-  mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
-  lines = [
-      f"dry run: preset {r['preset']}, {s['layers']} layers, {r['devices']} simulated "
-      f"devices, mesh {mesh}",
-      f"  step: batch {s['batch_size']} x seq {s['seq_len']} (grad_accum {s['grad_accum']}), "
-      f"batch split {s['batch_spec']} -> {s['tokens_per_device']} tokens per device; "
-      f"remat {s['remat']}, dispatch {s['dispatch']}, compiled for {s['backend']}",
-  ]
-  ideal = s["batch_size"] * s["seq_len"] // r["devices"]
-  if s["tokens_per_device"] > ideal:
-    lines.append(f"  note: {s['batch_size']} rows cannot be split over {r['devices']} devices, so "
-                 f"each device computes {s['tokens_per_device']} tokens, not {ideal} (the "
-                 "sequence axis is not sharded); more rows or fewer devices per row fix it")
-  lines += ["", f"  {'parameters':<16}{'total':>12}{'active/token':>15}{'LoRA':>12}"]
-  for kind, c in r["params_by_kind"].items():
-    lines.append(f"  {kind:<16}{c['total']:>12.4g}{c['active']:>15.4g}{c['lora']:>12.4g}")
-  lines.append(f"  {'all':<16}{r['params_total']:>12.4g}{r['params_active_per_token']:>15.4g}"
-               f"{r['params_lora']:>12.4g}  (LoRA = "
-               f"{100 * r['params_lora'] / r['params_total']:.2f}% of total)")
-  lines += ["", "  sharding per kind (mesh axes per dimension; split = shards per array):"]
-  for kind, layouts in r["shardings"].items():
-    for i, lay in enumerate(layouts):
-      label = kind if i == 0 else ""
-      lines.append(f"  {label:<16}{lay['tree']:<7}{lay['spec']:<32} split {lay['split']:>4}"
-                   f"  ({lay['arrays']} arrays)")
-  lines += ["", f"  {'bytes per device':<34}{'analytic':>12}{'XLA':>13}"]
-  for label, key in (("base weights (bf16)", "weights"), ("LoRA params (fp32)", "lora"),
-                     ("LoRA grads (fp32)", "grads"), ("optimizer state", "optimizer"),
-                     ("batch", "batch")):
-    lines.append(f"  {label:<34}{_gb(b[key]):>12}")
-  lines.append(f"  {'arguments':<34}{_gb(b['analytic_arguments']):>12}"
-               f"{_gb(b.get('xla_arguments')):>13}")
-  if "xla_outputs" in b:
-    lines.append(f"  {'outputs (aliased with inputs)':<34}{'':>12}{_gb(b['xla_outputs']):>13}"
-                 f"  ({_gb(b['xla_aliased']).strip()} aliased)")
-  lines.append(f"  {'layer-input checkpoints':<34}{_gb(b['analytic_checkpoints']):>12}")
-  lines.append(f"  {'temporaries':<34}{'':>12}{_gb(b.get('xla_temporaries')):>13}")
-  lines.append(f"  {'peak':<34}{_gb(b['analytic_peak']):>12}{_gb(b.get('xla_peak')):>13}"
-               "   (analytic: a lower bound)")
-  if r.get("largest_values"):
-    lines += ["", "  largest values in the compiled per-device program:"]
-    for v in r["largest_values"]:
-      lines.append(f"    {v['bytes'] / GB:9.2f} GB  {v['shape']:<28} {v['op']:<10} {v['source']}")
-  if r["compiled"]:
-    reps = r["partitioner_replications"]
-    lines.append("  partitioner: " + ("no tensor replicated in full" if not reps else
-                 "replicated in full (involuntary): " +
-                 ", ".join(f"{x['shape']} x{x['count']}" for x in reps)))
-  plan = r.get("memory_plan")
-  if plan is not None and "error" in plan:
-    lines += ["", f"  memory planner failed: {plan['error']}"]
-  elif plan is not None:
-    lines += ["", f"  memory planner (GPU model), remat {plan['policy']}: predicted peak "
-              f"{plan['predicted_peak'] / GB:.2f} GB ({'fits' if plan['fits'] else 'does not fit'})"
-              f"; its best plan:"]
-    lines += ["    " + line for line in plan["best_plan"].splitlines()]
-  lines.append("")
-  if r["compiled"]:
-    lines.append(f"  compile: {r['compile_seconds']:.1f} s (lower + compile of the real step)")
-  else:
-    lines.append(f"  compile: skipped (--no-compile); the verdict uses {r['peak_source']}")
-  lines.append(f"  peak host memory: {r['host_peak_bytes'] / GB:.2f} GB")
-  peak = b[r["peak_source"]]
-  verdict = "fits" if r["fits"] else "does NOT fit"
-  lines.append(f"verdict: {verdict} in {r['device_memory'] / GB:.1f} GB per device "
-               f"({r['peak_source']} {peak / GB:.2f} GB)")
-  return "\n".join(lines)
 
 
 # ---- sweep ----------------------------------------------------------------------------
@@ -448,58 +299,42 @@ def sweep_variants(cfg: Config) -> list[tuple[str, Config]]:
   return out
 
 
+def _sweep_row(label: str, r: dict) -> dict:
+  b, s, plan = r["bytes_per_device"], r["step"], r.get("memory_plan") or {}
+  return {"variant": label, "seq_len": s["seq_len"], "batch_size": s["batch_size"],
+          "tokens_per_device": s["tokens_per_device"], "remat": s["remat"],
+          "xla_temporaries": b.get("xla_temporaries"), "xla_peak": b.get("xla_peak"),
+          "analytic_peak": b["analytic_peak"], "planner_peak": plan.get("predicted_peak"),
+          "fits": r["fits"], "compile_seconds": r["compile_seconds"]}
+
+
 def sweep(cfg: Config, device_memory: float, *, compile_step: bool = True,
-          log=print) -> list[dict]:
+          base: dict | None = None, log=print) -> list[dict]:
+  """One row per `sweep_variants` entry; `base`: the report of `cfg` itself, if made."""
   rows = []
   for label, variant in sweep_variants(cfg):
     start = time.perf_counter()
-    r = dry_run(variant, device_memory, compile_step=compile_step)
-    b, s, plan = r["bytes_per_device"], r["step"], r.get("memory_plan") or {}
-    rows.append({"variant": label, "seq_len": s["seq_len"], "batch_size": s["batch_size"],
-                 "tokens_per_device": s["tokens_per_device"], "remat": s["remat"],
-                 "xla_temporaries": b.get("xla_temporaries"), "xla_peak": b.get("xla_peak"),
-                 "analytic_peak": b["analytic_peak"],
-                 "planner_peak": plan.get("predicted_peak"), "fits": r["fits"],
-                 "compile_seconds": r["compile_seconds"]})
+    if label == "base" and base is not None:
+      rows.append(_sweep_row(label, base))
+      continue
+    try:
+      r = dry_run(variant, device_memory, compile_step=compile_step)
+    except PlanDoesNotFit as e:
+      s = variant.train
+      rows.append({"variant": label, "seq_len": s.seq_len, "batch_size": s.batch_size,
+                   "remat": variant.memory.remat, "fits": False, "note": str(e)})
+      continue
+    rows.append(_sweep_row(label, r))
     log(f"  sweep {label}: done ({time.perf_counter() - start:.0f} s)")
   return rows
 
 
-def format_sweep(rows: list[dict], device_memory: float) -> str:
-  def gb(x):
-    return "-" if x is None else f"{x / GB:.1f}"
-
-  lines = ["| variant | seq | batch | tokens/device | remat | XLA temporaries GB | "
-           "XLA peak GB | analytic peak GB (lower bound) | planner peak GB (GPU model) | "
-           f"fits {device_memory / GB:.0f} GB |", "|" + "---|" * 10]
-  for r in rows:
-    lines.append(f"| {r['variant']} | {r['seq_len']} | {r['batch_size']} | "
-                 f"{r['tokens_per_device']} | {r['remat']} | {gb(r['xla_temporaries'])} | "
-                 f"{gb(r['xla_peak'])} | {gb(r['analytic_peak'])} | {gb(r['planner_peak'])} | "
-                 f"{'yes' if r['fits'] else 'no'} |")
-  return "\n".join(lines)
-
-
 # ---- command line ---------------------------------------------------------------------
-
-# The compiled program is never executed: skip LLVM's optimisation of it. Buffer
-# assignment (hence every memory figure) happens before, so the figures are unchanged;
-# the compile takes about a third less CPU time.
-NO_CODEGEN_OPTIMISATION = ("--xla_backend_optimization_level=0",
-                           "--xla_llvm_disable_expensive_passes=true")
-
-
-def skip_codegen_optimisation() -> None:
-  """Adds NO_CODEGEN_OPTIMISATION to XLA_FLAGS; only before JAX starts its backend."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  extra = [f for f in NO_CODEGEN_OPTIMISATION if f.split("=")[0] not in flags]
-  os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
-
 
 def command(cfg: Config, *, device_memory: str | float, json_path: str | None = None,
             compile_step: bool = True, run_sweep: bool = False) -> int:
   """`--dry-run`: prints the report (and the sweep table); 0 fits, 1 does not fit."""
-  skip_codegen_optimisation()
+  set_xla_flags()
   memory = parse_bytes(device_memory) if isinstance(device_memory, str) else device_memory
   try:
     report = dry_run(cfg, memory, compile_step=compile_step)
@@ -510,7 +345,7 @@ def command(cfg: Config, *, device_memory: str | float, json_path: str | None = 
   if run_sweep:
     print("\nhow the peak moves (one factor at a time"
           + ("; each row is a compile):" if compile_step else "; not compiled):"), flush=True)
-    report["sweep"] = sweep(cfg, memory, compile_step=compile_step)
+    report["sweep"] = sweep(cfg, memory, compile_step=compile_step, base=report)
     print(format_sweep(report["sweep"], memory))
     report["host_peak_bytes"] = host_peak_bytes()
   if json_path:

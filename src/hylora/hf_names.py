@@ -6,7 +6,9 @@ joined with "/"). Decoder-layer leaves live under
 `stack/segments/<s>/periods/layers/<i>/...` with a leading `layers` axis (the scanned
 repeats of a segment, hylora.model.stack); routed-expert leaves then carry the expert
 axis. In the checkpoint every layer and every expert is a tensor of its own:
-`model.layers.<global layer>.<name>`, with `<e>` the expert index.
+`model.layers.<global layer>.<name>`, with `<e>` the expert index. The model stores
+experts by slot (hylora.model.ffn.placement): on loading, slot s takes expert s mod E
+(the initial placement); on writing, each expert comes from its first slot.
 
 Layouts:
   same    the tensor has the model leaf's shape (norm scales, embedding, biases);
@@ -39,7 +41,7 @@ class Rule:
   per_expert: bool = False  # one tensor per routed expert ("{e}" in the names)
   optional: bool = False  # may be absent: loaded as zeros
   adapter: str | None = None  # module holding lora_a / lora_b for this weight (PEFT export)
-  fill: str | None = None  # no checkpoint tensor: "expert_ids" = the identity expert placement
+  fill: str | None = None  # no checkpoint tensor: "expert_ids" = the initial expert placement
 
 
 def _linear(model, *names, in_dims=1, adapter=True):
@@ -76,7 +78,7 @@ LAYER_RULES: tuple[Rule, ...] = (
     _linear("ffn/router/kernel", "mlp.gate.weight", adapter=False),
     Rule("ffn/router/bias", ("mlp.gate.e_score_correction_bias",), optional=True),
     # slot -> expert table (hylora.model.ffn.placement): checkpoints store experts in
-    # logical order, so loading starts from the identity placement
+    # logical order, so loading starts from the initial placement
     Rule("ffn/placement", (), fill="expert_ids"),
     Rule("ffn/experts/gate_up", ("mlp.experts.{e}.gate_proj.weight",
                                  "mlp.experts.{e}.up_proj.weight"),
@@ -115,7 +117,8 @@ class Leaf:
   dtype: object
   layers: tuple[int, ...] | None  # global layer index of each entry of the stacked axis
   name_template: tuple[str, ...]  # full names with "{layer}" / "{e}" placeholders
-  experts: int = 0  # size of the expert axis (per-expert rules)
+  experts: int = 0  # size of the expert (slot) axis (per-expert rules)
+  routed: int = 0  # routed experts of the model: slot s starts as expert s mod routed
 
   @property
   def key(self) -> str:
@@ -133,7 +136,7 @@ class Leaf:
   def items(self) -> Iterator[tuple[tuple[int, ...], tuple[str, ...]]]:
     """(stack index, checkpoint names) for every layer / expert slice of the leaf."""
     repeats = range(len(self.layers)) if self.layers is not None else [None]
-    experts = range(self.experts) if self.experts else [None]
+    experts = range(self.routed) if self.experts else [None]  # each expert once
     for r in repeats:
       for e in experts:
         index = tuple(i for i in (r, e) if i is not None)
@@ -144,7 +147,7 @@ class Leaf:
     if self.layers is not None:
       fill["layer"] = self.layers[index[0]]
     if self.experts:
-      fill["e"] = index[-1]
+      fill["e"] = index[-1] % self.routed
     return tuple(t.format(**fill) for t in self.name_template)
 
   def tensor_shape(self) -> tuple[int, ...]:
@@ -197,7 +200,7 @@ def _leaf(cfg: Config, path: tuple, shape, dtype, starts) -> Leaf:
     layers = tuple(first + r * period + position for r in range(shape[0]))
     experts = shape[1] if rule.per_expert else 0
     names = tuple(LAYER_PREFIX + n for n in rule.names)
-    return Leaf(path, rule, shape, dtype, layers, names, experts)
+    return Leaf(path, rule, shape, dtype, layers, names, experts, cfg.model.moe.experts)
   if joined in _MODEL:
     return Leaf(path, _MODEL[joined], shape, dtype, None, _MODEL[joined].names)
   if joined.startswith(VISION_PREFIX[0]):

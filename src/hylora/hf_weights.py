@@ -146,7 +146,7 @@ def read_block(leaf: Leaf, files: CheckpointFiles, index: tuple[slice, ...]) -> 
   """The model-layout block `leaf[index]`, read from the checkpoint."""
   bounds = _bounds(index, leaf.shape)
   if leaf.rule.fill == "expert_ids":
-    ids = np.arange(leaf.shape[-1], dtype=leaf.dtype)
+    ids = (np.arange(leaf.shape[-1]) % leaf.routed).astype(leaf.dtype)  # initial placement
     return np.broadcast_to(ids, leaf.shape)[tuple(slice(a, b) for a, b in bounds)].copy()
   stack, item = bounds[:leaf.stack_dims], bounds[leaf.stack_dims:]
   ranges = [range(a, b) for a, b in stack]

@@ -4,7 +4,8 @@ An analytic model per device: every save point of `hylora.remat` gets its bytes 
 over the layers, one micro-batch) and the time to recompute it (its forward FLOPs at the
 matmul rate plus its bytes at the HBM rate). The peak is the resident state (frozen
 weights, adapters, gradients, Adam moments) + one layer period's gathered weights + the
-saved residuals kept in HBM + the working set of one period's backward + the loss. Host
+saved residuals kept in HBM (with every layer's input: the policy wraps each layer) + the
+working set of one layer's backward + the loss. Host
 copies run at `host_bandwidth` each way and hide behind compute: device-to-host behind
 the forward, host-to-device behind the backward; what does not hide is added.
 
@@ -69,8 +70,8 @@ class MemoryPlan:
   host_memory_bytes: int
   resident_bytes: int  # frozen weights + adapters + gradients + optimizer moments
   gathered_weight_bytes: int  # one layer period's weights after the FSDP all-gather
-  saved_hbm_bytes: int  # residuals kept in device memory, with the scan's period inputs
-  working_bytes: int  # one period's backward: its activations and their cotangents
+  saved_hbm_bytes: int  # residuals kept in device memory, with every layer's input
+  working_bytes: int  # one layer's backward: its activations and their cotangents
   loss_bytes: int  # final hidden state, its gradient, the chunked cross-entropy blocks
   host_bytes: int  # residuals offloaded to pinned host memory
   predicted_peak_bytes: int
@@ -148,6 +149,9 @@ def layer_save_points(cfg: Config, mixer: str, ffn: str, n: int) -> dict[str, tu
   else:
     moe = m.moe
     f, pairs = moe.expert_ffn, n * moe.top_k
+    if moe.dispatch == "ep_alltoall" and moe.capacity_factor > 0:
+      # the experts compute every row of the capacity-sized receive buffers
+      pairs = math.ceil(pairs * max(1.0, moe.capacity_factor))
     add(remat.ROUTER, n * moe.experts * 4, 2.0 * n * d * moe.experts)
     add(remat.EXPERT_INPUT, pairs * d * 2)
     add(remat.EXPERT_GATE_UP, pairs * 2 * f * 2, 2.0 * pairs * d * 2 * f)
@@ -195,13 +199,15 @@ def _shard_factor(spec, mesh) -> int:
 
 
 def tokens_per_device(cfg: Config, mesh_shape) -> int:
-  """Tokens of one micro-batch on one device, with the batch sharded as the trainer does."""
+  """Tokens of one micro-batch on one device: the shard of a micro-batch's [rows, seq]
+  that the activation rules give each device (rows, and the sequence when the rows
+  cannot take every device), as the model's sharding constraints place it."""
   from meshes.rules import ACTIVATION_RULES, logical_to_spec
   mesh = _fake_mesh(mesh_shape)
   t = cfg.train
-  spec = logical_to_spec((ax.BATCH,), (t.batch_size,), mesh, ACTIVATION_RULES)
-  rows = t.batch_size / (_shard_factor(spec, mesh) * t.grad_accum)
-  return max(1, math.ceil(rows * t.seq_len))
+  rows = max(1, t.batch_size // t.grad_accum)
+  spec = logical_to_spec((ax.BATCH, ax.SEQ), (rows, t.seq_len), mesh, ACTIVATION_RULES)
+  return max(1, math.ceil(rows * t.seq_len / _shard_factor(spec, mesh)))
 
 
 def resident_bytes(cfg: Config, mesh_shape) -> tuple[int, int]:
@@ -255,9 +261,8 @@ class _Model:
   n: int
   micro: int
   layers: int
-  periods: int
   points: dict  # name -> (bytes, fwd flops), all layers
-  period_bytes: int  # all save points of the largest period
+  layer_bytes: int  # all save points of the largest layer
   forward_seconds: float
   backward_seconds: float
   resident: int
@@ -275,10 +280,11 @@ class _Model:
     host = tuple(n for n in self.points if tiers[n] == "host")
     rec = tuple(n for n in self.points if tiers[n] == "recompute")
     d = self.cfg.model.d_model
-    carries = 0 if remat.LAYER_INPUT in hbm else self.periods * self.n * d * 2
+    # each layer is checkpointed on its own (hylora.model.stack): its input is kept
+    carries = 0 if remat.LAYER_INPUT in hbm else self.layers * self.n * d * 2
     saved = sum(self.points[n][0] for n in hbm) + carries
     host_bytes = sum(self.points[n][0] for n in host)
-    working = self.period_bytes + 3 * self.n * d * 4  # + fp32 cotangents of the stream
+    working = self.layer_bytes + 3 * self.n * d * 4  # + fp32 cotangents of the stream
     peak = self.resident + self.gathered + saved + working + self.loss_bytes
     recompute = sum(self.recompute_seconds(n) for n in rec)
     copy = self.micro * host_bytes / self.hw.host_bandwidth
@@ -304,20 +310,13 @@ def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware) -> _Model
     raise ConfigError(f"device_memory_bytes: must be > 0, got {device_memory_bytes!r}")
   from pallas_kernels.cross_entropy.chunked_cross_entropy import (DEFAULT_LOGITS_CHUNK,
                                                                   DEFAULT_TOKEN_CHUNK)
-  from hylora.model.stack import plan_segments
-
   n = tokens_per_device(cfg, mesh_shape)
   m = cfg.model
   kinds = m.layer_kinds()
   points: dict[str, list[float]] = {name: [0, 0.0] for name in remat.ALL}
   forward = backward = 0.0
-  period_bytes = 0
-  for chunk, _ in plan_segments(kinds, len(m.pattern)):
-    chunk_bytes = 0
-    for mixer, ffn in chunk:
-      for name, (nbytes, flops) in layer_save_points(cfg, mixer, ffn, n).items():
-        chunk_bytes += nbytes
-    period_bytes = max(period_bytes, chunk_bytes)
+  layer_bytes = max(sum(nbytes for nbytes, _ in layer_save_points(cfg, mixer, ffn, n).values())
+                    for mixer, ffn in set(kinds))
   for mixer, ffn in kinds:
     for name, (nbytes, flops) in layer_save_points(cfg, mixer, ffn, n).items():
       points[name][0] += nbytes
@@ -331,8 +330,7 @@ def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware) -> _Model
                 + (2 * DEFAULT_TOKEN_CHUNK + 4 * DEFAULT_LOGITS_CHUNK) * m.vocab_size)
   kept = {name: (int(v[0]), v[1]) for name, v in points.items() if v[0] > 0}
   return _Model(cfg=cfg, hw=hw, n=n, micro=micro, layers=m.layers,
-                periods=math.ceil(m.layers / len(m.pattern)), points=kept,
-                period_bytes=period_bytes,
+                points=kept, layer_bytes=layer_bytes,
                 forward_seconds=micro * (forward + head) / hw.matmul_flops,
                 backward_seconds=micro * (backward + 2 * head) / hw.matmul_flops,
                 resident=resident, gathered=gathered, loss_bytes=loss_bytes,
@@ -394,8 +392,8 @@ def format_table(plan: MemoryPlan) -> str:
                  f"{p.tier}")
   parts = (("resident (weights, adapters, optimizer)", plan.resident_bytes),
            ("gathered weights of one period", plan.gathered_weight_bytes),
-           ("saved in HBM (+ period inputs)", plan.saved_hbm_bytes),
-           ("backward working set of one period", plan.working_bytes),
+           ("saved in HBM (+ layer inputs)", plan.saved_hbm_bytes),
+           ("backward working set of one layer", plan.working_bytes),
            ("loss (hidden, gradient, CE blocks)", plan.loss_bytes))
   for label, nbytes in parts:
     lines.append(f"  {label:<40} {_size(nbytes):>12}")

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
+from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention.tests._data import fast_jit, loss_fn, make_inputs, rel_rms
 
 
@@ -23,8 +24,8 @@ def _check(x, out_tol, grad_tol, **kernel_kw):
 
 
 def test_fp32_exact_with_resets_initial_state_strong_decay_and_split_dv():
-    # T=100 pads to 128; Dv=32 split into two blocks of 16 exercises the partial-sum path
-    _check(make_inputs(seed=5, T=80, Dk=16, Dv=32), 1e-4, 1e-4, block_v=16)
+    # T=80 pads to 128; 16-wide state tiles exercise the tiled sequential kernels
+    _check(make_inputs(seed=5, T=80, Dk=32, Dv=32), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16))
 
 
 def test_bf16_inputs_within_tolerance():

@@ -102,3 +102,8 @@ def test_kernel_topk_rejects_bad_inputs():
     with pytest.raises(ValueError, match="k_idx dtype"):
         topk_indices(jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 16), jnp.bfloat16),
                      jnp.zeros((1, 8, 2)), top_k=4)
+
+
+def test_the_atomic_backward_runs_with_relaxed_atomics():
+    from pallas_kernels.sparse_attention import attention_backward, relaxed_atomics
+    assert attention_backward.relaxed_atomics is relaxed_atomics and relaxed_atomics.enabled()

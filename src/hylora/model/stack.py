@@ -4,6 +4,10 @@ The layer kinds (e.g. the first two dense, then `L L L S` repeating) are cut int
 periods of `len(pattern)` layers; consecutive identical periods form one segment whose
 parameters carry a leading `layers` axis and run under one `lax.scan`. Compile time
 depends on the number of distinct periods, not on depth.
+
+The memory policy (`hylora.memory`) wraps each layer, not the period: the backward
+recomputes one layer at a time, so its working set is one layer's activations (a
+period of four MoE layers would hold four layers' all-to-all buffers at once).
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ def plan_segments(kinds: list[tuple[str, str]], period: int):
 class Period(nnx.Module):
   def __init__(self, cfg: Config, kinds, *, init: ParamInit):
     self.layers = nnx.List([DecoderLayer(cfg, mixer, ffn, init=init) for mixer, ffn in kinds])
+    self.memory = cfg.memory
 
   def __call__(self, x, ctx, first_layer):
     auxes = []
     for i, layer in enumerate(self.layers):
-      x, aux = layer(x, ctx.for_layer(first_layer + i))
+      layer_ctx = ctx.for_layer(first_layer + i)
+      x, aux = memory.wrap(lambda x, layer=layer, c=layer_ctx: layer(x, c), self.memory)(x)
       auxes.append(aux)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
@@ -49,7 +55,6 @@ class Segment(nnx.Module):
   def __init__(self, cfg: Config, kinds, repeats: int, *, init: ParamInit):
     self.period_len = len(kinds)
     self.repeats = repeats
-    self.memory = cfg.memory
 
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(seed):
@@ -65,7 +70,6 @@ class Segment(nnx.Module):
       period = nnx.merge(graphdef, period_state)
       return period(carry, ctx, first_layer + index * self.period_len)
 
-    body = memory.wrap(body, self.memory)
     x, aux = jax.lax.scan(body, x, (state, jnp.arange(self.repeats)))
     # aux leaves: [repeats, period_len, ...] -> [repeats * period_len, ...] in layer order
     return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)

@@ -32,12 +32,21 @@ REGISTRY.define("residual_mix", f"{_RM}.reference:residual_mix_reference")  # do
 # (docs/performance.md), so auto keeps the reference there until it is.
 REGISTRY.register("linear_attention.gla", "pallas", f"{_LA}:chunked_gla", backends=("gpu",),
                   priority=-2)
+# Named only until timed against the XLA chunked reference on the H200.
+REGISTRY.register("linear_attention.kda", "pallas", f"{_LA}:chunked_kda", backends=("gpu",),
+                  priority=-2)
 REGISTRY.register("sparse_attention.topk_indices", "pallas", f"{_SA}:topk_indices",
                   backends=("gpu",))
 REGISTRY.register("sparse_attention.attend", "pallas", f"{_SA}:sparse_attention",
                   backends=("gpu",))
 REGISTRY.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
 REGISTRY.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
+# Exact, G times the FLOPs, a GPU kernel's memory: what a CPU compile that stands in for
+# a GPU step (the dry run, docs/dry_run.md) uses. Only ever picked by name.
+REGISTRY.register("grouped_matmul", "loop", f"{_GMM}.loop_over_groups:loop_grouped_matmul",
+                  backends=("cpu", "gpu", "tpu"), priority=-2)
+REGISTRY.register("grouped_lora", "loop", f"{_GMM}.loop_over_groups:loop_grouped_lora",
+                  backends=("cpu", "gpu", "tpu"), priority=-2)
 REGISTRY.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
                   backends=("cpu", "gpu", "tpu"))
 # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).

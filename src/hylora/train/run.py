@@ -20,6 +20,7 @@ from hylora.distributed import local_rows
 from hylora.errors import ConfigError, TrainingHalted
 from hylora.overrides import to_dict
 from hylora.data import ConversationLoader, is_conversation_file
+from hylora.train.balancer import ExpertBalancer
 from hylora.train.data import Packer, make_source
 from hylora.train.trainer import Trainer
 from meshes.mesh import build_mesh
@@ -84,6 +85,8 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     lora, opt_state, position = ckpt.restore(latest, cfg, abstract(lora), abstract(opt_state))
     packer = restore_data(packer, position.data)
+  balancer = ExpertBalancer(cfg, mesh, frozen)
+  frozen = balancer.restore(position.balance, frozen)  # a checkpoint's expert placement
   metrics_path = out / "metrics.jsonl"
   if primary:
     trim_metrics(metrics_path, position.step)
@@ -104,12 +107,14 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
       lora, opt_state, metrics = trainer.step(lora, opt_state, frozen, batch, step)
       metrics = jax.device_get(metrics)
       seconds = time.perf_counter() - start
+      balance = balancer.observe(metrics.pop("expert_load"))
+      lora, opt_state, frozen, changes = balancer.after_step(step + 1, lora, opt_state, frozen)
       skipped = bool(metrics["skipped"] > 0)
       position.step = step + 1
       position.nonfinite_total += skipped
       position.nonfinite_in_a_row = position.nonfinite_in_a_row + 1 if skipped else 0
       record = {"step": step, **{k: float(v) for k, v in metrics.items()},
-                "nonfinite_total": position.nonfinite_total,
+                **balance, **changes, "nonfinite_total": position.nonfinite_total,
                 "step_seconds": seconds, "tokens_per_s": float(metrics["tokens"]) / seconds}
       if primary:
         log.write(json.dumps(record) + "\n")
@@ -118,6 +123,7 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
       halted = position.nonfinite_in_a_row >= tc.max_nonfinite_in_a_row
       if halted or ckpt.due(position.step, tc.steps):
         position.data = data_state(packer)
+        position.balance = balancer.state(frozen)
         ckpt.save(position, cfg, lora, opt_state)
       if halted:
         ckpt.close()

@@ -6,9 +6,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from hylora.config import Config
 from hylora.model import IGNORE_INDEX
+from hylora.train import expert_sites
 from hylora.train.state import ModelParts
 
 BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
@@ -54,7 +56,11 @@ def make_train_step(cfg: Config, parts: ModelParts, optimizer: optax.GradientTra
   objective = make_loss_fn(cfg, parts)
   grad_fn = jax.value_and_grad(objective, has_aux=True)
   accum, seed, dropout = cfg.train.grad_accum, cfg.train.seed, cfg.lora.dropout
-  k = cfg.model.moe.top_k
+  moe = cfg.model.moe
+  k = moe.top_k
+  # Spare slots hold copies of experts whose LoRA factors must stay equal.
+  sites = (expert_sites.find_sites(cfg, nnx.to_pure_dict(parts.frozen_template))
+           if moe.slots > moe.experts else [])
 
   def train_step(lora, opt_state, frozen, batch, step):
     total = jnp.sum(batch["labels"] != IGNORE_INDEX)
@@ -72,8 +78,13 @@ def make_train_step(cfg: Config, parts: ModelParts, optimizer: optax.GradientTra
 
     zeros = jax.tree.map(jnp.zeros_like, lora)
     (grads,), infos = jax.lax.scan(one, (zeros,), (micro, jnp.arange(accum)))
+    if sites:
+      tables = expert_sites.tables(frozen, sites)
+      grads = expert_sites.tie_replica_grads(grads, tables, moe.experts)
     updates, new_opt_state = optimizer.update(grads, opt_state, lora)
     new_lora = optax.apply_updates(lora, updates)
+    if sites:
+      new_lora = expert_sites.refresh_replicas(new_lora, tables, moe.experts)
     tokens = jnp.sum(infos["tokens"])
     loss = jnp.sum(infos["loss_sum"]) / jnp.maximum(tokens, 1)
     grad_norm = optax.global_norm(grads)
@@ -97,6 +108,7 @@ def make_train_step(cfg: Config, parts: ModelParts, optimizer: optax.GradientTra
         "expert_load_max_over_mean": jnp.max(busiest),
         "dropped_fraction": jnp.sum(infos["dropped_tokens"]) / routed_pairs,
         "tokens": tokens,
+        "expert_load": load,  # [layers, experts]: the run's balancer reads it (not logged as is)
     }
     if schedule is not None:
       metrics["learning_rate"] = schedule(step)

@@ -19,9 +19,11 @@ from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec
 
 
 def check_model_fits_mesh(cfg: Config, mesh: jax.sharding.Mesh) -> None:
-  experts, ep = cfg.model.moe.experts, mesh.shape["expert"]
-  if experts % ep:
-    raise ConfigError(f"model.moe.experts: {experts} experts cannot be split evenly over the "
+  moe, ep = cfg.model.moe, mesh.shape["expert"]
+  if moe.slots % ep:
+    spare = f" + {moe.spare_slots} spare slots" if moe.spare_slots else ""
+    field = "model.moe.spare_slots" if moe.spare_slots else "model.moe.experts"
+    raise ConfigError(f"{field}: {moe.experts} experts{spare} cannot be split evenly over the "
                       f"expert mesh axis of size {ep} (mesh.expert)")
 
 
@@ -93,7 +95,9 @@ class Trainer:
     return jax.jit(step,
                    in_shardings=(self.lora_sharding, opt_sharding, self.frozen_sharding,
                                  batch_sh, None),
-                   out_shardings=(self.lora_sharding, opt_sharding, None),
+                   # metrics replicated: every process reads them (and the expert load)
+                   out_shardings=(self.lora_sharding, opt_sharding,
+                                  NamedSharding(self.mesh, P())),
                    donate_argnums=(0, 1))
 
   def compile(self, lora, opt_state, frozen, batch):

@@ -37,6 +37,7 @@ from hylora.config import MoEConfig
 from hylora.errors import ConfigError
 from hylora.model.ffn.dispatch import dropless, register_dispatcher
 from hylora.model.ffn.experts import expert_ffn
+from hylora.model.ffn.permute_rows import permute_rows
 from meshes.rules import PARAM_RULES, current_mesh, logical_to_spec
 
 EXPERT_AXIS, FSDP_AXIS = "expert", "fsdp"
@@ -140,9 +141,9 @@ def _local_experts(recv, recv_kept, weights, options, dropout_key):
   row_slot = jnp.sum(c[None, :, None] >= ends[:, None, :], axis=-1).reshape(-1)  # S: empty
   order = jnp.argsort(row_slot, stable=True).astype(jnp.int32)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-  y = expert_ffn(weights, jnp.take(recv, order, axis=0), recv_kept.sum(0),
+  y = expert_ffn(weights, permute_rows(recv, order, inverse), recv_kept.sum(0),
                  dropout_key=dropout_key, **options)
-  return jnp.take(y, inverse, axis=0)  # rows past the groups come out zero
+  return permute_rows(y, inverse, order)  # rows past the groups come out zero
 
 
 def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, per_rank,
@@ -186,11 +187,17 @@ def _weight_spec(name, array, mesh):
 
 
 def _gather_inner(array, spec):
-  """All-gather every dimension sharded over the mesh except the slot axis."""
+  """All-gather every dimension sharded over the mesh except the slot axis.
+
+  The shards arrive on a new leading axis, then fold into their dimension: a gather
+  along an inner dimension makes XLA:GPU lay the operand out with that dimension major,
+  i.e. transpose the whole stacked weight of every scanned layer ahead of the loop."""
   for dim, entry in enumerate(spec):
     if entry is None or entry == EXPERT_AXIS:
       continue
-    array = jax.lax.all_gather(array, entry, axis=dim, tiled=True)
+    parts = jax.lax.all_gather(array, entry, axis=0, tiled=False)  # [shards, ...]
+    parts = jnp.moveaxis(parts, 0, dim)  # [..., shards, local, ...]
+    array = parts.reshape(*array.shape[:dim], -1, *array.shape[dim + 1:])
   return array
 
 

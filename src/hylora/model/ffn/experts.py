@@ -14,6 +14,7 @@ from hylora.model.init import ParamInit, weight_std
 from hylora import axes as ax
 from hylora import ops, remat
 from hylora.config import Config
+from hylora.model.ffn.placement import initial_placement
 from hylora.model.lora import LoRAParam, dropout, wants_lora
 
 
@@ -23,9 +24,13 @@ class RoutedExperts(nnx.Module):
     self.kernels = cfg.kernels
     e, d, f = moe.experts, m.d_model, moe.expert_ffn
 
+    # Drawn per expert, then stored per slot: spare slots start as copies (placement.py).
+    table = initial_placement(e, moe.slots)
+    per_slot = lambda rows: jnp.take(rows, table, axis=0)
+
     def weight(shape):
-      return init.normal(shape, weight_std(m.init_std, shape[1]), jnp.dtype(m.weight_dtype),
-                         clip=2.0)
+      return per_slot(init.normal(shape, weight_std(m.init_std, shape[1]),
+                                  jnp.dtype(m.weight_dtype), clip=2.0))
 
     self.gate_up = nnx.Param(weight((e, d, 2 * f)), out_sharding=(ax.EXP, ax.EMBED, ax.EXP_MLP))
     self.down = nnx.Param(weight((e, f, d)), out_sharding=(ax.EXP, ax.EXP_MLP, ax.EMBED))
@@ -37,8 +42,8 @@ class RoutedExperts(nnx.Module):
       a_shape = (d, lora.rank) if self.shared_a else (e, d, lora.rank)
       a_axes = (ax.EMBED, ax.LORA_RANK) if self.shared_a else (ax.EXP, ax.EMBED, ax.LORA_RANK)
       a = init.normal(a_shape, 1.0 / math.sqrt(d))
-      self.lora_a = LoRAParam(a, out_sharding=a_axes)
-      self.lora_b = LoRAParam(jnp.zeros((e, lora.rank, 2 * f), jnp.float32),
+      self.lora_a = LoRAParam(a if self.shared_a else per_slot(a), out_sharding=a_axes)
+      self.lora_b = LoRAParam(jnp.zeros((moe.slots, lora.rank, 2 * f), jnp.float32),
                               out_sharding=(ax.EXP, ax.LORA_RANK, ax.EXP_MLP))
       self.lora_scale = lora.scale
       self.lora_dropout = lora.dropout

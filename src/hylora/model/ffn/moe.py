@@ -12,7 +12,7 @@ from hylora.model.ffn import expert_parallel  # noqa: F401  (registers "ep_allto
 from hylora.model.ffn.dispatch import get_dispatcher
 from hylora.model.ffn.experts import RoutedExperts
 from hylora.model.ffn.mlp import SwiGLU
-from hylora.model.ffn.placement import ExpertPlacement, identity_placement, route_to_slots
+from hylora.model.ffn.placement import ExpertPlacement, initial_placement, route_to_slots
 from hylora.model.ffn.router import Router
 
 
@@ -22,8 +22,9 @@ class MoE(nnx.Module):
     self.cfg = moe
     self.router = Router(m.d_model, moe, init_std=m.init_std, init=init, dtype=m.weight_dtype)
     self.experts = RoutedExperts(cfg, init=init)
-    # Which expert each stored slot holds (balance.py re-places hot experts).
-    self.placement = ExpertPlacement(identity_placement(moe.experts), out_sharding=(None,))
+    # Which expert each stored slot holds (hylora.train.balancer re-places hot experts).
+    self.placement = ExpertPlacement(initial_placement(moe.experts, moe.slots),
+                                     out_sharding=(None,))
     self.shared = (SwiGLU(m.d_model, moe.expert_ffn * moe.shared_experts, lora=cfg.lora,
                           init_std=m.init_std, init=init, dtype=m.weight_dtype)
                    if moe.shared_experts > 0 else None)

@@ -30,6 +30,12 @@ def identity_placement(num_experts: int) -> jax.Array:
   return jnp.arange(num_experts, dtype=jnp.int32)
 
 
+def initial_placement(num_experts: int, slots: int) -> jax.Array:
+  """Slot s holds expert s mod E: every expert once, spare slots copy experts 0, 1, ...
+  (a fixed rule, so checkpoint readers know which expert a spare slot starts with)."""
+  return jnp.arange(slots, dtype=jnp.int32) % num_experts
+
+
 def _slots_by_expert(slot_to_expert: jax.Array, num_experts: int):
   """(slots sorted by expert, copies [E], first index of each expert in that order)."""
   order = jnp.argsort(slot_to_expert, stable=True).astype(jnp.int32)

@@ -1,0 +1,199 @@
+"""The two parallel GLA kernels: one program per (batch row, head, chunk of 64 tokens).
+
+Given the chunk's start state (and, backward, the gradient of its end state) every
+chunk is independent, so these kernels fill the GPU whatever B and H are. Inside a
+chunk the scores A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk
+cumulative log decay) are built per 16-token sub-chunk: blocks below the diagonal
+factor the decay through the sub-chunk boundary (both factors <= 1, so tensor-core
+matmuls); diagonal blocks form each exp(b_t - b_s <= 0) exactly, one key at a time.
+No exp of a positive number is ever taken, so decays down to g = -20 per token stay finite.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.linear_attention._inputs import CHUNK as C
+from pallas_kernels.linear_attention._pallas_common import (
+    F32, SUB, compiler_params, compute_dtype, iota, mm, rows)
+
+N_SUB = C // SUB
+
+
+def _masked_exp(x):
+    return jnp.exp(jnp.minimum(x, 0.0))
+
+
+def _flags(ref, start, n):
+    return ref[pl.ds(start, n)]
+
+
+def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
+    """Exact scores of one 16x16 diagonal block, one key column at a time."""
+    t = iota(SUB)
+    cols = iota(SUB, 1, (SUB, SUB))
+
+    def column(j, a):
+        k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
+        ok = (t >= j) & (r_i == jnp.max(r_ref[pl.ds(start + j, 1)]))
+        col = jnp.where(ok, jnp.sum(q_i * k_j * _masked_exp(b_i - b_j), axis=1), 0.0)
+        return a + jnp.where(cols == j, col[:, None], 0.0)
+
+    return jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), F32))
+
+
+def _output_kernel(q_ref, k_ref, v_ref, b_ref, r_ref, ci_ref, h_ref, o_ref, a_ref, *, scale, cd):
+    S = h_ref[...]
+    for i in range(N_SUB):
+        start = i * SUB
+        q_i, b_i = rows(q_ref, start, SUB), rows(b_ref, start, SUB)
+        r_i = _flags(r_ref, start, SUB)
+        ci_i = _flags(ci_ref, start, SUB).astype(F32)[:, None]
+        o_i = mm(q_i * jnp.exp(b_i) * ci_i, S, cd)
+        if i > 0:  # keys of earlier sub-chunks, decay split at the sub-chunk boundary
+            b_edge = rows(b_ref, start - 1, 1)
+            q_dec = q_i * _masked_exp(b_i - b_edge)
+            for j in range(i):
+                k_j, b_j = rows(k_ref, j * SUB, SUB), rows(b_ref, j * SUB, SUB)
+                a_ij = mm(q_dec, k_j * _masked_exp(b_edge - b_j), cd, trans_b=True)
+                a_ij = jnp.where(r_i[:, None] == _flags(r_ref, j * SUB, SUB)[None, :], a_ij, 0.0)
+                o_i += mm(a_ij, v_ref[pl.ds(j * SUB, SUB), :], cd)
+                a_ref[pl.ds(start, SUB), pl.ds(j * SUB, SUB)] = a_ij
+        a_d = _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start)
+        a_ref[pl.ds(start, SUB), pl.ds(start, SUB)] = a_d
+        for j in range(i + 1, N_SUB):
+            a_ref[pl.ds(start, SUB), pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), F32)
+        o_i += mm(a_d, v_ref[pl.ds(start, SUB), :], cd)
+        o_ref[pl.ds(start, SUB), :] = (scale * o_i).astype(o_ref.dtype)
+
+
+def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
+    """dA = scale * do v^T on the causal same-segment pairs, and its transpose."""
+    v, do, r = v_ref[...], do_ref[...], r_ref[...]
+    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
+    same = r[:, None] == r[None, :]
+    da_ref[...] = jnp.where(same & (s <= t), scale * mm(do, v, cd, trans_b=True), 0.0)
+    dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
+
+
+def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_ref, do_ref,
+                  a_ref, da_ref, dat_ref, dq_ref, dk_ref, dv_ref, db_ref, *, scale, cd):
+    """Every score and score gradient is read from a_ref / da_ref / dat_ref, so the exact
+    diagonal blocks take one column load per step and no cross-thread reductions."""
+    t_idx = iota(C)
+    sub_rows = iota(SUB, 0, (SUB, 1))
+    S, dS = h_ref[...], ds_ref[...]  # matmul operands only: kept in the compute dtype
+    q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
+    do = do_ref[...]
+    b_last = rows(b_ref, C - 1, 1)
+    keep = jnp.max(_flags(ci_ref, C - 1, 1)).astype(F32)
+    # b_last scales the surviving start state and every key's decay to the chunk end
+    extra = keep * hds_ref[...][None, :] * jnp.exp(b_last)
+    for i in range(N_SUB):
+        start = i * SUB
+        q_i, k_i, b_i = (rows(x, start, SUB) for x in (q_ref, k_ref, b_ref))
+        v_i, do_i = rows(v_ref, start, SUB), rows(do_ref, start, SUB)
+        ci_i = _flags(ci_ref, start, SUB).astype(F32)[:, None]
+        il_i = _flags(il_ref, start, SUB).astype(F32)[:, None]
+        # state paths: o <- start state (queries), end state <- k, v (keys)
+        dq_i = scale * mm(do_i, S, cd, trans_b=True) * jnp.exp(b_i) * ci_i
+        decay_to_end = _masked_exp(b_last - b_i) * il_i
+        dk_i = mm(v_i, dS, cd, trans_b=True) * decay_to_end
+        dv_i = mm(k_i * decay_to_end, dS, cd) + scale * mm(a_ref[:, pl.ds(start, SUB)], do, cd,
+                                                           trans_a=True)
+        extra += jnp.sum(k_i * dk_i, axis=0, keepdims=True)
+        if i > 0:  # this sub-chunk's queries against earlier keys
+            b_edge = rows(b_ref, start - 1, 1)
+            k_off = jnp.where((t_idx < start)[:, None], k * _masked_exp(b_edge - b), 0.0)
+            dq_i += mm(da_ref[pl.ds(start, SUB), :], k_off, cd) * _masked_exp(b_i - b_edge)
+        if i < N_SUB - 1:  # this sub-chunk's keys against later queries
+            b_edge = rows(b_ref, start + SUB - 1, 1)
+            q_off = jnp.where((t_idx >= start + SUB)[:, None], q * _masked_exp(b - b_edge), 0.0)
+            dk_i += mm(dat_ref[pl.ds(start, SUB), :], q_off, cd) * _masked_exp(b_edge - b_i)
+
+        def diag_dq(j, dq_a):  # key j of the diagonal block (dA is zero above the diagonal)
+            col = da_ref[pl.ds(start, SUB), pl.ds(start + j, 1)]
+            k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
+            return dq_a + col * k_j * _masked_exp(b_i - b_j)
+
+        def diag_dk(t, dk_a):  # query t of the diagonal block
+            col = dat_ref[pl.ds(start, SUB), pl.ds(start + t, 1)]
+            q_t, b_t = rows(q_ref, start + t, 1), rows(b_ref, start + t, 1)
+            return dk_a + col * q_t * _masked_exp(b_t - b_i)
+
+        dq_i = jax.lax.fori_loop(0, SUB, diag_dq, dq_i)
+        dk_i = jax.lax.fori_loop(0, SUB, diag_dk, dk_i)
+        db_i = q_i * dq_i - k_i * dk_i
+        if i == N_SUB - 1:
+            db_i += jnp.where(sub_rows == SUB - 1, extra, 0.0)
+        dq_ref[pl.ds(start, SUB), :] = dq_i.astype(dq_ref.dtype)
+        dk_ref[pl.ds(start, SUB), :] = dk_i.astype(dk_ref.dtype)
+        db_ref[pl.ds(start, SUB), :] = db_i
+        dv_ref[pl.ds(start, SUB), :] = dv_i.astype(dv_ref.dtype)
+
+
+def _chunk_specs(Dk, Dv):
+    sq = pl.squeezed
+    keys = pl.BlockSpec((sq, C, sq, Dk), lambda b, h, c: (b, c, h, 0))
+    values = pl.BlockSpec((sq, C, sq, Dv), lambda b, h, c: (b, c, h, 0))
+    flags = pl.BlockSpec((sq, C), lambda b, h, c: (b, c))
+    state = pl.BlockSpec((sq, sq, sq, Dk, Dv), lambda b, h, c: (b, h, c, 0, 0))
+    scores = pl.BlockSpec((sq, sq, sq, C, C), lambda b, h, c: (b, h, c, 0, 0))
+    return keys, values, flags, state, scores
+
+
+def _scores_shape(B, H, Tp):
+    return jax.ShapeDtypeStruct((B, H, Tp // C, C, C), F32)
+
+
+def chunk_outputs(q, k, v, b, runs, carry_in, h, *, scale, interpret, num_warps=4, num_stages=1):
+    """o [B, Tp, H, Dv] from the chunk start states h [B, H, NT, Dk, Dv], and the in-chunk
+    scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal) for the backward."""
+    B, Tp, H, Dk = q.shape
+    Dv = v.shape[-1]
+    keys, values, flags, state, scores = _chunk_specs(Dk, Dv)
+    return pl.pallas_call(
+        functools.partial(_output_kernel, scale=scale, cd=compute_dtype(q.dtype)),
+        grid=(B, H, Tp // C),
+        out_shape=(jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype), _scores_shape(B, H, Tp)),
+        in_specs=[keys, keys, values, keys, flags, flags, state], out_specs=(values, scores),
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+        name="gla_chunk_outputs",
+    )(q, k, v, b, runs, carry_in, h)
+
+
+def chunk_score_grads(v, runs, do, *, scale, interpret, num_warps=4):
+    """dA = scale * do v^T on causal same-segment pairs [B, H, NT, C, C], and dA transposed."""
+    B, Tp, H, Dv = v.shape
+    _, values, flags, _, scores = _chunk_specs(Dv, Dv)
+    return pl.pallas_call(
+        functools.partial(_dscores_kernel, scale=scale, cd=compute_dtype(v.dtype)),
+        grid=(B, H, Tp // C), out_shape=(_scores_shape(B, H, Tp),) * 2,
+        in_specs=[values, flags, values], out_specs=(scores, scores),
+        compiler_params=compiler_params(num_warps), interpret=interpret,
+        name="gla_chunk_score_grads",
+    )(v, runs, do)
+
+
+def chunk_grads(q, k, v, b, carry_in, in_last, h, ds, do, a, da, dat, *, scale, interpret,
+                num_warps=4, num_stages=1):
+    """dq, dk (input dtype), dv, and db (fp32, w.r.t. the in-chunk cumulative decay)."""
+    B, Tp, H, Dk = q.shape
+    Dv = v.shape[-1]
+    keys, values, flags, state, scores = _chunk_specs(Dk, Dv)
+    # sum_v h * ds per chunk: the gradient of the start state's decay through the chunk,
+    # one cheap XLA reduction instead of two [Dk, Dv] fp32 tiles per program
+    hds = jnp.sum(h.astype(F32) * ds.astype(F32), axis=-1)
+    row = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, Dk), lambda b, h, c: (b, h, c, 0))
+    return pl.pallas_call(
+        functools.partial(_grads_kernel, scale=scale, cd=compute_dtype(q.dtype)),
+        grid=(B, H, Tp // C),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(q.shape, F32)),
+        in_specs=[keys, keys, values, keys, flags, flags, state, state, row, values,
+                  scores, scores, scores],
+        out_specs=(keys, keys, values, keys),
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+        name="gla_chunk_grads",
+    )(q, k, v, b, carry_in, in_last, h, ds, hds, do, a, da, dat)
