@@ -18,7 +18,7 @@ from hylora.errors import ConfigError, WeightsError
 from hylora.hf_names import plan
 from hylora.model import ForwardContext
 from hylora.train import state as st
-from weights_helpers import host, model_and_trees
+from weights_helpers import host, model_and_trees, read_folder
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +35,6 @@ def written(model, tmp_path_factory):
   files = hf_weights.save(path, cfg, frozen, max_shard_bytes=120_000)
   assert len(files) > 1  # several shards + an index
   return path
-
-
-def _tensors(path) -> dict[str, np.ndarray]:
-  index = json.loads((path / hf_weights.INDEX_FILE).read_text())["weight_map"]
-  out = {}
-  for name, file in index.items():
-    with safe_open(str(path / file), framework="numpy") as f:
-      out[name] = f.get_tensor(name)
-  return out
 
 
 def test_table_names_every_parameter_once():
@@ -64,7 +55,7 @@ def test_table_names_every_parameter_once():
 
 def test_written_tensors_follow_the_hf_layout(model, written):
   cfg, _, _, _, frozen = model
-  f, t = host(frozen), _tensors(written)
+  f, t = host(frozen), read_folder(written)
   layer = f["stack"]["segments"][0]["periods"]["layers"]
   q = layer[0]["mixer"]["q"]["kernel"][0]  # [d, heads, head_dim]
   np.testing.assert_array_equal(t["model.layers.0.self_attn.q_proj.weight"],
@@ -122,7 +113,7 @@ def test_each_device_slice_is_read_once_and_alone(model, written, monkeypatch):
   total = {}
   for name, size in reads:
     total[name] = total.get(name, 0) + size
-  full = _tensors(written)
+  full = read_folder(written)
   # replicated and sharded tensors alike: every element read exactly once
   assert all(total[name] == full[name].size for name in full)
 

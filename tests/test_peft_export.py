@@ -10,7 +10,7 @@ from safetensors import safe_open
 from helpers import small_config
 from hylora import hf_weights, peft_export
 from hylora.train import state as st
-from weights_helpers import host, model_and_trees
+from weights_helpers import host, model_and_trees, read_folder
 
 P = "base_model.model."
 
@@ -84,18 +84,9 @@ def test_factor_values(exported):
     np.testing.assert_array_equal(tensors[up + ".lora_B.weight"], b[:, f:].T)
 
 
-def _read_folder(path):
-  index = json.loads((path / hf_weights.INDEX_FILE).read_text())["weight_map"]
-  out = {}
-  for name, file in index.items():
-    with safe_open(str(path / file), framework="numpy") as f:
-      out[name] = f.get_tensor(name)
-  return out
-
-
 def test_merge_is_base_plus_scaled_b_a(exported):
   cfg, mesh, parts, _, _, out, tensors = exported
-  base, merged = _read_folder(out.parent / "base"), _read_folder(out / "merged")
+  base, merged = read_folder(out.parent / "base"), read_folder(out / "merged")
   assert set(base) == set(merged)
   scale = cfg.lora.alpha / cfg.lora.rank  # PEFT: lora_alpha / r
   adapted = {n[len(P):].rsplit(".lora_", 1)[0] + ".weight" for n in tensors}

@@ -3,9 +3,13 @@ adapters for the weights/export tests."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
+from safetensors import safe_open
 
+from hylora import hf_weights
 from hylora.train import state as st
 from meshes.mesh import build_mesh
 
@@ -36,3 +40,13 @@ def model_and_trees(cfg, seed: int = 0):
 
 def host(tree) -> dict:
   return jax.tree.map(np.asarray, tree)
+
+
+def read_folder(path) -> dict[str, np.ndarray]:
+  """Every tensor of a sharded safetensors folder (its index names the shard of each)."""
+  index = json.loads((path / hf_weights.INDEX_FILE).read_text())["weight_map"]
+  out = {}
+  for name, file in index.items():
+    with safe_open(str(path / file), framework="numpy") as f:
+      out[name] = f.get_tensor(name)
+  return out

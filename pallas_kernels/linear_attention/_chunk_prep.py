@@ -35,10 +35,3 @@ def prepare(q, k, v, g, segment_ids, B, T):
     q, k, v = (pad_time(x, Tp) for x in (q, k, v))
     b = chunk_cumsum(pad_time(g.astype(jnp.float32), Tp))
     return q, k, v, b, runs
-
-
-def block(d, cap=64):
-    return min(d, cap)
-
-
-block_v = block  # the Dv tile of the sequential kernels
