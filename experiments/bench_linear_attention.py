@@ -147,7 +147,7 @@ def parse_tiling(spec):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--peers", action="store_true")
-    ap.add_argument("--tiling", nargs="*", default=[""], type=parse_tiling,
+    ap.add_argument("--tiling", nargs="*", default=[parse_tiling("")], type=parse_tiling,
                     help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
     ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
                     default=SHAPES, help="B,T,H,D")

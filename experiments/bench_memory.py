@@ -5,6 +5,7 @@ predictions.
   python -m experiments.bench_memory                      # one GPU, gpu-1 preset
   python -m experiments.bench_memory --seq 32768 --budget 141GB --json out.json
   python -m experiments.bench_memory --small              # CPU, 8 simulated devices
+  python -m experiments.bench_memory --model.layers=4     # any config field, as in the main command
 
 Peak is XLA's figure for the compiled step (arguments + outputs - aliased + temporaries);
 on a GPU the allocator's peak (`peak_bytes_in_use`, cumulative over the run) is recorded
@@ -39,7 +40,11 @@ def _args(argv):
   p.add_argument("--policies", default="full,minimal,tiered,planned,none",
                  help="run in this order (none last: it may run out of memory)")
   p.add_argument("--json", default=None, help="write the report here")
-  return p.parse_args(argv)
+  from hylora.overrides import split_overrides
+  overrides, rest = split_overrides(argv)
+  args = p.parse_args(rest)
+  args.overrides = overrides
+  return args
 
 
 def _bytes(text: str) -> float:
@@ -66,7 +71,9 @@ def _config(args):
     train["batch_size"] = args.batch
   if args.seq:
     train["seq_len"] = args.seq
-  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+  from hylora.overrides import apply_overrides
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+  return apply_overrides(cfg, args.overrides).validate()
 
 
 def _device_memory(args, small: bool) -> float:

@@ -114,12 +114,13 @@ def _module_ms(module, x, ctx, repeats: int) -> float:
 
   graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
 
-  def loss(lora, x):
+  # Frozen weights are arguments: closed over, jit would embed them as constants.
+  def loss(lora, x, rest):
     y, _ = nnx.merge(graphdef, lora, rest)(x, ctx)
     return jnp.sum(y.astype(jnp.float32))
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-  return _median_ms(step, (lora, x), repeats)
+  return _median_ms(step, (lora, x, rest), repeats)
 
 
 def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
@@ -153,8 +154,8 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
   head = jax.random.normal(jax.random.key(1), (d, m.vocab_size), jnp.float32)
   head = (head * d ** -0.5).astype(jnp.bfloat16)
   labels = jax.random.randint(jax.random.key(2), (b * s,), 0, m.vocab_size)
-  loss_grad = jax.jit(jax.grad(lambda h: ce(h, head, labels)[0] / (b * s)))
-  out["loss (LM head)"] = _median_ms(loss_grad, (x.reshape(b * s, d),), repeats)
+  loss_grad = jax.jit(jax.grad(lambda h, head, labels: ce(h, head, labels)[0] / (b * s)))
+  out["loss (LM head)"] = _median_ms(loss_grad, (x.reshape(b * s, d), head, labels), repeats)
 
   from hylora.train.state import model_parts
   parts = model_parts(cfg, t.seed)
@@ -213,6 +214,7 @@ def small_config():
 
 def profile(cfg, steps: int, repeats: int, peak: float, devices=None) -> dict:
   step = whole_step(cfg, steps, devices)
+  print(f"whole step: {json.dumps(step)}", flush=True)
   parts = sub_benchmarks(cfg, repeats)
   flops = flops_per_step(cfg)
   step_ms = step["step_seconds"] * 1e3
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=5, help="timed runs per sub-benchmark")
   p.add_argument("--peak", type=float, default=H200_BF16_PEAK, help="peak FLOP/s for MFU")
   p.add_argument("--out", default=None, help="folder for bench_step.json")
+  p.add_argument("--parts-only", action="store_true",
+                 help="only the per-part sub-benchmarks (no whole step, no MFU)")
   try:
     overrides, rest = split_overrides(argv)
     args = p.parse_args(rest)
@@ -261,8 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   import jax
   devices = jax.devices()[:1]
-  report = profile(cfg, args.steps, args.repeats, args.peak, devices)
-  print(format_report(report))
+  if args.parts_only:
+    report = {"preset": cfg.preset, "parts_ms": sub_benchmarks(cfg, args.repeats),
+              "flops": flops_per_step(cfg)}
+    print(json.dumps(report, indent=2))
+  else:
+    report = profile(cfg, args.steps, args.repeats, args.peak, devices)
+    print(format_report(report))
   if args.out:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
