@@ -1,0 +1,103 @@
+"""One layer part's backward memory as XLA compiles it, next to the memory planner's
+save-point bytes for the same part: the check behind the planner's working-set term.
+
+  python -m experiments.probe_layer_memory linear moe --seq 16384          # gpu-1 widths
+  python -m experiments.probe_layer_memory linear --preset tiny --seq 64   # any preset
+  python -m experiments.probe_layer_memory moe --kernels.grouped_matmul=loop   # any field
+
+Each part (a mixer: linear / sparse, or an FFN: moe / dense) is compiled from abstract
+shapes (nothing is allocated) as forward + input and LoRA gradients of
+[train.batch_size, seq, d_model] on one device, without remat: XLA's temporaries are
+the part's activations plus its backward transients. The planner counts only the
+save points (`hylora.memory_plan.layer_save_points`), so the ratio says how much the
+backward holds beyond them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+MIXER_POINTS = ("layer_input", "mixer_norm", "qkv", "gates", "indexer", "topk_indices",
+                "attention", "mixer_out", "lora_a")
+FFN_POINTS = ("ffn_norm", "router", "mlp_gate_up", "mlp_down", "expert_input",
+              "expert_gate_up", "expert_down")
+
+
+def probe(cfg, part: str) -> dict:
+  """XLA's compiled bytes for one part's forward + backward, and the planner's figure."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from hylora.memory_plan import layer_save_points
+  from hylora.model import LoRAParam
+  from hylora.model.context import ForwardContext
+  from hylora.model.ffn import FFNS
+  from hylora.model.init import ParamInit
+  from hylora.model.mixers import MIXERS
+
+  is_mixer = part in MIXERS
+  table = MIXERS if is_mixer else FFNS
+  if part not in table:
+    raise ValueError(f"part: unknown {part!r}; choose from {sorted(MIXERS) + sorted(FFNS)}")
+  b, seq, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
+  module = nnx.eval_shape(lambda: table[part](cfg, init=ParamInit(0)))
+  graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
+
+  def loss(lora, x, rest, segments):
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+    y, _ = nnx.merge(graphdef, lora, rest)(x, ForwardContext(segments, positions))
+    return jnp.sum(y.astype(jnp.float32))
+
+  x = jax.ShapeDtypeStruct((b, seq, d), jnp.bfloat16)
+  segments = jax.ShapeDtypeStruct((b, seq), jnp.int32)
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(lora, x, rest, segments).compile()
+  memory = compiled.memory_analysis()
+  mixer, ffn = (part, "dense") if is_mixer else ("linear", part)
+  points = layer_save_points(cfg, mixer, ffn, b * seq)
+  names = MIXER_POINTS if is_mixer else FFN_POINTS
+  planner = sum(nbytes for name, (nbytes, _) in points.items() if name in names)
+  return {"part": part, "batch": b, "seq": seq, "xla_temp_bytes": memory.temp_size_in_bytes,
+          "xla_argument_bytes": memory.argument_size_in_bytes,
+          "planner_save_point_bytes": planner,
+          "ratio": memory.temp_size_in_bytes / planner if planner else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  from hylora.errors import ConfigError
+  from hylora.overrides import apply_overrides, split_overrides
+  from hylora.presets import get_preset
+
+  p = argparse.ArgumentParser(prog="python -m experiments.probe_layer_memory",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("parts", nargs="+", help="linear, sparse, moe, dense")
+  p.add_argument("--preset", default="gpu-1")
+  p.add_argument("--seq", type=int, default=None, help="train.seq_len")
+  p.add_argument("--json", default=None, help="write the rows here")
+  try:
+    overrides, rest = split_overrides(argv)
+    args = p.parse_args(rest)
+    cfg = get_preset(args.preset)
+    if args.seq:
+      cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=args.seq))
+    cfg = apply_overrides(cfg, overrides).validate()
+    rows = [probe(cfg, part) for part in args.parts]
+  except (ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"{'part':<8} {'tokens':>8} {'XLA temp GB':>12} {'planner GB':>11} {'ratio':>6}")
+  for r in rows:
+    print(f"{r['part']:<8} {r['batch'] * r['seq']:>8} {r['xla_temp_bytes'] / 1e9:>12.2f} "
+          f"{r['planner_save_point_bytes'] / 1e9:>11.2f} {r['ratio']:>6.2f}")
+  if args.json:
+    Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
