@@ -33,6 +33,7 @@ def probe(cfg, part: str) -> dict:
   import jax.numpy as jnp
   from flax import nnx
 
+  from experiments.bench_step import module_gradients
   from hylora.memory_plan import layer_save_points
   from hylora.model import LoRAParam
   from hylora.model.context import ForwardContext
@@ -48,14 +49,10 @@ def probe(cfg, part: str) -> dict:
   module = nnx.eval_shape(lambda: table[part](cfg, init=ParamInit(0)))
   graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
 
-  def loss(lora, x, rest, segments):
-    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
-    y, _ = nnx.merge(graphdef, lora, rest)(x, ForwardContext(segments, positions))
-    return jnp.sum(y.astype(jnp.float32))
-
   x = jax.ShapeDtypeStruct((b, seq, d), jnp.bfloat16)
-  segments = jax.ShapeDtypeStruct((b, seq), jnp.int32)
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(lora, x, rest, segments).compile()
+  rows = jax.ShapeDtypeStruct((b, seq), jnp.int32)
+  ctx = ForwardContext(rows, rows)  # segment ids and positions
+  compiled = module_gradients(graphdef).lower(lora, x, rest, ctx).compile()
   memory = compiled.memory_analysis()
   mixer, ffn = (part, "dense") if is_mixer else ("linear", part)
   points = layer_save_points(cfg, mixer, ffn, b * seq)
