@@ -123,22 +123,33 @@ def bench_lora(report, lhs):
         median_ms(grads(grouped_lora_reference), lhs, a, b, reps=3), 3)
 
 
-def sweep_tiles(report, lhs, rhs):
+TILE_CONFIGS = [  # (block_m, block_n, block_k, pipeline stages, column tiles per snake step)
+    (128, 128, 64, 4, 8), (128, 128, 64, 6, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 8),
+    (128, 128, 128, 3, 8), (128, 256, 64, 3, 4), (128, 128, 64, 5, 7), (128, 128, 64, 4, 14),
+]
+
+
+def sweep_tiles(report, lhs, rhs, dout):
+    """Mosaic kernel alone, skewed groups: forward (lhs @ rhs) and input gradient
+    (dout @ rhs^T, 56 column tiles of K=7168), per tile setting."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
     gs = group_sizes("skewed")
     tflop = 2 * M * K * N / 1e12
-    r = report["tile_sweep_fwd_tflops"] = {}
-    for bm, bn, bk, stages, gbn in [(128, 128, 64, 4, 8), (128, 128, 64, 6, 8),
-                                    (128, 128, 64, 4, 4), (64, 128, 64, 4, 8),
-                                    (128, 128, 128, 3, 8)]:
-        name = f"bm{bm}_bn{bn}_bk{bk}_s{stages}_g{gbn}"
-        f = jax.jit(lambda l, w, g, bm=bm, bn=bn, bk=bk, s=stages, c=gbn: ragged_dot_mgpu.ragged_dot(
-            l, w, group_sizes=g, block_m=bm, block_n=bn, block_k=bk,
-            max_concurrent_steps=s, grid_block_n=c))
-        try:
-            r[name] = round(tflop / (median_ms(f, lhs, rhs, gs) / 1e3), 1)
-        except Exception as e:  # a config that does not fit shared memory, say
-            r[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    for direction, x, transpose, cols in (("fwd", lhs, False, N), ("dlhs", dout, True, K)):
+        r = report[f"tile_sweep_{direction}_tflops"] = {}
+        for bm, bn, bk, stages, gbn in TILE_CONFIGS:
+            if (cols // bn) % gbn:
+                continue  # the snake's column group must divide the column tiles
+            name = f"bm{bm}_bn{bn}_bk{bk}_s{stages}_g{gbn}"
+            f = jax.jit(lambda l, w, g, bm=bm, bn=bn, bk=bk, s=stages, c=gbn, t=transpose:
+                        ragged_dot_mgpu.ragged_dot(
+                            l, w, group_sizes=g, block_m=bm, block_n=bn, block_k=bk,
+                            max_concurrent_steps=s, grid_block_n=c, transpose_rhs=t))
+            try:
+                r[name] = round(tflop / (median_ms(f, x, rhs, gs) / 1e3), 1)
+            except Exception as e:  # a config that does not fit shared memory, say
+                r[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        print(json.dumps({direction: r}), flush=True)
 
 
 def main():
@@ -165,7 +176,7 @@ def main():
     bench_lora(report, lhs)
     print(json.dumps(report["lora_rank16"]), flush=True)
     if not args.no_sweep:
-        sweep_tiles(report, lhs, rhs)
+        sweep_tiles(report, lhs, rhs, dout)
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,7 @@
 """GPU benchmark: Pallas chunked GLA vs the plain-JAX chunked reference (same run).
 
     PYTHONPATH=src:. python3 experiments/bench_linear_attention.py [--peers]
-    PYTHONPATH=src:. python3 experiments/bench_linear_attention.py --op kda [--shapes 1,8192,64,128]
+    PYTHONPATH=src:. python3 experiments/bench_linear_attention.py --op kda [--shapes 1,8192,64,128] [--breakdown]
 
 Prints forward and forward+backward milliseconds (median of timed calls after warm-up),
 a correctness check against the reference, and (with --peers) the jla / fla figures from
@@ -101,7 +101,54 @@ def kernel_breakdown(shape, tiling):
         "grads": round(timed(grads, qp, kp, vp, b, h, ds, vp), 3)}}
 
 
-def bench_kda(shapes, skip_reference):
+def kda_kernel_breakdown(shape):
+    """Milliseconds of each KDA kernel alone (forward: intra, states, output; backward
+    adds the recomputed intra with the inverse, dv_local, state_grads, wy_grads, key_grads)."""
+    from pallas_kernels.linear_attention import _chunk_prep
+    from pallas_kernels.linear_attention._kda_intra import chunk_intra
+    from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
+    from pallas_kernels.linear_attention._kda_states import chunk_state_grads, chunk_states
+    from pallas_kernels.linear_attention._kda_value_side import (
+        chunk_dv_local, chunk_output, chunk_wy_grads)
+    from pallas_kernels.linear_attention._pallas_common import interpret_mode
+    interp = interpret_mode()  # a CPU smoke run interprets the kernels
+    B, T, H, D = shape
+    q, k, v, g = inputs(*shape)
+    beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), shape[:3], jnp.float32))
+    qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, None, B, T)
+    beta = jnp.pad(beta, ((0, 0), (0, qp.shape[1] - T), (0, 0)))
+    ci, il = _chunk_prep.segment_masks(runs)
+    h0 = jnp.zeros((B, H, D, D), jnp.float32)
+    cd, scale = jnp.bfloat16, D ** -0.5
+    kw = dict(block_v=min(D, 64 if D <= 128 else 32), cd=cd, interpret=interp)
+    intra = jax.jit(lambda *a, e: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e,
+                                              interpret=interp), static_argnames="e")
+    qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
+    states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
+    h, vn, _ = states(w, u0, kg, b)
+    output = jax.jit(lambda qg, aqk, h, vn: chunk_output(qg, aqk, h, vn, scale=scale,
+                                                         out_dtype=vp.dtype, **kw))
+    dv_local = jax.jit(lambda aqk, do, vn: chunk_dv_local(aqk, do, vn, runs, scale=scale, **kw))
+    dvl, dp = dv_local(aqk, vp, vn)
+    dstates = jax.jit(lambda qg, kg, w, b, dvl, do: chunk_state_grads(
+        qg, kg, w, b, ci, dvl, do, h0, scale=scale, **kw))
+    dh, dvn, _ = dstates(qg, kg, w, b, dvl, vp)
+    wy = jax.jit(lambda inv, dvn, vn, v, beta: chunk_wy_grads(inv, dvn, vn, v, beta, runs, **kw))
+    _, dx, da, _ = wy(inv, dvn, vn, vp, beta)
+    key = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
+        q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), **kw))
+    return {"op": "kda", "shape": list(shape), "kernel_ms": {
+        "intra": round(timed(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
+        "intra_with_inverse": round(timed(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
+        "states": round(timed(states, w, u0, kg, b), 3),
+        "output": round(timed(output, qg, aqk, h, vn), 3),
+        "dv_local": round(timed(dv_local, aqk, vp, vn), 3),
+        "state_grads": round(timed(dstates, qg, kg, w, b, dvl, vp), 3),
+        "wy_grads": round(timed(wy, inv, dvn, vn, vp, beta), 3),
+        "key_grads": round(timed(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)}}
+
+
+def bench_kda(shapes, skip_reference, breakdown=False):
     """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked, fwd and fwd+bwd."""
     from pallas_kernels.linear_attention import chunked_kda, kda_chunked
 
@@ -123,6 +170,8 @@ def bench_kda(shapes, skip_reference):
                                        zip(("q", "k", "v", "g", "beta"), g_ref, g_pal)}
     print(json.dumps({"kda_correctness_vs_fp32_reference": [1, 4096, 4, 128], "rel_rms": errs}),
           flush=True)
+    if breakdown:
+        print(json.dumps(kda_kernel_breakdown(shapes[0])), flush=True)
     for shape in shapes:
         row = {"op": "kda", "shape": list(shape)}
         x = kda_inputs(shape)
@@ -157,7 +206,7 @@ def main():
     args = ap.parse_args()
     print(jax.devices(), flush=True)
     if args.op == "kda":
-        return bench_kda(args.shapes, args.skip_reference)
+        return bench_kda(args.shapes, args.skip_reference, args.breakdown)
     correctness()
     if args.breakdown:
         for _, tiling in args.tiling:

@@ -11,7 +11,9 @@ Peak is XLA's figure for the compiled step (arguments + outputs - aliased + temp
 on a GPU the allocator's peak (`peak_bytes_in_use`, cumulative over the run) is recorded
 too. The budget defaults to the device's `bytes_limit` (run with
 XLA_PYTHON_CLIENT_MEM_FRACTION=.95 to give XLA most of the GPU). Without --seq the sequence is the shortest of 8K..128K at which the planner predicts
-that `none` does not fit the budget.
+that `none` does not fit the budget. The plan's working set of one layer is taken from
+the layer parts compiled on this backend (`hylora.layer_memory`), not from the planner's
+analytic estimate, unless --analytic-working-set.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def _args(argv):
   p.add_argument("--policies", default="full,minimal,tiered,planned,none",
                  help="run in this order (none last: it may run out of memory)")
   p.add_argument("--json", default=None, help="write the report here")
+  p.add_argument("--analytic-working-set", action="store_true",
+                 help="plan with the planner's analytic working set instead of compiling "
+                      "each layer part on this backend (hylora.layer_memory)")
   from hylora.overrides import split_overrides
   overrides, rest = split_overrides(argv)
   args = p.parse_args(rest)
@@ -159,14 +164,19 @@ def main(argv=None) -> int:
     mesh = build_mesh(cfg.mesh)
     mesh_shape = (mesh.shape["fsdp"], mesh.shape["expert"])
     budget = _device_memory(args, args.small)
-    if args.small and not budget:
-      # a budget between `full` and `none`, so that the plan has to choose
-      lo = estimate_policy(cfg, mesh_shape, 1e12, MemoryConfig(remat="full"))
-      hi = estimate_policy(cfg, mesh_shape, 1e12, MemoryConfig(remat="none"))
-      budget = (lo.predicted_peak_bytes + hi.predicted_peak_bytes) / 2
     if not args.seq and not args.small:
       cfg = _pick_sequence(cfg, mesh_shape, budget)
-    plan = plan_memory(cfg, mesh_shape, budget)
+    working = None
+    if not args.analytic_working_set:
+      from hylora.layer_memory import measured_working_bytes
+      from hylora.memory_plan import tokens_per_device
+      working = measured_working_bytes(cfg, tokens_per_device(cfg, mesh_shape))
+    if args.small and not budget:
+      # a budget between `full` and `none`, so that the plan has to choose
+      lo, hi = (estimate_policy(cfg, mesh_shape, 1e12, MemoryConfig(remat=r),
+                                working_bytes=working) for r in ("full", "none"))
+      budget = (lo.predicted_peak_bytes + hi.predicted_peak_bytes) / 2
+    plan = plan_memory(cfg, mesh_shape, budget, working_bytes=working)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -185,11 +195,12 @@ def main(argv=None) -> int:
   report = {"device": str(jax.devices()[0]), "jax": jax.__version__, "preset": cfg.preset,
             "seq_len": cfg.train.seq_len, "batch_size": cfg.train.batch_size,
             "mesh": mesh_shape, "budget_bytes": budget, "plan": plan.policy_config().__dict__,
+            "working_bytes": plan.working_bytes, "working_compiled": plan.working_compiled,
             "policies": {}}
   params = st.init_params(cfg, st.model_parts(cfg), mesh)
   for name in chosen:
     policy_cfg = dataclasses.replace(cfg, memory=policies[name])
-    predicted = estimate_policy(cfg, mesh_shape, budget, policies[name])
+    predicted = estimate_policy(cfg, mesh_shape, budget, policies[name], working_bytes=working)
     row = {"predicted_peak": predicted.predicted_peak_bytes,
            "predicted_step_ms": float(f"{predicted.predicted_step_seconds * 1e3:.4g}")}
     row.update(measure(policy_cfg, mesh, params, args.steps))

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments.bench_step import H200_BF16_PEAK, _median_ms, flops_per_step, whole_step
 from hylora.config import MeshConfig
+from hylora import hlo_schedule
 from hylora.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import expert_parallel as ep
@@ -71,6 +72,13 @@ def _args(argv):
   p.add_argument("--repeats", type=int, help="timed runs per benchmark (10; small 2)")
   p.add_argument("--peak", type=float, default=H200_BF16_PEAK, help="peak FLOP/s per GPU")
   p.add_argument("--json", default=None, help="write the report here")
+  p.add_argument("--schedule-only", action="store_true",
+                 help="compile the MoE layer per --chunks and report which compute XLA "
+                      "scheduled under each asynchronous all-to-all; run nothing")
+  p.add_argument("--hlo-dir", default=None, help="with --schedule-only: write the HLO here")
+  p.add_argument("--mock-gpus", type=int, default=0,
+                 help="with --schedule-only: compile for N GPUs on one (XLA's mock NCCL "
+                      "topology: 1 slice x N hosts x 1 GPU), so one GPU shows the 8-GPU schedule")
   overrides, rest = split_overrides(argv)
   args = p.parse_args(rest)
   for name, value in DEFAULTS["small" if args.small else "full"].items():
@@ -199,12 +207,38 @@ def _max_rel_diff(a, b) -> float:
              for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def _with_chunks(cfg, c):
+  moe = dataclasses.replace(cfg.model.moe, overlap_chunks=c)
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
+
+
+def _layer_fwd_bwd(cfg, mesh):
+  """jit(value_and_grad) of the MoE module in (lora, x, rest, probe): input and LoRA
+  gradients, the output and the dropped-token count as aux."""
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: MoE(cfg, init=ParamInit(0))))
+  b, t = cfg.train.batch_size, cfg.train.seq_len
+
+  def loss(lora, x, rest, probe):
+    ctx = ForwardContext(jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32))
+    y, aux = nnx.merge(graphdef, lora, rest)(x, ctx)
+    return jnp.sum((y * probe).astype(jnp.float32)), (y, aux["dropped_tokens"])
+
+  def run(*args):
+    with activation_mesh(mesh):
+      return jax.value_and_grad(loss, (0, 1), has_aux=True)(*args)
+  return jax.jit(run)
+
+
+def _layer_shardings(cfg, mesh):
+  abstract = nnx.eval_shape(lambda: MoE(cfg, init=ParamInit(0)))
+  params = [state_shardings(s, mesh) for s in nnx.split(abstract, LoRAParam, ...)[1:]]
+  b, t = cfg.train.batch_size, cfg.train.seq_len
+  spec = logical_to_spec(("batch", "seq"), (b, t), mesh, ACTIVATION_RULES)
+  return params, NamedSharding(mesh, P(*spec, None))
+
+
 def bench_layer(cfg, mesh, chunks: list[int], repeats: int) -> dict:
   """The MoE module, weights created sharded; B non-zero so that A gets gradients too."""
-
-  def with_chunks(c):
-    moe = dataclasses.replace(cfg.model.moe, overlap_chunks=c)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
 
   def make():
     layer = MoE(cfg, init=ParamInit(0))
@@ -212,39 +246,52 @@ def bench_layer(cfg, mesh, chunks: list[int], repeats: int) -> dict:
       layer.experts.lora_b[...] = ParamInit(1).normal(layer.experts.lora_b.shape, 0.02)
     return nnx.split(layer, LoRAParam, ...)[1:]
 
-  abstract = nnx.eval_shape(lambda: MoE(cfg, init=ParamInit(0)))
-  shardings = [state_shardings(s, mesh) for s in nnx.split(abstract, LoRAParam, ...)[1:]]
-  lora, rest = jax.jit(make, out_shardings=tuple(shardings))()
+  params, x_sharding = _layer_shardings(cfg, mesh)
+  lora, rest = jax.jit(make, out_shardings=tuple(params))()
   b, t, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
-  spec = logical_to_spec(("batch", "seq"), (b, t), mesh, ACTIVATION_RULES)
-  x, probe = (jax.device_put(jax.random.normal(key, (b, t, d), jnp.bfloat16),
-                             NamedSharding(mesh, P(*spec, None)))
+  x, probe = (jax.device_put(jax.random.normal(key, (b, t, d), jnp.bfloat16), x_sharding)
               for key in jax.random.split(jax.random.key(3)))
-
-  def fwd_bwd(graphdef):
-    def loss(lora, x, rest, probe):
-      ctx = ForwardContext(jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32))
-      y, aux = nnx.merge(graphdef, lora, rest)(x, ctx)
-      return jnp.sum((y * probe).astype(jnp.float32)), (y, aux["dropped_tokens"])
-
-    def run(*args):
-      with activation_mesh(mesh):
-        return jax.value_and_grad(loss, (0, 1), has_aux=True)(*args)
-    return jax.jit(run)
 
   out, first = {"experts": cfg.model.moe.experts, "tokens": b * t, "chunks": {}}, None
   for c in chunks:
-    step = fwd_bwd(nnx.graphdef(nnx.eval_shape(lambda: MoE(with_chunks(c), init=ParamInit(0)))))
+    step = _layer_fwd_bwd(_with_chunks(cfg, c), mesh).lower(lora, x, rest, probe).compile()
     (_, (y, dropped)), grads = step(lora, x, rest, probe)
     row = out["chunks"][str(c)] = {
         "fwd_bwd_ms": round(_median_ms(step, (lora, x, rest, probe), repeats), 3),
-        "dropped_fraction": float(dropped) / (b * t * cfg.model.moe.top_k)}
+        "dropped_fraction": float(dropped) / (b * t * cfg.model.moe.top_k),
+        "schedule": hlo_schedule.summary(hlo_schedule.overlap_windows(step.as_text()))}
     if first is None:
       first = (y, grads), row["fwd_bwd_ms"]
       continue
     row["speedup"] = round(first[1] / row["fwd_bwd_ms"], 3)
     row["max_rel_diff"] = _max_rel_diff((y, grads), first[0])
     row["matches_first"] = row["max_rel_diff"] <= TOLERANCE
+  return out
+
+
+def schedule_layer(cfg, mesh, chunks: list[int], hlo_dir: str | None = None) -> dict:
+  """Compile only (abstract inputs): per chunk count, the MoE layer's all-to-alls and the
+  compute XLA scheduled inside each asynchronous one. Runs wherever the mesh's devices
+  can be compiled for, e.g. one GPU standing in for 8 (JAX_MOCK_GPU_TOPOLOGY=1x8x1)."""
+  (lora_s, rest_s), x_sharding = _layer_shardings(cfg, mesh)
+  abstract = nnx.eval_shape(lambda: MoE(cfg, init=ParamInit(0)))
+  lora, rest = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             state, shardings)
+                for state, shardings in zip(nnx.split(abstract, LoRAParam, ...)[1:],
+                                            (lora_s, rest_s)))
+  b, t, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
+  x = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16, sharding=x_sharding)
+  out = {}
+  for c in chunks:
+    text = _layer_fwd_bwd(_with_chunks(cfg, c), mesh).lower(lora, x, rest, x).compile().as_text()
+    windows = hlo_schedule.overlap_windows(text)
+    out[str(c)] = {**hlo_schedule.summary(windows),
+                   "matmuls_inside": sorted({m for w in windows for m in w.matmuls})[:12]}
+    if hlo_dir:
+      os.makedirs(hlo_dir, exist_ok=True)
+      name = f"moe_layer_{mesh.shape['fsdp']}x{mesh.shape['expert']}_chunks{c}.hlo.txt"
+      with open(os.path.join(hlo_dir, name), "w") as f:
+        f.write(text)
   return out
 
 
@@ -280,6 +327,12 @@ def _transport_rows(t: dict) -> list[str]:
 def format_report(report: dict) -> str:
   lines = []
   for name, r in report["meshes"].items():
+    if "moe_layer_schedule" in r:
+      for c, row in r["moe_layer_schedule"].items():
+        lines.append(f"mesh {name}, {c} chunk(s): {row['count']} all-to-alls, "
+                     f"{row['asynchronous']} asynchronous, {row['with_matmul_inside']} with a "
+                     f"matmul scheduled inside ({row['compute_inside']} compute ops in all)")
+      continue
     t, layer, step = r["transport"], r["moe_layer"], r["train_step"]
     lines.append(f"mesh {name}: {layer['experts']} experts, {t['tokens_per_gpu']} tokens/GPU, "
                  f"top-{report['top_k']}, d_model {report['d_model']}, capacity "
@@ -290,6 +343,10 @@ def format_report(report: dict) -> str:
         f"{row['max_rel_diff']:.1e})" if "speedup" in row else "")
         for c, row in layer["chunks"].items()]
     lines.append("  MoE layer fwd+bwd: " + "; ".join(parts))
+    sched = [f"{c}: {row['schedule']['asynchronous']}/{row['schedule']['count']} async, "
+             f"{row['schedule']['with_matmul_inside']} over a matmul"
+             for c, row in layer["chunks"].items()]
+    lines.append("  all-to-alls per chunk count: " + "; ".join(sched))
     lines.append(f"  train step: {step['step_ms']:.1f} ms, {step['tokens_per_s_per_gpu']:.0f} "
                  f"tokens/s/GPU, MFU {100 * step['mfu']:.1f}%, loss {step['final_loss']:.4f}")
   return "\n".join(lines)
@@ -304,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
       if "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {SMALL_XLA_FLAGS}".strip()
       ensure_cpu_devices(8)
+    if args.mock_gpus:
+      if not args.schedule_only:
+        raise ConfigError("--mock-gpus: mocked collectives move no data; use it with "
+                          "--schedule-only")
+      jax.config.update("jax_mock_gpu_topology", f"1x{args.mock_gpus}x1")
     runs = configs(args)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -317,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
             "meshes": {}}
   for name, (cfg, mesh) in runs.items():
     r = report["meshes"][name] = {"mesh": dict(mesh.shape)}
+    if args.schedule_only:
+      r["moe_layer_schedule"] = schedule_layer(cfg, mesh, args.chunks, args.hlo_dir)
+      print(json.dumps({name: r}), flush=True)
+      continue
     for part, run in (("transport", lambda: bench_transports(cfg, mesh, args.repeats)),
                       ("moe_layer", lambda: bench_layer(cfg, mesh, args.chunks, args.repeats)),
                       ("train_step", lambda: bench_train_step(cfg, args.steps, args.peak))):

@@ -104,27 +104,14 @@ def _median_ms(fn, args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def module_gradients(graphdef):
-  """jit of one mixer / FFN's forward + gradients (LoRA and input): f(lora, x, rest, ctx).
-  Frozen weights are arguments: closed over, jit would embed them as constants."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  def loss(lora, x, rest, ctx):
-    y, _ = nnx.merge(graphdef, lora, rest)(x, ctx)
-    return jnp.sum(y.astype(jnp.float32))
-
-  return jax.jit(jax.grad(loss, argnums=(0, 1)))
-
-
 def _module_ms(module, x, ctx, repeats: int) -> float:
   from flax import nnx
 
   from hylora.model import LoRAParam
 
   graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
-  return _median_ms(module_gradients(graphdef), (lora, x, rest, ctx), repeats)
+  from hylora.layer_memory import part_gradients
+  return _median_ms(part_gradients(graphdef), (lora, x, rest, ctx), repeats)
 
 
 def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:

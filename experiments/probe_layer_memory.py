@@ -29,31 +29,13 @@ FFN_POINTS = ("ffn_norm", "router", "mlp_gate_up", "mlp_down", "expert_input",
 
 def probe(cfg, part: str) -> dict:
   """XLA's compiled bytes for one part's forward + backward, and the planner's figure."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from experiments.bench_step import module_gradients
+  from hylora.layer_memory import compiled_part
   from hylora.memory_plan import layer_save_points
-  from hylora.model import LoRAParam
-  from hylora.model.context import ForwardContext
-  from hylora.model.ffn import FFNS
-  from hylora.model.init import ParamInit
   from hylora.model.mixers import MIXERS
 
+  b, seq = cfg.train.batch_size, cfg.train.seq_len
+  memory = compiled_part(cfg, part, b, seq).memory_analysis()
   is_mixer = part in MIXERS
-  table = MIXERS if is_mixer else FFNS
-  if part not in table:
-    raise ValueError(f"part: unknown {part!r}; choose from {sorted(MIXERS) + sorted(FFNS)}")
-  b, seq, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
-  module = nnx.eval_shape(lambda: table[part](cfg, init=ParamInit(0)))
-  graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
-
-  x = jax.ShapeDtypeStruct((b, seq, d), jnp.bfloat16)
-  rows = jax.ShapeDtypeStruct((b, seq), jnp.int32)
-  ctx = ForwardContext(rows, rows)  # segment ids and positions
-  compiled = module_gradients(graphdef).lower(lora, x, rest, ctx).compile()
-  memory = compiled.memory_analysis()
   mixer, ffn = (part, "dense") if is_mixer else ("linear", part)
   points = layer_save_points(cfg, mixer, ffn, b * seq)
   names = MIXER_POINTS if is_mixer else FFN_POINTS

@@ -1,5 +1,6 @@
-"""Runs of the main command in subprocesses, shared by the checkpoint and multi-host
-tests: one tiny configuration, one persistent compilation cache, one reference run."""
+"""Runs of the main command in subprocesses, shared by the training, checkpoint and
+multi-host tests: one tiny configuration, one persistent compilation cache, one reference
+run."""
 
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--model.layers=4", "--model.dense_layers=1", "--train.seq_len=64",
-        "--train.batch_size=8", "--quiet"]
-STEPS = 8
+# two_layer_config() (tests/helpers.py) with a learning rate at which 8 steps visibly
+# lower the loss: test_train checks that on the reference run.
+TINY = ["--model.layers=2", "--model.pattern=linear,sparse", "--model.dense_layers=1",
+        "--train.seq_len=64", "--train.batch_size=8", "--train.learning_rate=2e-2",
+        "--train.warmup_steps=2", "--quiet"]
+# Enough steps after the first checkpoint (and after the third step) that the kill -9 of
+# the checkpoint and multi-host tests lands while the run is still training.
+STEPS = 16
 EVERY = 4
 _RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 if _RUN_ID:  # pytest -n: the workers of one session share runs (and leave them in /tmp)

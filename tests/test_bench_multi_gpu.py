@@ -60,6 +60,10 @@ def test_small_run_reports_both_meshes(tmp_path):
                for c in layer["chunks"].values())
     two = layer["chunks"]["2"]  # no drops: the chunked pipeline computes the same numbers
     assert two["matches_first"] and two["max_rel_diff"] < 1e-5 and two["speedup"] > 0
+    # each chunk has its own all-to-alls; XLA:CPU runs collectives synchronously
+    one_sched, two_sched = layer["chunks"]["1"]["schedule"], two["schedule"]
+    assert 0 < one_sched["count"] < two_sched["count"]
+    assert one_sched["asynchronous"] == two_sched["asynchronous"] == 0
 
     step = r["train_step"]
     cfg = runs[name][0]
@@ -77,7 +81,18 @@ def test_small_run_reports_both_meshes(tmp_path):
     (["--mesh", "1y8"], "--mesh: '1y8' is not FSDPxEXPERT"),
     (["--chunks", "3"], "do not split into 8 devices x 3 chunks"),
     (["--model.moe.nope=1"], "unknown config field 'model.moe.nope'"),
+    (["--mock-gpus", "8"], "use it with --schedule-only"),
 ])
 def test_bad_input_exits_2(argv, message, capsys):
   assert bench_multi_gpu.main(argv) == 2
   assert message in capsys.readouterr().err
+
+
+def test_schedule_only_compiles_every_chunk_count_and_writes_the_hlo(tmp_path):
+  args = bench_multi_gpu._args(["--small", "--mesh", "2x4", "--schedule-only"])
+  cfg, mesh = bench_multi_gpu.configs(args)["2x4"]
+  rows = bench_multi_gpu.schedule_layer(cfg, mesh, [1, 2], str(tmp_path))
+  assert list(rows) == ["1", "2"] and rows["1"]["count"] < rows["2"]["count"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "moe_layer_2x4_chunks1.hlo.txt", "moe_layer_2x4_chunks2.hlo.txt"]
+  assert "all-to-all" in (tmp_path / "moe_layer_2x4_chunks2.hlo.txt").read_text()

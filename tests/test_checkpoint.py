@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
 import cli_runs
-from helpers import small_config
+from helpers import small_config, two_layer_config
 from hylora import hf_weights
 from hylora.checkpoint import Checkpoints, Position, trim_metrics
 from hylora.errors import CheckpointError
@@ -183,7 +183,7 @@ def test_resume_refuses_a_different_config_and_fresh_runs_refuse_old_checkpoints
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
-  cfg = small_config()
+  cfg = two_layer_config()  # the model of cli_runs.TINY
   _, _, _, frozen = model_and_trees(cfg)
   head = np.asarray(frozen["lm_head"]).copy()
   head[0, 0] = np.nan  # every step's loss is NaN

@@ -78,12 +78,11 @@ def policy_results():
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   parts = st.model_parts(base)
   lora, frozen = st.init_params(base, parts, mesh)
-  # Non-zero adapters, so that every A and B receives a gradient.
-  leaves, tree = jax.tree.flatten(lora)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  lora = jax.tree.unflatten(tree, [
-      jax.device_put(0.2 * jax.random.normal(k, a.shape, a.dtype), a.sharding)
-      for k, a in zip(keys, leaves)])
+  # Non-zero adapters, so that every A and B receives a gradient (drawn on the host: no
+  # compile per leaf shape).
+  rng = np.random.default_rng(1)
+  lora = jax.tree.map(lambda a: jax.device_put(
+      (0.2 * rng.standard_normal(a.shape)).astype(a.dtype), a.sharding), lora)
   batch = _batch(base, mesh)
   fns = {name: _grad_fn(_config(policy), mesh) for name, policy in POLICIES.items()}
   step = jax.jit(lambda lora, frozen, batch: {n: f(lora, frozen, batch) for n, f in fns.items()})

@@ -33,6 +33,13 @@ def zero_rows_past_groups(out, group_sizes):
     total = jnp.sum(group_sizes).astype(jnp.int32)
     in_block = jnp.arange(block, dtype=jnp.int32)[:, None]
 
+    # Inside shard_map the group sizes vary over the mesh axes while a kernel's output may
+    # be typed as replicated; the loop carry must keep one type, so give out total's.
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying
+    missing = tuple(sorted(varying(total) - varying(out)))
+    if missing:
+        out = jax.lax.pcast(out, missing, to="varying")
+
     def zero_block(i, out):
         start = i * block
         rows = jax.lax.dynamic_slice_in_dim(out, start, block)

@@ -1,50 +1,78 @@
 """chunked_kda: Pallas chunked KDA (gated delta rule, per-channel decay) with a Pallas
-backward (custom_vjp). Same contract as reference.kda_chunked."""
+backward (custom_vjp). Same contract as reference.kda_chunked.
+
+Forward, per 64-token chunk (see _kda_intra for the chunk form):
+  kda_intra    (parallel)   A_kk, its inverse T, w, u0, A_qk, qg, kg
+  kda_states   (sequential) start state of every chunk and v_new = u0 - w S
+  kda_output   (parallel)   o = scale (qg S + A_qk v_new)
+Backward: kda_intra and kda_states are recomputed (the residuals are the inputs), then
+  kda_dv_local (parallel)   dv_local = scale A_qk^T do, dP = scale do v_new^T
+  kda_state_grads (sequential, reverse) end-state gradients and dv_new
+  kda_wy_grads (parallel)   dv, dX = T^T dv_new, dA, part of dbeta
+  kda_key_grads (parallel over chunks and key-channel blocks) dq, dk, db, rest of dbeta
+"""
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.linear_attention import _kda_backward as bwd
-from pallas_kernels.linear_attention import _kda_forward as fwd
-from pallas_kernels.linear_attention._inputs import (
-    CHUNK, default_scale, l2_normalize, pad_time, run_ids, validate)
+from pallas_kernels.linear_attention import _chunk_prep
+from pallas_kernels.linear_attention._inputs import default_scale, l2_normalize, pad_time, validate
+from pallas_kernels.linear_attention._kda_intra import chunk_intra
+from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
+from pallas_kernels.linear_attention._kda_states import chunk_state_grads, chunk_states
+from pallas_kernels.linear_attention._kda_value_side import (
+    chunk_dv_local, chunk_output, chunk_wy_grads)
 from pallas_kernels.linear_attention._pallas_common import compute_dtype, interpret_mode
 
 
-def _forward(q, k, v, b, beta, h0, runs, scale, bv, interpret, emit_output):
+class Tiling(NamedTuple):
+    """Static launch settings: value-channel block (all kernels), key-channel block
+    (kda_key_grads) and interpret mode."""
+    block_v: int
+    block_k: int
+    interpret: bool
+
+
+def _forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
     cd = compute_dtype(q.dtype)
-    w, u0, t = fwd.prepare(k, v, b, beta, runs, cd=cd, interpret=interpret)
-    h, u, ht = fwd.states(k, b, runs, w, u0, h0, block_v=bv, interpret=interpret)
-    if not emit_output:
-        return w, t, h, u
-    o = fwd.output(q, k, b, runs, h, u, scale=scale, out_dtype=v.dtype, block_v=bv, cd=cd,
-                   interpret=interpret)
+    intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=cd, emit_inverse=for_backward,
+                        interpret=t.interpret)
+    qg, kg, w, u0, aqk = intra[:5]
+    h, vn, ht = chunk_states(w, u0, kg, b, masks[0], h0, block_v=t.block_v, cd=cd,
+                             interpret=t.interpret)
+    if for_backward:
+        return intra, h, vn
+    o = chunk_output(qg, aqk, h, vn, scale=scale, out_dtype=v.dtype, block_v=t.block_v, cd=cd,
+                     interpret=t.interpret)
     return o, ht
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _kda_core(q, k, v, b, beta, h0, runs, scale, bv, interpret):
-    return _forward(q, k, v, b, beta, h0, runs, scale, bv, interpret, True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
+    return _forward(q, k, v, b, beta, h0, runs, masks, scale, t, False)
 
 
-def _kda_core_fwd(q, k, v, b, beta, h0, runs, scale, bv, interpret):
-    out = _kda_core(q, k, v, b, beta, h0, runs, scale, bv, interpret)
-    return out, (q, k, v, b, beta, h0, runs)  # chunk inverses and states are recomputed
+def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
+    out = _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t)
+    return out, (q, k, v, b, beta, h0, runs, masks)  # chunk quantities are recomputed
 
 
-def _kda_core_bwd(scale, bv, interpret, res, cts):
-    q, k, v, b, beta, h0, runs = res
+def _kda_core_bwd(scale, t, res, cts):
+    q, k, v, b, beta, h0, runs, masks = res
     do, dht = cts
     do = do.astype(v.dtype)
     cd = compute_dtype(q.dtype)
-    w, t, h, u = _forward(q, k, v, b, beta, h0, runs, scale, bv, interpret, False)
-    dvl = bwd.local_dv(q, k, b, runs, do, scale=scale, block_v=bv, cd=cd, interpret=interpret)
-    dh, du, dh0 = bwd.dstates(q, k, b, runs, w, dvl, do, dht, scale=scale, block_v=bv, cd=cd,
-                              interpret=interpret)
-    dq, dk, dv, db, dbeta = bwd.grads(q, k, v, b, beta, runs, h, dh, u, du, do, t, scale=scale,
-                                      block_v=bv, cd=cd, interpret=interpret)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), db, dbeta, dh0, None)
+    (qg, kg, w, _, aqk, inverse), h, vn = _forward(q, k, v, b, beta, h0, runs, masks, scale, t,
+                                                   True)
+    kw = dict(block_v=t.block_v, cd=cd, interpret=t.interpret)
+    dvl, dp = chunk_dv_local(aqk, do, vn, runs, scale=scale, **kw)
+    dh, dvn, dh0 = chunk_state_grads(qg, kg, w, b, masks[0], dvl, do, dht, scale=scale, **kw)
+    dv, dx, da, dbeta_v = chunk_wy_grads(inverse, dvn, vn, v, beta, runs, **kw)
+    dq, dk, db, dbeta_k = chunk_key_grads(q, k, b, beta, *masks, h, dh, do, vn, dx, dp, da,
+                                          scale=scale, block_k=t.block_k, **kw)
+    return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None
 
 
 _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
@@ -61,18 +89,17 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     if normalize_qk:  # plain JAX (autodiff) outside the kernels, back to the input dtype
         q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
     # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)
-    Tp = -(-T // CHUNK) * CHUNK
-    qp, kp, vp = (pad_time(x, Tp) for x in (q, k, v))
-    g = pad_time(g.astype(jnp.float32), Tp)
-    b = jnp.cumsum(g.reshape(B, Tp // CHUNK, CHUNK, H, Dk), axis=2).reshape(g.shape)
-    beta = pad_time(beta.astype(jnp.float32), Tp)
-    runs = pad_time(run_ids(segment_ids, B, T), Tp, "edge")
+    qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
+    beta = pad_time(beta.astype(jnp.float32), qp.shape[1])
+    masks = _chunk_prep.segment_masks(runs)
     h0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    bv = block_v or min(Dv, 64)
+    # BV = 32 at Dk = 256 keeps the sequential kernels' [Dk, BV] fp32 state small
+    bv = block_v or min(Dv, 64 if Dk <= 128 else 32)
     if bv < 16 or bv & (bv - 1) or Dv % bv:
         raise ValueError(f"block_v = {bv}: need a power of two >= 16 dividing Dv = {Dv}")
-    o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, float(scale), bv, interpret_mode())
+    t = Tiling(block_v=bv, block_k=min(Dk, 64), interpret=interpret_mode())
+    o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)
 
 

@@ -80,6 +80,7 @@ class MemoryPlan:
   exposed_transfer_seconds: float  # host copies that do not hide behind compute
   predicted_step_seconds: float
   fits: bool
+  working_compiled: bool = False  # working_bytes from compiled layer parts, not the estimate
 
   def policy_config(self) -> MemoryConfig:
     if self.policy != "tiered":
@@ -270,6 +271,7 @@ class _Model:
   loss_bytes: int
   device_memory: int
   host_memory: int
+  measured_working: int | None = None  # compiled layer parts (hylora.layer_memory)
 
   def recompute_seconds(self, name: str) -> float:
     nbytes, flops = self.points[name]
@@ -284,7 +286,8 @@ class _Model:
     carries = 0 if remat.LAYER_INPUT in hbm else self.layers * self.n * d * 2
     saved = sum(self.points[n][0] for n in hbm) + carries
     host_bytes = sum(self.points[n][0] for n in host)
-    working = self.layer_bytes + 3 * self.n * d * 4  # + fp32 cotangents of the stream
+    layer = self.layer_bytes if self.measured_working is None else self.measured_working
+    working = layer + 3 * self.n * d * 4  # + fp32 cotangents of the stream
     peak = self.resident + self.gathered + saved + working + self.loss_bytes
     recompute = sum(self.recompute_seconds(n) for n in rec)
     copy = self.micro * host_bytes / self.hw.host_bandwidth
@@ -302,10 +305,12 @@ class _Model:
         compute_seconds=self.forward_seconds + self.backward_seconds,
         recompute_seconds=recompute, exposed_transfer_seconds=exposed if exposed > 1e-9 else 0.0,
         predicted_step_seconds=step,
-        fits=bool(peak <= self.device_memory and host_bytes <= self.host_memory))
+        fits=bool(peak <= self.device_memory and host_bytes <= self.host_memory),
+        working_compiled=self.measured_working is not None)
 
 
-def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware) -> _Model:
+def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware,
+           working_bytes: int | None = None) -> _Model:
   if not device_memory_bytes or device_memory_bytes <= 0:
     raise ConfigError(f"device_memory_bytes: must be > 0, got {device_memory_bytes!r}")
   from pallas_kernels.cross_entropy.chunked_cross_entropy import (DEFAULT_LOGITS_CHUNK,
@@ -334,7 +339,8 @@ def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware) -> _Model
                 forward_seconds=micro * (forward + head) / hw.matmul_flops,
                 backward_seconds=micro * (backward + 2 * head) / hw.matmul_flops,
                 resident=resident, gathered=gathered, loss_bytes=loss_bytes,
-                device_memory=int(device_memory_bytes), host_memory=int(hw.host_memory_bytes))
+                device_memory=int(device_memory_bytes), host_memory=int(hw.host_memory_bytes),
+                measured_working=working_bytes)
 
 
 def _search(model: _Model) -> MemoryPlan:
@@ -363,17 +369,21 @@ def _search(model: _Model) -> MemoryPlan:
 
 
 def plan_memory(cfg: Config, mesh_shape, device_memory_bytes: float, *,
-                hardware: Hardware = H200) -> MemoryPlan:
-  """The tiered policy with the lowest predicted step time that fits the budget."""
-  return _search(_build(cfg, mesh_shape, device_memory_bytes, hardware))
+                hardware: Hardware = H200, working_bytes: int | None = None) -> MemoryPlan:
+  """The tiered policy with the lowest predicted step time that fits the budget.
+
+  `working_bytes`: one layer's backward working set as compiled on the target backend
+  (`hylora.layer_memory.measured_working_bytes`); without it, the analytic estimate (the
+  largest layer's save points), which is low by 2-3x for the attention and MoE parts."""
+  return _search(_build(cfg, mesh_shape, device_memory_bytes, hardware, working_bytes))
 
 
 def estimate_policy(cfg: Config, mesh_shape, device_memory_bytes: float,
-                    policy: MemoryConfig | None = None, *, hardware: Hardware = H200
-                    ) -> MemoryPlan:
+                    policy: MemoryConfig | None = None, *, hardware: Hardware = H200,
+                    working_bytes: int | None = None) -> MemoryPlan:
   """The same model's prediction for a given policy (default: cfg.memory), as on a GPU."""
   policy = memory.check(policy or cfg.memory)
-  model = _build(cfg, mesh_shape, device_memory_bytes, hardware)
+  model = _build(cfg, mesh_shape, device_memory_bytes, hardware, working_bytes)
   hbm, host = memory.tiers(policy, backend="gpu")
   tiers = {n: "hbm" if n in hbm else "host" if n in host else "recompute" for n in model.points}
   return model.evaluate(tiers, policy.remat)
@@ -393,13 +403,14 @@ def format_table(plan: MemoryPlan) -> str:
   parts = (("resident (weights, adapters, optimizer)", plan.resident_bytes),
            ("gathered weights of one period", plan.gathered_weight_bytes),
            ("saved in HBM (+ layer inputs)", plan.saved_hbm_bytes),
-           ("backward working set of one layer", plan.working_bytes),
+           ("backward working set of one layer" + (" (compiled)" if plan.working_compiled
+                                                   else ""), plan.working_bytes),
            ("loss (hidden, gradient, CE blocks)", plan.loss_bytes))
   for label, nbytes in parts:
-    lines.append(f"  {label:<40} {_size(nbytes):>12}")
+    lines.append(f"  {label:<46} {_size(nbytes):>12}")
   verdict = "fits" if plan.fits else "DOES NOT FIT"
-  lines.append(f"  {'predicted peak':<40} {_size(plan.predicted_peak_bytes):>12}  ({verdict})")
-  lines.append(f"  {'offloaded to host':<40} {_size(plan.host_bytes):>12}")
+  lines.append(f"  {'predicted peak':<46} {_size(plan.predicted_peak_bytes):>12}  ({verdict})")
+  lines.append(f"  {'offloaded to host':<46} {_size(plan.host_bytes):>12}")
   lines.append(f"  predicted step {plan.predicted_step_seconds * 1e3:.4g} ms = compute "
                f"{plan.compute_seconds * 1e3:.4g} + recompute {plan.recompute_seconds * 1e3:.4g}"
                f" + exposed host copies {plan.exposed_transfer_seconds * 1e3:.4g}")

@@ -29,12 +29,20 @@ class Impl:
   target: str | Callable[..., Any]  # "module:function" or the callable itself
   backends: tuple[str, ...]  # where "auto" may pick it: subset of {"cpu", "gpu", "tpu"}
   priority: int = 0  # among auto candidates, the highest wins
+  # A kernel XLA cannot partition (one custom call) that acts on each batch row alone:
+  # under a mesh it runs per device on its rows (meshes.per_shard.split_over_batch).
+  per_shard: bool = False
 
   def load(self) -> Callable[..., Any]:
     if callable(self.target):
-      return self.target
-    module, _, attr = self.target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+      fn = self.target
+    else:
+      module, _, attr = self.target.partition(":")
+      fn = getattr(importlib.import_module(module), attr)
+    if self.per_shard:
+      from meshes.per_shard import split_over_batch
+      return split_over_batch(fn)
+    return fn
 
 
 @dataclasses.dataclass
@@ -75,11 +83,12 @@ class OpRegistry:
     self._ops[name] = entry
     return entry
 
-  def register(self, op: str, name: str, target, *, backends=("gpu",), priority: int = 0):
+  def register(self, op: str, name: str, target, *, backends=("gpu",), priority: int = 0,
+               per_shard: bool = False):
     entry = self.entry(op)
     if name in (REFERENCE, AUTO):
       raise ValueError(f"implementation name {name!r} is reserved")
-    entry.impls[name] = Impl(name, target, tuple(backends), priority)
+    entry.impls[name] = Impl(name, target, tuple(backends), priority, per_shard)
 
   def entry(self, op: str) -> OpEntry:
     if op not in self._ops:

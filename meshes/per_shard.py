@@ -1,0 +1,69 @@
+"""Run a kernel on each device's batch rows: `shard_map` over the mesh's batch axes.
+
+A Pallas kernel is one custom call to XLA, and XLA's SPMD partitioner cannot split a
+custom call: given batch-sharded operands it gathers them and runs the whole global
+batch on every device. Attention kernels act on each sequence independently, so under
+an active mesh (`meshes.rules.activation_mesh`) `split_over_batch(fn)` runs `fn` inside
+`shard_map`, every array argument and result split along its leading (batch) dimension
+over the axes the activation rules give the batch.
+
+Where the rules also split the sequence (fewer sequences than devices), a sequence's
+tokens live on several devices and a per-row kernel cannot run on one shard; the call
+is left to XLA (correct, and replicated) and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from meshes.rules import ACTIVATION_RULES, current_mesh, logical_to_spec
+
+_warned: set[str] = set()
+
+
+def _is_row_array(x, batch: int) -> bool:
+  return isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] == batch
+
+
+def split_over_batch(fn):
+  """fn(*arrays [B, T, ...], **kwargs) applied per device to its batch rows (see module doc).
+  Arguments that are not [B, ...] arrays (scales, sizes, None) pass through unchanged."""
+
+  @functools.wraps(fn)
+  def per_shard(*args, **kwargs):
+    mesh = current_mesh()
+    first = next((x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)), None)
+    inside_shard_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    if (mesh is None or mesh.size == 1 or inside_shard_map or first is None
+        or first.ndim < 2):
+      return fn(*args, **kwargs)
+    batch, seq = first.shape[:2]
+    spec = logical_to_spec(("batch", "seq"), (batch, seq), mesh, ACTIVATION_RULES)
+    if spec[0] is None or spec[1] is not None:
+      name = getattr(fn, "__name__", repr(fn))
+      if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"{name}: the activation rules split the sequence ({batch} sequences "
+                      f"on {mesh.size} devices), so XLA runs this kernel on gathered "
+                      f"operands", stacklevel=2)
+      return fn(*args, **kwargs)
+    rows = P(spec[0])
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    split = [i for i, x in enumerate(leaves) if _is_row_array(x, batch)]
+
+    def body(*shards):
+      local = list(leaves)
+      for i, shard in zip(split, shards):
+        local[i] = shard
+      a, kw = jax.tree.unflatten(tree, local)
+      return fn(*a, **kw)
+
+    # check_vma off: kernel outputs carry no varying-axes type for the checker to compare
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(rows for _ in split),
+                         out_specs=rows, check_vma=False)(*(leaves[i] for i in split))
+
+  return per_shard

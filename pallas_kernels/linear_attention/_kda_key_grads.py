@@ -1,0 +1,136 @@
+"""The last KDA backward kernel: dq, dk, the gradient of the in-chunk cumulative decay b and
+part of dbeta, one program per (batch, head, chunk, block of BK key channels).
+
+Every path into q, k, b is separable over key channels, so a program only needs its
+channel block: [16, BK] row tiles of one sub-chunk at a time, [BK, BV] state tiles and
+the chunk's [64, 64] score gradients dP (of A_qk) and dA (of A_kk), read from memory.
+Paths (qg = q exp(b) ci, kg = k exp(b_last - b) il, K = k exp(b) ci, S / dS the chunk's
+start state / end-state gradient, dX = T^T dv_new):
+  o     += scale qg S            dqg = scale do S^T
+  S_end += kg^T v_new            dkg = v_new dS^T;  b_last also scales S: sum_v S dS
+  v_new  = T diag(beta) (v - K S):   dK = -beta dX S^T,  dbeta += -sum_d (dX S^T) K
+  A_qk, A_kk = diag(beta) A~:     decayed-score gradients, per 16x16 block as in _kda_intra
+Shared memory, BK = 64, Dv blocks of 64, bf16: dot operands [16, 64] / [64, 64] tiles,
+under 40 KiB whatever Dk and Dv are.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.linear_attention import _kda_layout as L
+from pallas_kernels.linear_attention._kda_intra import flags, masked_exp
+from pallas_kernels.linear_attention._kda_layout import C, N_SUB
+from pallas_kernels.linear_attention._pallas_common import F32, SUB, iota, mm, row_as_column, rows
+
+
+def _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, cd, block_v):
+    """do S^T, v_new dS^T and dX S^T for the 16 rows at s ([16, BK] each)."""
+    dqg = dkg = dxs = 0.0
+    for j in range(do_ref.shape[-1] // block_v):
+        cols = pl.ds(j * block_v, block_v)
+        S, dS = h_ref[:, cols], dh_ref[:, cols]
+        dqg += mm(do_ref[pl.ds(s, SUB), cols], S, cd, trans_b=True)
+        dkg += mm(vn_ref[pl.ds(s, SUB), cols], dS, cd, trans_b=True)
+        dxs += mm(dx_ref[pl.ds(s, SUB), cols], S, cd, trans_b=True)
+    return dqg, dkg, dxs
+
+
+def _state_overlap(h_ref, dh_ref, block_v):
+    """sum_v S dS as a [1, BK] row: the gradient of exp(b_last) scaling the start state."""
+    kept = jnp.zeros((1, h_ref.shape[0]), F32)
+    for j in range(h_ref.shape[-1] // block_v):
+        cols = pl.ds(j * block_v, block_v)
+        kept += jnp.sum(h_ref[:, cols].astype(F32) * dh_ref[:, cols].astype(F32), axis=1)[None, :]
+    return kept
+
+
+def _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, i, cd):
+    """Gradients of the decayed scores for sub-chunk i ([16, BK] each): dq from dP as
+    queries, g = dA (x) k as queries of A_kk (dk = beta g), and dk as keys of both."""
+    s = i * SUB
+    t_idx = iota(C, 0, (C, 1))
+    q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
+    b_i = rows(b_ref, s, SUB)
+    dq = g = dk = jnp.zeros((SUB, q.shape[1]), F32)
+    if i > 0:  # earlier keys, decay split at the last token of sub-chunk i - 1
+        b_edge = rows(b_ref, s - 1, 1)
+        k_off = jnp.where(t_idx < s, k * masked_exp(b_edge - b), 0.0)
+        e_q = masked_exp(b_i - b_edge)
+        dq = mm(dp_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
+        g = mm(da_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
+    if i < N_SUB - 1:  # later queries, decay split at the last token of sub-chunk i
+        b_edge = rows(b_ref, s + SUB - 1, 1)
+        later = t_idx >= s + SUB
+        e_later = masked_exp(b - b_edge)
+        q_off = jnp.where(later, q * e_later, 0.0)
+        kb_off = jnp.where(later, beta_ref[...].astype(F32)[:, None] * k * e_later, 0.0)
+        dk = (mm(dp_ref[:, pl.ds(s, SUB)], q_off, cd, trans_a=True)
+              + mm(da_ref[:, pl.ds(s, SUB)], kb_off, cd, trans_a=True)) * masked_exp(b_edge - b_i)
+
+    def diagonal(j, acc):  # token s + j as the key of rows s.. and as the query of rows s..
+        dq, g, dk = acc
+        q_j, k_j, b_j = rows(q_ref, s + j, 1), rows(k_ref, s + j, 1), rows(b_ref, s + j, 1)
+        beta_j = beta_ref[pl.ds(s + j, 1)].astype(F32)[None, :]
+        as_key = k_j * masked_exp(b_i - b_j)  # dP, dA are zero above / on the diagonal
+        dq += dp_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
+        g += da_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
+        to_key = masked_exp(b_j - b_i)
+        dp_row = row_as_column(dp_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
+        da_row = row_as_column(da_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
+        dk += (dp_row * q_j + da_row * beta_j * k_j) * to_key
+        return dq, g, dk
+
+    return jax.lax.fori_loop(0, SUB, diagonal, (dq, g, dk))
+
+
+def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref,
+                      vn_ref, dx_ref, dp_ref, da_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *,
+                      scale, cd, block_v):
+    b_last = rows(b_ref, C - 1, 1)
+    db_last = jnp.zeros_like(b_last)
+    for i in range(N_SUB):
+        s = i * SUB
+        q_i, k_i, b_i = rows(q_ref, s, SUB), rows(k_ref, s, SUB), rows(b_ref, s, SUB)
+        beta_i = beta_ref[pl.ds(s, SUB)].astype(F32)[:, None]
+        ci_i = flags(ci_ref, s)
+        dqg, dkg, dxs = _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, cd, block_v)
+        dq_p, g, dk_key = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, i, cd)
+        k_w = k_i * jnp.exp(b_i) * ci_i           # K
+        dk_end = dkg * masked_exp(b_last - b_i) * flags(il_ref, s)
+        dk_w = -beta_i * dxs * jnp.exp(b_i) * ci_i
+        dq = scale * dqg * jnp.exp(b_i) * ci_i + dq_p
+        dk = dk_end + dk_w + beta_i * g + dk_key
+        db = q_i * dq + k_i * (dk_w + beta_i * g - dk_end - dk_key)
+        db_last += jnp.sum(k_i * dk_end, axis=0, keepdims=True)
+        if i == N_SUB - 1:  # b_last scales the surviving start state and every kg row
+            keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
+            db_last += keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
+            db += jnp.where(iota(SUB, 0, (SUB, 1)) == SUB - 1, db_last, 0.0)
+        dbeta = jnp.sum(k_i * g, axis=1) - jnp.sum(dxs * k_w, axis=1)
+        dq_ref[pl.ds(s, SUB), :] = dq.astype(dq_ref.dtype)
+        dk_ref[pl.ds(s, SUB), :] = dk.astype(dk_ref.dtype)
+        db_ref[pl.ds(s, SUB), :] = db
+        dbeta_ref[pl.ds(s, SUB)] = dbeta
+
+
+def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale,
+                    block_k, block_v, cd, interpret):
+    """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H])."""
+    B, Tp, H, Dk = q.shape
+    Dv = do.shape[-1]
+    nk = Dk // block_k
+    keys, vals = L.kblock_rows(block_k), L.kblock_values(Dv)
+    state, square, flag = L.kblock_state(block_k, Dv), L.kblock_square(), L.kblock_flags()
+    kernel = functools.partial(_key_grads_kernel, scale=scale, cd=cd, block_v=block_v)
+    dq, dk, db, dbeta = L.call(
+        kernel, (B, H, Tp // C, nk),
+        [keys, keys, keys, L.kblock_beta(), flag, flag, state, state, vals, vals, vals, square,
+         square],
+        (keys, keys, keys, L.kblock_partial_beta()),
+        (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk),
+         L.shape(F32, B, Tp, H, Dk), L.shape(F32, B, nk, Tp, H)),
+        interpret=interpret, name="kda_key_grads",
+    )(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da)
+    return dq, dk, db, jnp.sum(dbeta, axis=1)

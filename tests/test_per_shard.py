@@ -1,0 +1,78 @@
+"""meshes.per_shard: kernels XLA cannot partition run per device on their batch rows."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hylora.config import MeshConfig
+from hylora.ops import REGISTRY
+from meshes.mesh import build_mesh
+from meshes.per_shard import split_over_batch
+from meshes.rules import activation_mesh
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return build_mesh(MeshConfig(fsdp=2, expert=4))
+
+
+def _rows(mesh, x):
+  return jax.device_put(x, NamedSharding(mesh, P(("fsdp", "expert"))))
+
+
+def test_each_device_sees_its_rows_and_the_result_is_unchanged(mesh):
+  seen = []
+
+  def kernel(x, y, *, scale, extra=None):
+    seen.append((x.shape, y.shape, scale, extra))
+    return x * scale + y.sum(-1, keepdims=True), None
+
+  x = np.random.default_rng(0).normal(size=(8, 4, 3)).astype(np.float32)
+  y = np.random.default_rng(1).normal(size=(8, 4, 5)).astype(np.float32)
+  wrapped = split_over_batch(kernel)
+
+  @jax.jit
+  def run(x, y):
+    with activation_mesh(mesh):
+      return wrapped(x, y, scale=2.0)
+
+  out, none = run(_rows(mesh, x), _rows(mesh, y))
+  assert seen == [((1, 4, 3), (1, 4, 5), 2.0, None)]
+  assert none is None
+  np.testing.assert_allclose(np.asarray(out), x * 2.0 + y.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_without_a_mesh_or_with_the_sequence_split_the_kernel_sees_everything(mesh):
+  seen = []
+  kernel = lambda x: seen.append(x.shape) or x + 1
+  wrapped = split_over_batch(kernel)
+  x = jnp.ones((4, 16, 3))
+  wrapped(x)  # no mesh
+  with activation_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    # 4 sequences on 2 x 4 devices: the batch takes `expert`, the sequence `fsdp`
+    jax.jit(wrapped)(x)
+  assert seen == [(4, 16, 3), (4, 16, 3)]
+  assert any("split the sequence" in str(w.message) for w in caught)
+
+
+def test_registered_pallas_gla_runs_per_shard_and_matches_one_device(mesh):
+  gla = REGISTRY.resolve("linear_attention.gla", "pallas")  # interpreted on CPU
+  keys = jax.random.split(jax.random.key(0), 4)
+  shape = (8, 32, 2, 16)
+  q, k, v = (jax.random.normal(key, shape, jnp.float32) for key in keys[:3])
+  g = jax.nn.log_sigmoid(jax.random.normal(keys[3], shape, jnp.float32))
+  want, _ = gla(q, k, v, g)  # outside a mesh: the whole batch at once
+
+  @jax.jit
+  def run(q, k, v, g):
+    with activation_mesh(mesh):
+      return gla(q, k, v, g)[0]
+
+  got = run(*(_rows(mesh, a) for a in (q, k, v, g)))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert "shard_map" in str(jax.make_jaxpr(run)(q, k, v, g))
