@@ -13,7 +13,10 @@ too. The budget defaults to the device's `bytes_limit` (run with
 XLA_PYTHON_CLIENT_MEM_FRACTION=.95 to give XLA most of the GPU). Without --seq the sequence is the shortest of 8K..128K at which the planner predicts
 that `none` does not fit the budget. The plan's working set of one layer is taken from
 the layer parts compiled on this backend (`hylora.layer_memory`), not from the planner's
-analytic estimate, unless --analytic-working-set.
+analytic estimate, unless --analytic-working-set. When XLA compiles the planner's choice
+to a peak over the budget, it is planned again with that error taken off the budget
+(`hylora.memory_plan.replan_after_compile`, up to --replans times) and the replans are
+reported.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ def _args(argv):
                  help="device memory for the planner, e.g. 141GB (default: the device's)")
   p.add_argument("--steps", type=int, default=5, help="timed steps per policy (after 2 warm-up)")
   p.add_argument("--policies", default="full,minimal,tiered,planned,none",
-                 help="run in this order (none last: it may run out of memory)")
+                 help="run in this order (none last: it may run out of memory); also "
+                      "planned_hbm: the planner without the host tier")
   p.add_argument("--json", default=None, help="write the report here")
+  p.add_argument("--replans", type=int, default=2,
+                 help="times to plan again when XLA's compiled peak is over the budget")
   p.add_argument("--analytic-working-set", action="store_true",
                  help="plan with the planner's analytic working set instead of compiling "
                       "each layer part on this backend (hylora.layer_memory)")
@@ -115,8 +121,9 @@ def _random_batch(cfg, seed=0):
           "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()}
 
 
-def measure(cfg, mesh, params, steps: int) -> dict:
-  """Compile one train step under cfg.memory; XLA's peak, then the median step time."""
+def measure(cfg, mesh, params, steps: int, budget: float = 0.0) -> dict:
+  """Compile one train step under cfg.memory; XLA's peak, then the median step time
+  (not run when XLA's peak is over a given budget: it would run out of memory)."""
   import jax
   import numpy as np
   from hylora.dry_run import xla_bytes
@@ -131,6 +138,9 @@ def measure(cfg, mesh, params, steps: int) -> dict:
   try:
     compiled = trainer.compile(lora, opt_state, frozen, batch)
     row.update(xla_bytes(compiled), compile_s=round(trainer.compile_seconds, 1))
+    if budget and row["xla_peak"] > budget:
+      row["error"] = f"XLA peak {row['xla_peak'] / GB:.1f} GB over the budget {budget / GB:.1f} GB"
+      return row
     times = []
     for i in range(steps + 2):
       start = time.perf_counter()
@@ -155,7 +165,7 @@ def main(argv=None) -> int:
   import jax
   from hylora.config import MemoryConfig
   from hylora.errors import ConfigError
-  from hylora.memory_plan import estimate_policy, plan_memory
+  from hylora.memory_plan import H200, estimate_policy, plan_memory, replan_after_compile
   from hylora.train import state as st
   from meshes.mesh import build_mesh
 
@@ -187,6 +197,13 @@ def main(argv=None) -> int:
               "tiered": MemoryConfig(remat="tiered", **HAND_TIERED),
               "planned": plan.policy_config()}
   chosen = [p for p in args.policies.split(",") if p]
+  # The planner's choice without the host tier shows what the host copies cost or gain.
+  hardware = {"planned": H200, "planned_hbm": dataclasses.replace(H200, host_memory_bytes=0)}
+  plans = {"planned": plan}
+  if "planned_hbm" in chosen:
+    plans["planned_hbm"] = plan_memory(cfg, mesh_shape, budget, working_bytes=working,
+                                       hardware=hardware["planned_hbm"])
+  policies.update({name: p.policy_config() for name, p in plans.items()})
   unknown = [p for p in chosen if p not in policies]
   if unknown:
     print(f"error: --policies: unknown {unknown}; choose from {sorted(policies)}",
@@ -199,13 +216,34 @@ def main(argv=None) -> int:
             "policies": {}}
   params = st.init_params(cfg, st.model_parts(cfg), mesh)
   for name in chosen:
-    policy_cfg = dataclasses.replace(cfg, memory=policies[name])
-    predicted = estimate_policy(cfg, mesh_shape, budget, policies[name], working_bytes=working)
-    row = {"predicted_peak": predicted.predicted_peak_bytes,
-           "predicted_step_ms": float(f"{predicted.predicted_step_seconds * 1e3:.4g}")}
-    row.update(measure(policy_cfg, mesh, params, args.steps))
+    policy = policies[name]
+    replans = []
+    while True:
+      predicted = estimate_policy(cfg, mesh_shape, budget, policy, working_bytes=working)
+      row = {"predicted_peak": predicted.predicted_peak_bytes,
+             "predicted_step_ms": float(f"{predicted.predicted_step_seconds * 1e3:.4g}")}
+      row.update(measure(dataclasses.replace(cfg, memory=policy), mesh, params, args.steps,
+                         budget))
+      over = row.get("xla_peak", 0) > budget
+      if name not in plans or not over or len(replans) == args.replans:
+        break
+      # XLA needs more than the planner predicted: plan again with its error taken off.
+      replans.append({k: row.get(k) for k in ("predicted_peak", "xla_peak")}
+                     | {"policy": policy.__dict__})
+      plans[name] = replan_after_compile(cfg, mesh_shape, budget, plans[name], row["xla_peak"],
+                                         hardware=hardware[name], working_bytes=working)
+      print(f"XLA peak {row['xla_peak'] / GB:.1f} GB over the budget; planned again:\n"
+            + plans[name].table(), flush=True)
+      policy = plans[name].policy_config()
+    if name in plans:
+      row["policy"] = policy.__dict__
+    if replans:
+      row["replans"] = replans
     report["policies"][name] = row
-    print(json.dumps({name: row}), flush=True)
+    print(json.dumps({name: row}, default=str), flush=True)
+    if args.json:  # after every policy: a run cut short keeps what it measured
+      with open(args.json, "w") as f:
+        json.dump(report, f, indent=1, default=str)
 
   full = report["policies"].get("full", {}).get("step_ms")
   print(f"\n{'policy':<9} {'XLA peak GB':>12} {'predicted GB':>13} {'step ms':>9} "
@@ -218,9 +256,6 @@ def main(argv=None) -> int:
           f"{row['predicted_peak'] / GB:>13.3f} {ms if ms else float('nan'):>9.1f} "
           f"{row['predicted_step_ms']:>13.4g} {speed:>8}"
           + (f"  ({row['error'][:60]})" if "error" in row else ""))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(report, f, indent=1, default=str)
   return 0
 
 

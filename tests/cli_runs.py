@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# two_layer_config() (tests/helpers.py) with a learning rate at which 8 steps visibly
-# lower the loss: test_train checks that on the reference run.
+# two_layer_config() (tests/helpers.py) with a learning rate at which a short run visibly
+# lowers the loss: test_train checks that on the reference run.
 TINY = ["--model.layers=2", "--model.pattern=linear,sparse", "--model.dense_layers=1",
         "--train.seq_len=64", "--train.batch_size=8", "--train.learning_rate=2e-2",
         "--train.warmup_steps=2", "--quiet"]

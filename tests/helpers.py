@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import jax
+from flax import nnx
 
 from hylora.config import Config, MeshConfig
+from hylora.model import HybridLM
+from hylora.model.init import ParamInit
 from hylora.presets import tiny
 
 
@@ -24,3 +30,19 @@ def two_layer_config(**train) -> Config:
   cfg = small_config(**train)
   return dataclasses.replace(cfg, model=dataclasses.replace(
       cfg.model, layers=2, pattern=("linear", "sparse"), dense_layers=1))
+
+
+@functools.cache
+def _small_model_parts():
+  build = lambda: HybridLM(small_config(), init=ParamInit(0))
+  graphdef, _ = nnx.split(nnx.eval_shape(build))
+  # One compiled initialiser rather than hundreds of eager ones; built once per process,
+  # and the tests that use it share its compile through the persistent cache.
+  return graphdef, jax.jit(lambda: nnx.split(build())[1])()
+
+
+def small_model() -> HybridLM:
+  """HybridLM(small_config(), init=ParamInit(0)): its initial weights (B factors zero),
+  as a fresh module over shared arrays."""
+  graphdef, state = _small_model_parts()
+  return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))

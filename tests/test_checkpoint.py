@@ -171,15 +171,17 @@ def test_resume_after_kill_is_exact():
     np.testing.assert_array_equal(want[name], got[name], err_msg=name)
 
 
-def test_resume_refuses_a_different_config_and_fresh_runs_refuse_old_checkpoints():
+def test_resume_refuses_a_different_config_and_fresh_runs_refuse_old_checkpoints(capsys):
+  # The command's main() in this process (the same 8 devices): both refusals come before
+  # any model is built; the runs above cover the command as a process.
+  from experiments.lora_2p8t import main
   reference = cli_runs.reference_run()
-  done = cli_runs.run("--steps", str(cli_runs.STEPS), "--out", str(reference), "--resume",
-                      "--lora.rank=8")
-  assert done.returncode == 2
-  assert done.stderr.strip().startswith("error: checkpoint ")
-  assert "lora.rank=4 there, 8 now" in done.stderr and "Traceback" not in done.stderr
-  done = cli_runs.run("--steps", str(cli_runs.STEPS), "--out", str(reference))
-  assert done.returncode == 2 and "pass --resume" in done.stderr
+  args = [*cli_runs.TINY, "--steps", str(cli_runs.STEPS), "--out", str(reference)]
+  assert main([*args, "--resume", "--lora.rank=8"]) == 2
+  err = capsys.readouterr().err
+  assert err.strip().startswith("error: checkpoint ")
+  assert "lora.rank=4 there, 8 now" in err and "Traceback" not in err
+  assert main(args) == 2 and "pass --resume" in capsys.readouterr().err
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):

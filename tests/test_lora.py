@@ -10,7 +10,7 @@ from flax import nnx
 
 from hylora.model import ForwardContext, HybridLM, LoRAParam
 from hylora.model.init import ParamInit
-from tests.helpers import small_config
+from tests.helpers import small_config, small_model
 
 
 def _ctx(b, t):
@@ -22,11 +22,8 @@ def _ctx(b, t):
 
 @pytest.fixture(scope="module")
 def adapted():
-  """The small model with its initial adapters, initialised by one compiled program
-  rather than hundreds of eager initialisers."""
-  build = lambda: HybridLM(small_config(), init=ParamInit(0))
-  graphdef, _ = nnx.split(nnx.eval_shape(build))
-  return nnx.merge(graphdef, jax.jit(lambda: nnx.split(build())[1])())
+  """HybridLM(small_config(), init=ParamInit(0)): the model with its initial adapters."""
+  return small_model()
 
 
 def test_step0_adapted_model_reproduces_the_base_model_exactly(adapted):

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hylora import memory, remat
 from hylora.config import MemoryConfig, MeshConfig
 from hylora.errors import ConfigError
-from hylora.memory_plan import estimate_policy, plan_memory
+from hylora.memory_plan import estimate_policy, plan_memory, replan_after_compile
 from hylora.model import IGNORE_INDEX
 from hylora.train import state as st
 from hylora.train.step import BATCH_KEYS, make_loss_fn
@@ -250,6 +250,25 @@ def test_plan_is_deterministic_and_prints_a_table(gpu_plans):
   for p in again.save_points:
     assert re.search(rf"{p.name}\s.*\s{p.tier}$", table, re.M)
   assert "predicted peak" in table and "fits" in table
+
+
+def test_replan_takes_xla_overshoot_off_the_budget(gpu_plans):
+  cfg, plans = gpu_plans
+  budget = sorted(plans)[3]
+  plan = plans[budget]
+  # XLA compiled the plan to 5% of the budget over the budget
+  overshoot = budget - plan.predicted_peak_bytes + 0.05 * budget
+  again = replan_after_compile(cfg, (1, 1), budget, plan, plan.predicted_peak_bytes + overshoot)
+  assert again.fits
+  # the same error on the new plan still fits the real budget
+  assert again.predicted_peak_bytes + overshoot <= budget
+  assert again.saved_hbm_bytes < plan.saved_hbm_bytes
+  assert again.predicted_step_seconds >= plan.predicted_step_seconds
+  # XLA at or below the prediction: the same plan (less the slack)
+  same = replan_after_compile(cfg, (1, 1), budget, plan, plan.predicted_peak_bytes, slack=0.0)
+  assert same == plans[budget]
+  with pytest.raises(ConfigError, match="over the planner"):
+    replan_after_compile(cfg, (1, 1), budget, plan, plan.predicted_peak_bytes + 2 * budget)
 
 
 def test_plan_that_cannot_fit_says_so():

@@ -19,7 +19,7 @@ from hylora.model.vision import VisionTower, place_image_tokens
 from hylora.presets import get_preset
 from meshes.mesh import build_mesh
 from meshes.rules import state_shardings
-from tests.helpers import small_config
+from tests.helpers import small_config, small_model
 
 T, IMAGE_AT, DOC2_AT = 64, 10, 30  # row 0: doc 1 = [0, 30) holds a tile at 10..13, doc 2 = [30, 64)
 
@@ -38,10 +38,8 @@ def test_placement_replaces_exactly_the_listed_positions():
 @pytest.fixture(scope="module")
 def model_and_logits():
   cfg = small_config()
-  build = lambda: HybridLM(cfg, init=ParamInit(0))
-  graphdef, _ = nnx.split(nnx.eval_shape(build))
-  state = jax.jit(lambda: nnx.split(build())[1])()  # one compiled init: faster than eager
-  model = nnx.merge(graphdef, state)
+  model = small_model()
+  graphdef, state = nnx.split(model)
   seg = np.ones((2, T), np.int32)
   seg[:, DOC2_AT:] = 2
   pos = np.concatenate([np.arange(DOC2_AT), np.arange(T - DOC2_AT)])[None].repeat(2, 0)
