@@ -2,6 +2,7 @@
 utilisation against the H200's dense bf16 peak.
 
   python -m experiments.bench_step                 # gpu-1 preset (one H200)
+  python -m experiments.bench_step --planned       # under the memory planner's remat plan
   python -m experiments.bench_step --small         # tiny shapes on one CPU device (CI)
 
 The whole step is the compiled train step (`hylora.train.trainer.Trainer`). Its split
@@ -203,6 +204,19 @@ def small_config():
       train=dataclasses.replace(cfg.train, batch_size=2, seq_len=64))
 
 
+def planned_policy(cfg, device):
+  """The planner's tiered policy for one device of this kind (its memory limit)."""
+  from hylora.layer_memory import measured_working_bytes
+  from hylora.memory_plan import plan_memory, tokens_per_device
+  budget = (device.memory_stats() or {}).get("bytes_limit", 141e9)
+  working = measured_working_bytes(cfg, tokens_per_device(cfg, (1, 1)))
+  plan = plan_memory(cfg, (1, 1), budget, working_bytes=working)
+  print(plan.table(), flush=True)
+  if not plan.fits:
+    print("the plan does not fit: running it anyway", flush=True)
+  return plan.policy_config()
+
+
 def profile(cfg, steps: int, repeats: int, peak: float, devices=None) -> dict:
   step = whole_step(cfg, steps, devices)
   print(f"whole step: {json.dumps(step)}", flush=True)
@@ -210,7 +224,8 @@ def profile(cfg, steps: int, repeats: int, peak: float, devices=None) -> dict:
   flops = flops_per_step(cfg)
   step_ms = step["step_seconds"] * 1e3
   total_flops = sum(flops.values())
-  return {"preset": cfg.preset, **step, "step_ms": step_ms, "parts_ms": parts,
+  return {"preset": cfg.preset, "memory": dataclasses.asdict(cfg.memory), **step,
+          "step_ms": step_ms, "parts_ms": parts,
           "other_ms": step_ms - sum(parts.values()), "flops": flops,
           "model_flops_per_step": total_flops, "peak_flops": peak,
           "mfu": total_flops / step["step_seconds"] / peak}
@@ -244,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=5, help="timed runs per sub-benchmark")
   p.add_argument("--peak", type=float, default=H200_BF16_PEAK, help="peak FLOP/s for MFU")
   p.add_argument("--out", default=None, help="folder for bench_step.json")
+  p.add_argument("--planned", action="store_true",
+                 help="run the step under the memory planner's remat plan for this device "
+                      "(its working set compiled per layer part) instead of cfg.memory")
   p.add_argument("--parts-only", action="store_true",
                  help="only the per-part sub-benchmarks (no whole step, no MFU)")
   try:
@@ -256,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   import jax
   devices = jax.devices()[:1]
+  if args.planned:
+    cfg = dataclasses.replace(cfg, memory=planned_policy(cfg, devices[0]))
   if args.parts_only:
     report = {"preset": cfg.preset, "parts_ms": sub_benchmarks(cfg, args.repeats),
               "flops": flops_per_step(cfg)}

@@ -9,7 +9,8 @@ over the axes the activation rules give the batch.
 
 Where the rules also split the sequence (fewer sequences than devices), a sequence's
 tokens live on several devices and a per-row kernel cannot run on one shard; the call
-is left to XLA (correct, and replicated) and a warning says so once.
+is left to XLA (correct, and replicated) and a warning says so once. Linear recurrences
+pass their state between the devices instead (`meshes.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -29,20 +30,40 @@ def _is_row_array(x, batch: int) -> bool:
   return isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] == batch
 
 
+def _activation_spec(first):
+  """(mesh, spec of ("batch", "seq")) for [B, T, ...] activations under the active mesh;
+  None where no shard_map is needed (no mesh, one device, already inside one)."""
+  mesh = current_mesh()
+  inside_shard_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
+  if (mesh is None or mesh.size == 1 or inside_shard_map or not isinstance(first, jax.Array)
+      or first.ndim < 2):
+    return None
+  batch, seq = first.shape[:2]
+  return mesh, logical_to_spec(("batch", "seq"), (batch, seq), mesh, ACTIVATION_RULES)
+
+
+def sequence_split(x):
+  """(mesh, batch axes, sequence axes) when the activation rules split the sequence of
+  x [B, T, ...] over devices; None otherwise."""
+  found = _activation_spec(x)
+  if found is None or found[1][1] is None:
+    return None
+  mesh, spec = found
+  return mesh, spec[0], spec[1]
+
+
 def split_over_batch(fn):
   """fn(*arrays [B, T, ...], **kwargs) applied per device to its batch rows (see module doc).
   Arguments that are not [B, ...] arrays (scales, sizes, None) pass through unchanged."""
 
   @functools.wraps(fn)
   def per_shard(*args, **kwargs):
-    mesh = current_mesh()
     first = next((x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)), None)
-    inside_shard_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
-    if (mesh is None or mesh.size == 1 or inside_shard_map or first is None
-        or first.ndim < 2):
+    found = _activation_spec(first)
+    if found is None:
       return fn(*args, **kwargs)
+    mesh, spec = found
     batch, seq = first.shape[:2]
-    spec = logical_to_spec(("batch", "seq"), (batch, seq), mesh, ACTIVATION_RULES)
     if spec[0] is None or spec[1] is not None:
       name = getattr(fn, "__name__", repr(fn))
       if name not in _warned:

@@ -21,6 +21,24 @@ AUTO = "auto"
 REFERENCE = "reference"
 
 
+PER_SHARD_MODES = ("rows", "linear_recurrence")
+
+
+def _per_shard_mode(per_shard: bool | str) -> str | None:
+  if per_shard is False:
+    return None
+  mode = "rows" if per_shard is True else per_shard
+  if mode not in PER_SHARD_MODES:
+    raise ValueError(f"per_shard: {per_shard!r}; choose True/False or one of {PER_SHARD_MODES}")
+  return mode
+
+
+def _per_shard_wrappers() -> dict[str, Callable]:
+  from meshes.per_shard import split_over_batch
+  from meshes.sequence_parallel import split_recurrence_over_devices
+  return {"rows": split_over_batch, "linear_recurrence": split_recurrence_over_devices}
+
+
 @dataclasses.dataclass(frozen=True)
 class Impl:
   """One implementation of an op."""
@@ -29,9 +47,11 @@ class Impl:
   target: str | Callable[..., Any]  # "module:function" or the callable itself
   backends: tuple[str, ...]  # where "auto" may pick it: subset of {"cpu", "gpu", "tpu"}
   priority: int = 0  # among auto candidates, the highest wins
-  # A kernel XLA cannot partition (one custom call) that acts on each batch row alone:
-  # under a mesh it runs per device on its rows (meshes.per_shard.split_over_batch).
-  per_shard: bool = False
+  # A kernel XLA cannot partition (one custom call) runs per device under a mesh:
+  # "rows" (or True) acts on each batch row alone (meshes.per_shard.split_over_batch);
+  # "linear_recurrence" also passes its state between the devices that hold one
+  # sequence's token ranges (meshes.sequence_parallel).
+  per_shard: bool | str = False
 
   def load(self) -> Callable[..., Any]:
     if callable(self.target):
@@ -40,8 +60,7 @@ class Impl:
       module, _, attr = self.target.partition(":")
       fn = getattr(importlib.import_module(module), attr)
     if self.per_shard:
-      from meshes.per_shard import split_over_batch
-      return split_over_batch(fn)
+      return _per_shard_wrappers()[_per_shard_mode(self.per_shard)](fn)
     return fn
 
 
@@ -84,7 +103,8 @@ class OpRegistry:
     return entry
 
   def register(self, op: str, name: str, target, *, backends=("gpu",), priority: int = 0,
-               per_shard: bool = False):
+               per_shard: bool | str = False):
+    _per_shard_mode(per_shard)
     entry = self.entry(op)
     if name in (REFERENCE, AUTO):
       raise ValueError(f"implementation name {name!r} is reserved")
