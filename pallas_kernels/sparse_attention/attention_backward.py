@@ -69,15 +69,15 @@ def sparse_attention_backward(q_groups, k_heads, v_heads, indices, do_groups, ls
                               num_warps=4, num_stages=2):
     """Shapes as in the forward; do [B,T,HK,Gp,D], lse/delta [B,T,HK,Gp] fp32.
 
-    Returns dq [B,T,HK,Gp,D] (q dtype); with atomic_dkdv also fp32 dk, dv [B,HK,T,D].
+    Returns dq [B,T,HK,Gp,D] (q dtype); with atomic_dkdv also fp32 dk, dv [B,HK,Tk,D].
     """
     b, t, hk, gp, d = q_groups.shape
-    kp = indices.shape[2]
+    kp, tk = indices.shape[2], k_heads.shape[2]
     kernel = functools.partial(_backward_kernel, scale=scale, block_k=block_k,
                                atomic_dkdv=atomic_dkdv, interpret=interpret)
     per_query = pl.BlockSpec((None, None, None, gp, d), lambda bi, ti, hi: (bi, ti, hi, 0, 0))
     per_row = pl.BlockSpec((None, None, None, gp), lambda bi, ti, hi: (bi, ti, hi, 0))
-    whole_head = pl.BlockSpec((None, None, t, d), lambda bi, ti, hi: (bi, hi, 0, 0))
+    whole_head = pl.BlockSpec((None, None, tk, d), lambda bi, ti, hi: (bi, hi, 0, 0))
     in_specs = [per_query, per_query, per_row, per_row,
                 pl.BlockSpec((None, None, kp), lambda bi, ti, hi: (bi, ti, 0)),
                 whole_head, whole_head]
@@ -87,8 +87,8 @@ def sparse_attention_backward(q_groups, k_heads, v_heads, indices, do_groups, ls
     aliases = {}
     if atomic_dkdv:
         # block_k spare rows past the end absorb the interpreter's unused entries.
-        acc = jax.ShapeDtypeStruct((b, hk, t + block_k, d), jnp.float32)
-        acc_spec = pl.BlockSpec((None, None, t + block_k, d), lambda bi, ti, hi: (bi, hi, 0, 0))
+        acc = jax.ShapeDtypeStruct((b, hk, tk + block_k, d), jnp.float32)
+        acc_spec = pl.BlockSpec((None, None, tk + block_k, d), lambda bi, ti, hi: (bi, hi, 0, 0))
         in_specs += [acc_spec, acc_spec]
         args += [jnp.zeros(acc.shape, acc.dtype)] * 2
         out_shape += [acc, acc]
@@ -107,5 +107,5 @@ def sparse_attention_backward(q_groups, k_heads, v_heads, indices, do_groups, ls
     )(*args)
     if atomic_dkdv:
         dq, dk, dv = out
-        return dq, dk[:, :, :t], dv[:, :, :t]
+        return dq, dk[:, :, :tk], dv[:, :, :tk]
     return out[0]

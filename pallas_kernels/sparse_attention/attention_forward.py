@@ -46,12 +46,12 @@ def _forward_kernel(q_ref, idx_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, bloc
 
 def sparse_attention_forward(q_groups, k_heads, v_heads, indices, *, scale, block_k,
                              interpret, num_warps=4, num_stages=2):
-    """q_groups [B,T,HK,Gp,D], k/v_heads [B,HK,T,D], indices [B,T,Kp] (Kp % block_k == 0).
+    """q_groups [B,T,HK,Gp,D], k/v_heads [B,HK,Tk,D], indices [B,T,Kp] (Kp % block_k == 0).
 
     Returns o [B,T,HK,Gp,D] (q dtype) and lse [B,T,HK,Gp] (fp32).
     """
     b, t, hk, gp, d = q_groups.shape
-    kp = indices.shape[2]
+    kp, tk = indices.shape[2], k_heads.shape[2]
     kernel = functools.partial(_forward_kernel, scale=scale, block_k=block_k)
     per_query = lambda bi, ti, hi: (bi, ti, hi, 0, 0)
     whole_head = lambda bi, ti, hi: (bi, hi, 0, 0)
@@ -61,8 +61,8 @@ def sparse_attention_forward(q_groups, k_heads, v_heads, indices, *, scale, bloc
         in_specs=[
             pl.BlockSpec((None, None, None, gp, d), per_query),
             pl.BlockSpec((None, None, kp), lambda bi, ti, hi: (bi, ti, 0)),
-            pl.BlockSpec((None, None, t, d), whole_head),
-            pl.BlockSpec((None, None, t, d), whole_head),
+            pl.BlockSpec((None, None, tk, d), whole_head),
+            pl.BlockSpec((None, None, tk, d), whole_head),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, d), per_query),

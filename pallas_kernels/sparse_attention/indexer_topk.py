@@ -69,32 +69,40 @@ def _chunk_scores(start, q_chunk, w_chunk, seg_chunk, k_idx, seg, *, block_k, in
     )(start, q_chunk, w_chunk, seg_chunk, k_idx, seg)
 
 
-def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None):
+def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=None):
     """Per query, the top_k causal same-segment keys by indexer score, int32 [B, T, top_k].
 
     Same contract as topk_indices_reference: score
     I[t, s] = sum_h w[t, h] * relu(q_idx[t, h] . k_idx[s]); the selected set is the
     top_k keys s <= t of t's segment (ties: smaller index), -1 filling the rest.
+
+    With `query_offset` (an int or a traced int32 scalar), the queries are the range of
+    positions query_offset .. query_offset + T - 1 of the keys k_idx [B, Tk, DI] (a
+    device's share of a sequence split over devices); segment_ids [B, Tk] are the keys'
+    and the indices point into the Tk keys.
     """
-    input_checks.check_indexer_inputs(q_idx, k_idx, w, top_k, segment_ids)
+    input_checks.check_indexer_inputs(q_idx, k_idx, w, top_k, segment_ids,
+                                      queries_are_a_range=query_offset is not None)
     check_head_dim("q_idx", q_idx.shape[3])
     if k_idx.dtype != q_idx.dtype:
         raise ValueError(f"k_idx dtype {k_idx.dtype} must match q_idx dtype {q_idx.dtype}")
     # Integer indices carry no gradient: keep autodiff from linearising the kernel.
     q_idx, k_idx, w = (jax.lax.stop_gradient(x) for x in (q_idx, k_idx, w))
     b, t, hi, _ = q_idx.shape
-    block_k = _BLOCK_K if t >= _BLOCK_K else max(16, tile_rows(t))
-    tp = -(-t // block_k) * block_k
-    kept = min(top_k, t)
+    tk = k_idx.shape[1]
+    offset = jnp.asarray(0 if query_offset is None else query_offset, jnp.int32)
+    block_k = _BLOCK_K if tk >= _BLOCK_K else max(16, tile_rows(tk))
+    tp = -(-tk // block_k) * block_k
+    kept = min(top_k, tk)
     chunk = max(1, min(t, _CHUNK_SCORE_BYTES // (4 * b * tp)))
     n_chunks = -(-t // chunk)
 
     hip = tile_rows(hi)  # zero-weight padding heads up to a matmul tile
     q_p = pad_axis(pad_axis(q_idx, 2, hip), 1, n_chunks * chunk)
     w_p = pad_axis(pad_axis(w, 2, hip), 1, n_chunks * chunk)
-    seg = (jnp.zeros((b, t), jnp.int32) if segment_ids is None
+    seg = (jnp.zeros((b, tk), jnp.int32) if segment_ids is None
            else segment_ids.astype(jnp.int32))
-    seg_q = pad_axis(seg, 1, n_chunks * chunk)
+    seg_q = pad_axis(jax.lax.dynamic_slice_in_dim(seg, offset, t, axis=1), 1, n_chunks * chunk)
     k_p = pad_axis(k_idx, 1, tp)
     seg_k = pad_axis(seg, 1, tp)  # padded keys lie in the future of every query
     interpret = use_interpret()
@@ -102,8 +110,8 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None):
     def one_chunk(c):
         start = c * chunk
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
-        scores = _chunk_scores(start[None], sl(q_p), sl(w_p), sl(seg_q), k_p, seg_k,
-                               block_k=block_k, interpret=interpret)
+        scores = _chunk_scores((offset + start)[None], sl(q_p), sl(w_p), sl(seg_q), k_p,
+                               seg_k, block_k=block_k, interpret=interpret)
         values, idx = jax.lax.top_k(scores, kept)
         return jnp.where(values > -jnp.inf, idx, -1).astype(jnp.int32)
 

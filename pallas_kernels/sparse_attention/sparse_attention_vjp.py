@@ -101,8 +101,9 @@ def sparse_attention(q, k, v, indices, *, scale=None, dkdv="atomic"):
 
     Args:
       q: [B, T, HQ, D]; query head h reads KV head h // (HQ // HK).
-      k, v: [B, T, HK, D].
-      indices: int [B, T, K] selected key positions, -1 = unused, any order.
+      k, v: [B, Tk, HK, D]: Tk = T, or every key of a sequence whose queries are split
+        over devices (Tk > T, "atomic" dkdv only).
+      indices: int [B, T, K] selected key positions (< Tk), -1 = unused, any order.
       scale: softmax scale, default D ** -0.5.
       dkdv: how the backward sums dk/dv over the queries that selected a key:
         "atomic" (relaxed fp32 atomics in the query-major pass) or "by_key" (pairs
@@ -125,5 +126,8 @@ def sparse_attention(q, k, v, indices, *, scale=None, dkdv="atomic"):
                          f"to {tile_rows(hq // hk)}) must be at most 2**31; split the batch")
     if dkdv not in _DKDV_METHODS:
         raise ValueError(f"dkdv must be one of {_DKDV_METHODS}, got {dkdv!r}")
+    if dkdv == "by_key" and k.shape[1] != t:
+        raise ValueError(f"dkdv='by_key' needs one key per query (k {k.shape}, q {q.shape}); "
+                         f"use 'atomic'")
     scale = q.shape[3] ** -0.5 if scale is None else float(scale)
     return _sparse_attention(q, k, v, indices, scale, dkdv)

@@ -30,16 +30,17 @@ REGISTRY.define("residual_mix", f"{_RM}.reference:residual_mix_reference")  # do
 # below the reference's priority (-1) runs only when named in KernelConfig.
 # Linear attention on the H200 (docs/performance.md): the Pallas GLA is 3.2x and the Pallas
 # KDA 4.9x faster forward+backward than the XLA chunked references.
-# The attention kernels act on each sequence alone: per device on its batch rows; the
-# linear ones pass their state between devices where the sequence is split.
+# The attention kernels act on each sequence alone: per device on its batch rows; where
+# the sequence is split too, the linear ones pass their state between devices and the
+# sparse ones gather the keys (meshes.sequence_parallel).
 REGISTRY.register("linear_attention.gla", "pallas", f"{_LA}:chunked_gla", backends=("gpu",),
                   per_shard="linear_recurrence")
 REGISTRY.register("linear_attention.kda", "pallas", f"{_LA}:chunked_kda", backends=("gpu",),
                   per_shard="linear_recurrence")
 REGISTRY.register("sparse_attention.topk_indices", "pallas", f"{_SA}:topk_indices",
-                  backends=("gpu",), per_shard=True)
+                  backends=("gpu",), per_shard="indexer")
 REGISTRY.register("sparse_attention.attend", "pallas", f"{_SA}:sparse_attention",
-                  backends=("gpu",), per_shard=True)
+                  backends=("gpu",), per_shard="sparse_attention")
 REGISTRY.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
 REGISTRY.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
 # Exact, G times the FLOPs, a GPU kernel's memory: what a CPU compile that stands in for

@@ -21,7 +21,7 @@ AUTO = "auto"
 REFERENCE = "reference"
 
 
-PER_SHARD_MODES = ("rows", "linear_recurrence")
+PER_SHARD_MODES = ("rows", "linear_recurrence", "sparse_attention", "indexer")
 
 
 def _per_shard_mode(per_shard: bool | str) -> str | None:
@@ -35,8 +35,10 @@ def _per_shard_mode(per_shard: bool | str) -> str | None:
 
 def _per_shard_wrappers() -> dict[str, Callable]:
   from meshes.per_shard import split_over_batch
-  from meshes.sequence_parallel import split_recurrence_over_devices
-  return {"rows": split_over_batch, "linear_recurrence": split_recurrence_over_devices}
+  from meshes import sequence_parallel as sp
+  return {"rows": split_over_batch, "linear_recurrence": sp.split_recurrence_over_devices,
+          "sparse_attention": sp.sparse_attention_over_devices,
+          "indexer": sp.indexer_over_devices}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +51,9 @@ class Impl:
   priority: int = 0  # among auto candidates, the highest wins
   # A kernel XLA cannot partition (one custom call) runs per device under a mesh:
   # "rows" (or True) acts on each batch row alone (meshes.per_shard.split_over_batch);
-  # "linear_recurrence" also passes its state between the devices that hold one
-  # sequence's token ranges (meshes.sequence_parallel).
+  # where the sequence is split over devices too (meshes.sequence_parallel),
+  # "linear_recurrence" passes its state between the devices' token ranges and
+  # "sparse_attention" / "indexer" gather the keys for each device's range of queries.
   per_shard: bool | str = False
 
   def load(self) -> Callable[..., Any]:
