@@ -22,7 +22,9 @@ from meshes.mesh import build_mesh
 def _temp_bytes(remat: str) -> int:
   cfg = tiny()
   cfg = dataclasses.replace(
-      cfg, model=dataclasses.replace(cfg.model, layers=4, dense_layers=0),  # one period
+      # one period of one layer of each mixer (both with the MoE FFN)
+      cfg, model=dataclasses.replace(cfg.model, layers=2, dense_layers=0,
+                                     pattern=("linear", "sparse")),
       mesh=MeshConfig(fsdp=1, expert=1),
       train=dataclasses.replace(cfg.train, seq_len=1024, batch_size=1),
       memory=MemoryConfig(remat=remat)).validate()
@@ -46,5 +48,6 @@ def _temp_bytes(remat: str) -> int:
 
 def test_full_remat_holds_much_less_than_none_within_a_period():
   full, none = _temp_bytes("full"), _temp_bytes("none")
-  # Measured: full 0.53x of none (1.03x when the recomputation is merged away).
-  assert full < 0.7 * none, (full, none)
+  # Measured: full 0.79x of none (1.02x when the recomputation is merged away; with a
+  # 4-layer period 0.53x and 1.03x).
+  assert full < 0.9 * none, (full, none)
