@@ -9,8 +9,9 @@ over the axes the activation rules give the batch.
 
 Where the rules also split the sequence (fewer sequences than devices), a sequence's
 tokens live on several devices and a per-row kernel cannot run on one shard; the call
-is left to XLA (correct, and replicated) and a warning says so once. Linear recurrences
-pass their state between the devices instead (`meshes.sequence_parallel`).
+is left to XLA (correct, and replicated) and a warning says so once. The attention
+kernels split such sequences themselves (`meshes.sequence_parallel`: state passing for
+linear recurrences, gathered keys for sparse attention and its indexer).
 """
 
 from __future__ import annotations

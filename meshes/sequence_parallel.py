@@ -31,6 +31,7 @@ states [B, H, Dk, Dv] fp32.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,7 @@ def split_recurrence_over_devices(fn):
       return by_rows(q, k, v, g, *rest, **kwargs)
     mesh, rows, seq = split
     seq_axes = _axes(seq)
-    n = _size(mesh, seq_axes)
+    n = math.prod(mesh.shape[a] for a in seq_axes)
     B, T, H, Dk = q.shape
     if segment_ids is None:
       segment_ids = jnp.zeros((B, T), jnp.int32)
@@ -142,13 +143,6 @@ def gathered_keys(fn, key_args: tuple[int, ...], key_kwargs: tuple[str, ...] = (
                          out_specs=tokens, check_vma=False)(*(arrays[n] for n in names))
 
   return wrapped
-
-
-def _size(mesh, axes) -> int:
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  return n
 
 
 sparse_attention_over_devices = functools.partial(gathered_keys, key_args=(1, 2))
