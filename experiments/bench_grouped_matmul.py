@@ -10,6 +10,7 @@ rank-16 grouped LoRA product and a small sweep of the Mosaic kernel's tile setti
 
 import argparse
 import json
+import re
 import statistics
 import time
 
@@ -34,6 +35,36 @@ def median_ms(fn, *args, reps=10):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def interleaved_ratios(candidates, baseline, *args, rounds=15, calls=10):
+    """Median over rounds of baseline_time / candidate_time, each round timing the baseline
+    and every candidate back to back (`calls` dispatches, one sync), so clock and thermal
+    drift between separately timed runs cancels out of the ratio."""
+    fns = {"baseline": baseline, **candidates}
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    ratios = {name: [] for name in candidates}
+    for _ in range(rounds):
+        times = {}
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            out = [fn(*args) for _ in range(calls)]
+            jax.block_until_ready(out)
+            times[name] = time.perf_counter() - start
+        for name in candidates:
+            ratios[name].append(times["baseline"] / times[name])
+    return {name: {"median": round(statistics.median(r), 3), "min": round(min(r), 3),
+                   "max": round(max(r), 3)} for name, r in ratios.items()}
+
+
+def large_copies(fn, *args, min_elements):
+    """Shapes of the copies XLA kept in the compiled program (a copy of the output would
+    cost a read and a write of it)."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    shapes = re.findall(r"= (\w+\[[\d,]+\])\{[^}]*\} copy\(", text)
+    return [s for s in shapes
+            if np.prod([int(d) for d in re.findall(r"\d+", s.split("[")[1])]) >= min_elements]
 
 
 def rel_err(a, b):
@@ -102,6 +133,17 @@ def bench_shape(report, kind, lhs, rhs, dout, dense_w):
     dense_step = jax.jit(jax.grad(lambda l, w: jnp.sum(((l @ w) * dout).astype(jnp.float32))))
     r["fwd_plus_dlhs_ms"] = round(median_ms(step, lhs, rhs, gs), 3)
     r["dense_fwd_plus_dlhs_ms"] = round(median_ms(dense_step, lhs, dense_w), 3)
+    # The public input gradient exactly as the model takes it (the vjp in lhs), timed
+    # interleaved with the dense matmul so the ratio is free of run-to-run drift.
+    public_dlhs = lambda d, w, g: jax.vjp(lambda l: grouped_matmul(l, w, g), lhs)[1](d)[0]
+    r["dlhs_copies_in_compiled_program"] = large_copies(public_dlhs, dout, rhs, gs,
+                                                        min_elements=M * N)
+    dense_dlhs = jax.jit(lambda d, w, g: d @ w[0].T)
+    r["dlhs_vs_dense_interleaved"] = interleaved_ratios(
+        {"public": jax.jit(public_dlhs), "kernel_only": raw_dlhs}, dense_dlhs, dout, rhs, gs)
+    dense_fwd = jax.jit(lambda l, w, g: l @ w[0])
+    r["fwd_vs_dense_interleaved"] = interleaved_ratios(
+        {"public": fwd, "kernel_only": raw_fwd}, dense_fwd, lhs, rhs, gs)
 
 
 def bench_lora(report, lhs):

@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from experiments.bench_step import H200_BF16_PEAK, _median_ms, flops_per_step, whole_step
 from hylora.config import MeshConfig
 from hylora import hlo_schedule
+from hylora.pgle import compile_with_profile
 from hylora.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import expert_parallel as ep
@@ -57,6 +58,7 @@ from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec, sta
 DEFAULTS = {"full": dict(experts_per_rank=14, chunks=[1, 2, 4], steps=5, repeats=10),
             "small": dict(experts_per_rank=2, chunks=[1, 2], steps=1, repeats=2)}
 SMALL_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+PARTS = ("transport", "moe_layer", "train_step")
 TOLERANCE = 2e-2  # max |difference| / max |first|: bf16 sums taken in another order
 
 
@@ -72,6 +74,11 @@ def _args(argv):
   p.add_argument("--repeats", type=int, help="timed runs per benchmark (10; small 2)")
   p.add_argument("--peak", type=float, default=H200_BF16_PEAK, help="peak FLOP/s per GPU")
   p.add_argument("--json", default=None, help="write the report here")
+  p.add_argument("--pgle", action="store_true",
+                 help="also time the MoE layer recompiled with its measured instruction "
+                      "profile (profile-guided scheduling; NVIDIA GPUs)")
+  p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                 help="which benchmarks to run per mesh (all three by default)")
   p.add_argument("--schedule-only", action="store_true",
                  help="compile the MoE layer per --chunks and report which compute XLA "
                       "scheduled under each asynchronous all-to-all; run nothing")
@@ -127,10 +134,11 @@ def configs(args) -> dict:
   return out
 
 
-def _smap(fn, mesh):
+def _smap(fn, mesh, options=None):
   """jit(shard_map(fn)), every argument and result split along dim 0 over all devices."""
   split = P(ep.TOKEN_AXES)
-  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=split, out_specs=split))
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=split, out_specs=split),
+                 compiler_options=options)
 
 
 def _routing(cfg, mesh):
@@ -161,18 +169,20 @@ def bench_transports(cfg, mesh, repeats: int) -> dict:
   cap = ep.capacity(pairs, ranks, moe.capacity_factor)
   x, slots = _routing(cfg, mesh)
 
-  def plan(slots):  # the dispatcher's send plan, and the rows each source rank sends here
-    p = ep.plan_sends(slots.reshape(-1), ranks, moe.experts // ranks, cap)
+  def plan(slots):  # the dispatcher's send plan and pair rows, and the rows each source
+    per_rank = moe.experts // ranks  # rank sends here
+    p = ep.plan_sends(slots.reshape(-1), ranks, per_rank, cap)
+    rows = ep.pair_rows(slots.reshape(-1), p, cap, per_rank)
     sizes = jax.lax.all_to_all(p.kept, ep.EXPERT_AXIS, 0, 0, tiled=True).sum(1)
-    return p._replace(dropped=p.dropped[None]), sizes
+    return p._replace(dropped=p.dropped[None]), rows, sizes
 
-  p, sizes = _smap(plan, mesh)(slots)
-  sent = (p, sizes)
+  p, rows, sizes = _smap(plan, mesh)(slots)
+  sent = (p, rows, sizes)
   pair_token = lambda x: jnp.arange(x.shape[0] * k, dtype=jnp.int32) // k
-  legs = {"padded": (lambda x, p, s: ep._padded_out(x, pair_token(x), p, cap, ranks),
-                     lambda y, p, s: ep._padded_back(y, p, cap, ranks)),
-          "ragged": (lambda x, p, s: ep._ragged_out(x, pair_token(x), p, cap, ranks, s),
-                     lambda y, p, s: ep._ragged_back(y, p, cap, ranks, s))}
+  legs = {"padded": (lambda x, p, r, s: ep._padded_out(x, pair_token(x), r, cap, ranks),
+                     lambda y, p, r, s: ep._padded_back(y, p, cap, ranks)),
+          "ragged": (lambda x, p, r, s: ep._ragged_out(x, pair_token(x), p, cap, ranks, s),
+                     lambda y, p, r, s: ep._ragged_back(y, p, cap, ranks, s))}
   row = cfg.model.d_model * x.dtype.itemsize
   nbytes = {"padded": ranks * cap * row,  # the [R, C, d] buffer; ragged: the real rows
             "ragged": int(np.asarray(p.sent).sum()) * row // devices}
@@ -186,7 +196,9 @@ def bench_transports(cfg, mesh, repeats: int) -> dict:
     except ConfigError as e:  # ragged on XLA:CPU
       out[name] = {"skipped": str(e)}
       continue
-    there, back = _smap(there, mesh), _smap(back, mesh)
+    moe_as_run = dataclasses.replace(moe, transport=name)
+    options = ep.xla_options(moe_as_run, mesh.devices.flat[0].platform)
+    there, back = _smap(there, mesh, options), _smap(back, mesh, options)
     recv = there(x, *sent)
     results[name] = (recv, back(recv, *sent))
     if name == "padded":  # NCCL's own all-to-all of the same buffer
@@ -237,8 +249,10 @@ def _layer_shardings(cfg, mesh):
   return params, NamedSharding(mesh, P(*spec, None))
 
 
-def bench_layer(cfg, mesh, chunks: list[int], repeats: int) -> dict:
-  """The MoE module, weights created sharded; B non-zero so that A gets gradients too."""
+def bench_layer(cfg, mesh, chunks: list[int], repeats: int, pgle: bool = False) -> dict:
+  """The MoE module, weights created sharded; B non-zero so that A gets gradients too.
+  With pgle, each chunk count is also recompiled with its measured instruction profile
+  (hylora.pgle) and timed again: XLA's scheduler then knows what the expert kernels cost."""
 
   def make():
     layer = MoE(cfg, init=ParamInit(0))
@@ -254,12 +268,20 @@ def bench_layer(cfg, mesh, chunks: list[int], repeats: int) -> dict:
 
   out, first = {"experts": cfg.model.moe.experts, "tokens": b * t, "chunks": {}}, None
   for c in chunks:
-    step = _layer_fwd_bwd(_with_chunks(cfg, c), mesh).lower(lora, x, rest, probe).compile()
-    (_, (y, dropped)), grads = step(lora, x, rest, probe)
+    args = (lora, x, rest, probe)
+    lowered = _layer_fwd_bwd(_with_chunks(cfg, c), mesh).lower(*args)
+    step = lowered.compile()
+    (_, (y, dropped)), grads = step(*args)
     row = out["chunks"][str(c)] = {
-        "fwd_bwd_ms": round(_median_ms(step, (lora, x, rest, probe), repeats), 3),
+        "fwd_bwd_ms": round(_median_ms(step, args, repeats), 3),
         "dropped_fraction": float(dropped) / (b * t * cfg.model.moe.top_k),
         "schedule": hlo_schedule.summary(hlo_schedule.overlap_windows(step.as_text()))}
+    if pgle:
+      profiled_step, profiled = compile_with_profile(lowered, args)
+      row["pgle"] = {"profiled": profiled,
+                     "fwd_bwd_ms": round(_median_ms(profiled_step, args, repeats), 3),
+                     "schedule": hlo_schedule.summary(
+                         hlo_schedule.overlap_windows(profiled_step.as_text()))}
     if first is None:
       first = (y, grads), row["fwd_bwd_ms"]
       continue
@@ -324,6 +346,10 @@ def _transport_rows(t: dict) -> list[str]:
   return rows
 
 
+def _kernels(schedule: dict) -> str:
+  return ", ".join(f"{k} x{n}" for k, n in schedule["kernels_inside"].items()) or "none"
+
+
 def format_report(report: dict) -> str:
   lines = []
   for name, r in report["meshes"].items():
@@ -331,24 +357,35 @@ def format_report(report: dict) -> str:
       for c, row in r["moe_layer_schedule"].items():
         lines.append(f"mesh {name}, {c} chunk(s): {row['count']} all-to-alls, "
                      f"{row['asynchronous']} asynchronous, {row['with_matmul_inside']} with a "
-                     f"matmul scheduled inside ({row['compute_inside']} compute ops in all)")
+                     f"matmul scheduled inside ({row['compute_inside']} compute ops in all); "
+                     f"kernels inside: {_kernels(row)}")
       continue
-    t, layer, step = r["transport"], r["moe_layer"], r["train_step"]
-    lines.append(f"mesh {name}: {layer['experts']} experts, {t['tokens_per_gpu']} tokens/GPU, "
-                 f"top-{report['top_k']}, d_model {report['d_model']}, capacity "
-                 f"{t['capacity']} rows per rank, dropped {100 * t['dropped_fraction']:.2f}%")
-    lines += _transport_rows(t)
-    parts = [f"{c} chunk(s) {row['fwd_bwd_ms']:.2f} ms" + (
-        f" ({row['speedup']:.2f}x, {'equal' if row['matches_first'] else 'DIFFERS'}: "
-        f"{row['max_rel_diff']:.1e})" if "speedup" in row else "")
-        for c, row in layer["chunks"].items()]
-    lines.append("  MoE layer fwd+bwd: " + "; ".join(parts))
-    sched = [f"{c}: {row['schedule']['asynchronous']}/{row['schedule']['count']} async, "
-             f"{row['schedule']['with_matmul_inside']} over a matmul"
-             for c, row in layer["chunks"].items()]
-    lines.append("  all-to-alls per chunk count: " + "; ".join(sched))
-    lines.append(f"  train step: {step['step_ms']:.1f} ms, {step['tokens_per_s_per_gpu']:.0f} "
-                 f"tokens/s/GPU, MFU {100 * step['mfu']:.1f}%, loss {step['final_loss']:.4f}")
+    lines.append(f"mesh {name}: top-{report['top_k']}, d_model {report['d_model']}")
+    if "transport" in r:
+      t = r["transport"]
+      lines.append(f"  {t['tokens_per_gpu']} tokens/GPU, capacity {t['capacity']} rows per "
+                   f"rank, dropped {100 * t['dropped_fraction']:.2f}%")
+      lines += _transport_rows(t)
+    if "moe_layer" in r:
+      layer = r["moe_layer"]
+      parts = [f"{c} chunk(s) {row['fwd_bwd_ms']:.2f} ms" + (
+          f" ({row['speedup']:.2f}x, {'equal' if row['matches_first'] else 'DIFFERS'}: "
+          f"{row['max_rel_diff']:.1e})" if "speedup" in row else "")
+          for c, row in layer["chunks"].items()]
+      lines.append(f"  MoE layer ({layer['experts']} experts) fwd+bwd: " + "; ".join(parts))
+      sched = [f"{c}: {row['schedule']['asynchronous']}/{row['schedule']['count']} async, "
+               f"{row['schedule']['with_matmul_inside']} over a matmul, kernels inside "
+               f"{_kernels(row['schedule'])}" for c, row in layer["chunks"].items()]
+      lines.append("  all-to-alls per chunk count: " + "; ".join(sched))
+      profiled = [f"{c} chunk(s) {row['pgle']['fwd_bwd_ms']:.2f} ms, kernels inside "
+                  f"{_kernels(row['pgle']['schedule'])}"
+                  for c, row in layer["chunks"].items() if row.get("pgle", {}).get("profiled")]
+      if profiled:
+        lines.append("  profile-guided schedule: " + "; ".join(profiled))
+    if "train_step" in r:
+      step = r["train_step"]
+      lines.append(f"  train step: {step['step_ms']:.1f} ms, {step['tokens_per_s_per_gpu']:.0f} "
+                   f"tokens/s/GPU, MFU {100 * step['mfu']:.1f}%, loss {step['final_loss']:.4f}")
   return "\n".join(lines)
 
 
@@ -384,8 +421,11 @@ def main(argv: list[str] | None = None) -> int:
       print(json.dumps({name: r}), flush=True)
       continue
     for part, run in (("transport", lambda: bench_transports(cfg, mesh, args.repeats)),
-                      ("moe_layer", lambda: bench_layer(cfg, mesh, args.chunks, args.repeats)),
+                      ("moe_layer", lambda: bench_layer(cfg, mesh, args.chunks, args.repeats,
+                                                      args.pgle)),
                       ("train_step", lambda: bench_train_step(cfg, args.steps, args.peak))):
+      if part not in args.parts:
+        continue
       r[part] = run()
       print(json.dumps({name: {part: r[part]}}), flush=True)
   print(format_report(report))

@@ -21,7 +21,7 @@ def _run_small(tmp_path) -> tuple[dict, str]:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = tmp_path / "report.json"
   done = subprocess.run([sys.executable, "-m", "experiments.bench_multi_gpu", "--small",
-                         "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                         "--pgle", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return json.loads(out.read_text()), done.stdout
@@ -64,6 +64,9 @@ def test_small_run_reports_both_meshes(tmp_path):
     one_sched, two_sched = layer["chunks"]["1"]["schedule"], two["schedule"]
     assert 0 < one_sched["count"] < two_sched["count"]
     assert one_sched["asynchronous"] == two_sched["asynchronous"] == 0
+    # --pgle: XLA:CPU records no per-instruction device times, so nothing is recompiled
+    assert all(not c["pgle"]["profiled"] and c["pgle"]["fwd_bwd_ms"] > 0
+               for c in layer["chunks"].values())
 
     step = r["train_step"]
     cfg = runs[name][0]
@@ -73,7 +76,8 @@ def test_small_run_reports_both_meshes(tmp_path):
     assert step["model_flops_per_gpu"] == pytest.approx(flops)
     assert step["mfu"] == pytest.approx(flops / step["step_seconds"] / report["peak_flops"])
   assert stdout.count("skipped: model.moe.transport") == 2
-  assert "mesh 2x4: 8 experts, 64 tokens/GPU" in stdout
+  assert "mesh 2x4: top-2" in stdout and "  64 tokens/GPU, capacity 128 rows" in stdout
+  assert "MoE layer (8 experts) fwd+bwd: 1 chunk(s)" in stdout
 
 
 @pytest.mark.parametrize("argv,message", [

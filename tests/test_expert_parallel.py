@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hylora.config import MeshConfig
+from hylora.config import MeshConfig, MoEConfig
 from hylora.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import expert_parallel as ep
@@ -168,6 +168,13 @@ def _all_to_all_count(chunks):
 def test_each_overlap_chunk_has_its_own_all_to_alls():
   # Per chunk: the kept-count exchange, the rows out and the results back.
   assert _all_to_all_count(2) == 3 * 2
+
+
+def test_only_ragged_on_gpu_asks_for_xla_options():
+  ragged, padded = MoEConfig(transport="ragged"), MoEConfig(transport="padded")
+  assert ep.xla_options(ragged, "gpu") == {
+      "xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": True}
+  assert ep.xla_options(padded, "gpu") == ep.xla_options(ragged, "cpu") == {}
 
 
 def test_ragged_transport_is_refused_on_cpu_with_a_clear_error():

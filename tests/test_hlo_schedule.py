@@ -47,7 +47,8 @@ def test_windows_list_the_compute_inside_each_async_pair():
 def test_summary_counts_asynchronous_collectives_with_matmuls_inside():
   s = hlo_schedule.summary(hlo_schedule.overlap_windows(GPU_TEXT))
   assert s == {"collective": "all-to-all", "count": 3, "asynchronous": 3,
-               "with_compute_inside": 2, "with_matmul_inside": 2, "compute_inside": 2}
+               "with_compute_inside": 2, "with_matmul_inside": 2, "compute_inside": 2,
+               "kernels_inside": {"mosaic_gpu_v2": 1}}
 
 
 def test_cpu_collectives_are_synchronous():

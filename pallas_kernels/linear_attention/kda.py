@@ -5,7 +5,7 @@ Forward, per 64-token chunk (see _kda_intra for the chunk form):
   kda_intra    (parallel)   A_kk, its inverse T, w, u0, A_qk, qg, kg
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
   kda_output   (parallel)   o = scale (qg S + A_qk v_new)
-Backward: kda_intra and kda_states are recomputed (the residuals are the inputs), then
+Backward: the forward's in-chunk quantities and chunk states are its residuals, then
   kda_dv_local (parallel)   dv_local = scale A_qk^T do, dP = scale do v_new^T
   kda_state_grads (sequential, reverse) end-state gradients and dv_new
   kda_wy_grads (parallel)   dv, dX = T^T dv_new, dA, part of dbeta
@@ -35,37 +35,43 @@ class Tiling(NamedTuple):
     interpret: bool
 
 
-def _forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
+def _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, for_backward):
     cd = compute_dtype(q.dtype)
     intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=cd, emit_inverse=for_backward,
                         interpret=t.interpret)
     qg, kg, w, u0, aqk = intra[:5]
     h, vn, ht = chunk_states(w, u0, kg, b, masks[0], h0, block_v=t.block_v, cd=cd,
                              interpret=t.interpret)
-    if for_backward:
-        return intra, h, vn
-    o = chunk_output(qg, aqk, h, vn, scale=scale, out_dtype=v.dtype, block_v=t.block_v, cd=cd,
-                     interpret=t.interpret)
-    return o, ht
+    return intra, h, vn, ht
+
+
+def _output(q, v, intra, h, vn, scale, t):
+    qg, _, _, _, aqk = intra[:5]
+    return chunk_output(qg, aqk, h, vn, scale=scale, out_dtype=v.dtype, block_v=t.block_v,
+                        cd=compute_dtype(q.dtype), interpret=t.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
-    return _forward(q, k, v, b, beta, h0, runs, masks, scale, t, False)
+    intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, False)
+    return _output(q, v, intra, h, vn, scale, t), ht
 
 
 def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
-    out = _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t)
-    return out, (q, k, v, b, beta, h0, runs, masks)  # chunk quantities are recomputed
+    # The in-chunk kernel is the costliest of the forward (41% of a layer's forward +
+    # backward when the backward ran it again), so its results are kept for the backward
+    # (bf16, ~1.3 KB per token and head, plus the chunk states) instead of recomputed.
+    intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, True)
+    qg, kg, w, _, aqk, inverse = intra
+    out = _output(q, v, intra, h, vn, scale, t), ht
+    return out, (q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn)
 
 
 def _kda_core_bwd(scale, t, res, cts):
-    q, k, v, b, beta, h0, runs, masks = res
+    q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn = res
     do, dht = cts
     do = do.astype(v.dtype)
     cd = compute_dtype(q.dtype)
-    (qg, kg, w, _, aqk, inverse), h, vn = _forward(q, k, v, b, beta, h0, runs, masks, scale, t,
-                                                   True)
     kw = dict(block_v=t.block_v, cd=cd, interpret=t.interpret)
     dvl, dp = chunk_dv_local(aqk, do, vn, runs, scale=scale, **kw)
     dh, dvn, dh0 = chunk_state_grads(qg, kg, w, b, masks[0], dvl, do, dht, scale=scale, **kw)

@@ -11,6 +11,7 @@ Synchronous collectives (XLA:CPU's) appear with `asynchronous=False` and empty w
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -44,6 +45,12 @@ class Window:
     """The compute in the window that multiplies matrices (cuBLAS, Triton or Mosaic
     kernels: the custom calls and the fusions whose name says gemm/dot)."""
     return [c for c in self.compute if re.search(r"gemm|dot|mosaic|triton|cublas", c)]
+
+  @property
+  def kernels(self) -> list[str]:
+    """Custom-call targets in the window (`mosaic_gpu_v2` is a Pallas Mosaic GPU kernel,
+    e.g. the expert grouped matmul; `__cublas$lt$matmul` a cuBLAS matmul)."""
+    return [m.group(1) for c in self.compute for m in [re.search(r"\((.+)\)$", c)] if m]
 
 
 def computations(hlo_text: str) -> dict[str, list[Instruction]]:
@@ -112,10 +119,13 @@ def overlap_windows(hlo_text: str) -> list[Window]:
 
 def summary(windows: list[Window], collective: str = "all-to-all") -> dict:
   """Counts for one collective kind: how many, how many asynchronous, how many of those
-  have compute (and matmuls) scheduled under them."""
+  have compute (and matmuls) scheduled under them, and how often each custom-call kernel
+  runs under one (so a report can tell the expert kernels from other matmuls)."""
   mine = [w for w in windows if w.collective == collective]
   asynchronous = [w for w in mine if w.asynchronous]
   return {"collective": collective, "count": len(mine), "asynchronous": len(asynchronous),
           "with_compute_inside": sum(bool(w.compute) for w in asynchronous),
           "with_matmul_inside": sum(bool(w.matmuls) for w in asynchronous),
-          "compute_inside": sum(len(w.compute) for w in asynchronous)}
+          "compute_inside": sum(len(w.compute) for w in asynchronous),
+          "kernels_inside": dict(sorted(collections.Counter(
+              k for w in asynchronous for k in w.kernels).items()))}

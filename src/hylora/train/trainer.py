@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hylora.config import Config
 from hylora.errors import ConfigError
+from hylora.model.ffn import expert_parallel
 from hylora.train import state as st
 from hylora.train.optimizer import learning_rate_schedule, make_optimizer
 from hylora.train.step import BATCH_KEYS, IMAGE_KEYS, make_train_step
@@ -103,8 +104,9 @@ class Trainer:
   def compile(self, lora, opt_state, frozen, batch):
     start = time.perf_counter()
     step = jax.ShapeDtypeStruct((), np.int32)
+    options = expert_parallel.xla_options(self.cfg.model.moe, self.mesh.devices.flat[0].platform)
     self.compiled = self.jitted_step(opt_state, tuple(batch)).lower(lora, opt_state, frozen,
-                                                                    batch, step).compile()
+                                                                    batch, step).compile(options)
     self.compile_seconds = time.perf_counter() - start
     return self.compiled
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from hylora.model.ffn.experts import expert_ffn
+from hylora.model.ffn.permute_rows import gather_rows, permute_rows
 
 DISPATCHERS: dict[str, Callable] = {}
 
@@ -37,7 +38,7 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
 
   The same `order` is reused by the unsort, so the backward needs no second sort."""
   flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
   return order, group_sizes
 
@@ -49,11 +50,12 @@ def dropless(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weight
   `expert_weights` (see placement.py); `moe` (MoEConfig) carries dispatcher options."""
   n, k = experts.shape
   order, group_sizes = sort_by_expert(experts, num_experts)
-  token_of_pair = order // k
-  x_sorted = jnp.take(x, token_of_pair, axis=0)  # one gather in
+  token_of_pair = (order // k).astype(jnp.int32)
+  inverse = jnp.argsort(order).astype(jnp.int32)  # sorted position of each pair
+  # one gather in: token n is read by the sorted positions of its k pairs
+  x_sorted = gather_rows(x, token_of_pair, inverse.reshape(n, k), jnp.ones((n, k), bool))
   y_sorted = expert_ffn(expert_weights, x_sorted, group_sizes, dropout_key=dropout_key,
                         **options)
-  inverse = jnp.argsort(order)  # a permutation's inverse: one gather out
-  y_pairs = jnp.take(y_sorted, inverse, axis=0).reshape(n, k, -1)
+  y_pairs = permute_rows(y_sorted, inverse, order).reshape(n, k, -1)  # one gather out
   y = jnp.einsum("nkd,nk->nd", y_pairs.astype(jnp.float32), weights)
   return y.astype(x.dtype), {"dropped_tokens": jnp.zeros((), jnp.float32)}

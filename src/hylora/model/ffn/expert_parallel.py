@@ -37,7 +37,7 @@ from hylora.config import MoEConfig
 from hylora.errors import ConfigError
 from hylora.model.ffn.dispatch import dropless, register_dispatcher
 from hylora.model.ffn.experts import expert_ffn
-from hylora.model.ffn.permute_rows import permute_rows
+from hylora.model.ffn.permute_rows import gather_rows, permute_rows
 from meshes.rules import PARAM_RULES, current_mesh, logical_to_spec
 
 EXPERT_AXIS, FSDP_AXIS = "expert", "fsdp"
@@ -54,6 +54,17 @@ SHARED_A_AXES = (ax.EMBED, ax.LORA_RANK)
 
 # Platforms whose XLA implements ragged_all_to_all.
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def xla_options(moe: MoEConfig, platform: str) -> dict:
+  """XLA options a program using this dispatcher should be compiled with.
+
+  XLA:GPU's own ragged_all_to_all moved 5 GB/s per GPU between two H200s, 100x below
+  NCCL's all_to_all; decomposed into an all_to_all plus slices it moved 170-190 GB/s
+  (docs/performance.md). "padded" needs nothing."""
+  if moe.transport == "ragged" and platform in ("gpu", "cuda", "rocm"):
+    return {"xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": True}
+  return {}
 
 
 def ragged_collective(*args, **kwargs):
@@ -95,14 +106,37 @@ def plan_sends(slots: jax.Array, ranks: int, per_rank: int, cap: int) -> SendPla
 # ---------------------------------------------------------------- transports
 # Both deliver received rows as [R * C, d], block j from source rank j (valid rows first),
 # and return the results in the same layout, block r answering what was sent to rank r.
+# Every gather names its readers (gather_rows), so the backward gathers instead of
+# scattering: a token is read by its k pairs' rows, a returned row by one pair.
 
-def _padded_out(x, token_of_pair, plan, cap, ranks):
+class PairRows(NamedTuple):
+  """The two directions between a chunk's pairs (original order, [P]) and the rows of
+  the [R * C] send / return layout."""
+  row_of_pair: jax.Array  # [P] row holding the pair (0 if dropped)
+  pair_kept: jax.Array  # [P] the pair was sent
+  pair_of_row: jax.Array  # [R * C] pair held by the row (a clipped one where none)
+  row_valid: jax.Array  # [R * C] the row holds a pair
+
+
+def pair_rows(slots: jax.Array, plan: SendPlan, cap: int, per_rank: int) -> PairRows:
+  pairs = slots.shape[0]
+  rank = slots[plan.order] // per_rank  # sorted order is by destination rank
+  pos = jnp.arange(pairs, dtype=jnp.int32) - plan.start[rank]
+  kept = pos < plan.sent[rank]
+  row = jnp.where(kept, rank * cap + jnp.minimum(pos, cap - 1), 0)
   c = jnp.arange(cap, dtype=jnp.int32)
-  src = jnp.minimum(plan.start[:, None] + c[None, :], token_of_pair.shape[0] - 1)
-  valid = c[None, :] < plan.sent[:, None]
-  rows = jnp.take(x, token_of_pair[plan.order[src]], axis=0)  # the one gather in
-  send = jnp.where(valid[..., None], rows, jnp.zeros((), x.dtype))
-  recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)
+  sorted_pos = jnp.minimum(plan.start[:, None] + c[None, :], pairs - 1)
+  return PairRows(row[plan.inverse], kept[plan.inverse], plan.order[sorted_pos].reshape(-1),
+                  (c[None, :] < plan.sent[:, None]).reshape(-1))
+
+
+def _padded_out(x, token_of_pair, rows: PairRows, cap, ranks):
+  n = x.shape[0]
+  k = rows.row_of_pair.shape[0] // n
+  send = gather_rows(x, token_of_pair[rows.pair_of_row], rows.row_of_pair.reshape(n, k),
+                     rows.pair_kept.reshape(n, k))  # the one gather in
+  send = jnp.where(rows.row_valid[:, None], send, jnp.zeros((), x.dtype))
+  recv = jax.lax.all_to_all(send.reshape(ranks, cap, -1), EXPERT_AXIS, 0, 0, tiled=True)
   return recv.reshape(ranks * cap, -1)
 
 
@@ -117,7 +151,9 @@ def _ragged_offsets(cap, ranks):
 
 
 def _ragged_out(x, token_of_pair, plan, cap, ranks, recv_sizes):
-  rows = jnp.take(x, token_of_pair[plan.order], axis=0)  # pairs in send order
+  n = x.shape[0]
+  readers = plan.inverse.reshape(n, -1)  # token n's pairs, at their sorted positions
+  rows = gather_rows(x, token_of_pair[plan.order], readers, jnp.ones(readers.shape, bool))
   mine, _ = _ragged_offsets(cap, ranks)
   out = jnp.zeros((ranks * cap, x.shape[1]), x.dtype)
   return ragged_collective(rows, out, plan.start, plan.sent, mine, recv_sizes,
@@ -150,26 +186,23 @@ def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, 
            cap, transport):
   n, k = slots.shape
   plan = plan_sends(slots.reshape(-1), ranks, per_rank, cap)
+  rows = pair_rows(slots.reshape(-1), plan, cap, per_rank)
   token_of_pair = jnp.arange(n * k, dtype=jnp.int32) // k
   recv_kept = jax.lax.all_to_all(plan.kept, EXPERT_AXIS, 0, 0, tiled=True)  # [R src, S]
   if transport == "ragged":
     recv_sizes = recv_kept.sum(1)
     recv = _ragged_out(x, token_of_pair, plan, cap, ranks, recv_sizes)
   else:
-    recv = _padded_out(x, token_of_pair, plan, cap, ranks)
+    recv = _padded_out(x, token_of_pair, rows, cap, ranks)
   y = _local_experts(recv, recv_kept, expert_weights, options, dropout_key)
   if transport == "ragged":
     back = _ragged_back(y, plan, cap, ranks, recv_sizes)
   else:
     back = _padded_back(y, plan, cap, ranks)
-  # Each pair's result: sorted position q -> (rank, q - start[rank]) in `back`.
-  sorted_slot = slots.reshape(-1)[plan.order]
-  rank = sorted_slot // per_rank
-  pos = jnp.arange(n * k, dtype=jnp.int32) - plan.start[rank]
-  kept = pos < plan.sent[rank]
-  where = jnp.where(kept, rank * cap + jnp.minimum(pos, cap - 1), 0)[plan.inverse]
-  y_pairs = jnp.take(back, where, axis=0)  # the one gather out
-  y_pairs = jnp.where(kept[plan.inverse][:, None], y_pairs, jnp.zeros((), y_pairs.dtype))
+  # Each pair's result, from its row of `back`; a row is read by its one pair.
+  y_pairs = gather_rows(back, rows.row_of_pair, rows.pair_of_row[:, None],
+                        rows.row_valid[:, None])  # the one gather out
+  y_pairs = jnp.where(rows.pair_kept[:, None], y_pairs, jnp.zeros((), y_pairs.dtype))
   y = jnp.einsum("nkd,nk->nd", y_pairs.reshape(n, k, -1).astype(jnp.float32), weights_k)
   return y.astype(x.dtype), plan.dropped
 

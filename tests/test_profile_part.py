@@ -1,0 +1,26 @@
+"""experiments.profile_part: instruction -> source op mapping, and a CPU run."""
+
+import os
+
+from experiments import profile_part
+
+TEXT = """ENTRY %main {
+  %fusion.5 = (f32[8]{0}, f32[8]{0}) fusion(%a), kind=kLoop, metadata={op_name="jit(loss)/jvp()/Block/LinearAttention/mul" source_file="x.py"}
+  %custom-call.2 = bf16[8,8]{1,0} custom-call(%b), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(loss)/transpose(jvp())/pallas_call"}
+  ROOT %x = f32[2]{0} add(%y, %z)
+}"""
+
+
+def test_source_ops_name_the_jax_op_behind_each_instruction():
+  assert profile_part.source_ops(TEXT) == {
+      "fusion.5": "jvp()/Block/LinearAttention/mul", "custom-call.2": "jit(loss)/transpose(jvp())/pallas_call",
+      "x": "add"}
+
+
+def test_cpu_run_says_there_is_no_instruction_profile(capsys, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+  assert profile_part.main(["linear", "--preset", "tiny"]) == 0
+  out = capsys.readouterr().out
+  assert "linear at [8, 128, 32]" in out and "NVIDIA GPUs only" in out
+  assert profile_part.main(["attention", "--preset", "tiny"]) == 2
+  assert "part: unknown 'attention'" in capsys.readouterr().err
