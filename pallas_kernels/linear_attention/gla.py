@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import residuals
 from pallas_kernels.linear_attention import _chunk_prep
 from pallas_kernels.linear_attention._gla_chunks import (
     chunk_grads, chunk_outputs, chunk_score_grads)
@@ -53,6 +54,7 @@ def _gla_core(q, k, v, b, h0, runs, masks, scale, t):
 def _gla_core_fwd(q, k, v, b, h0, runs, masks, scale, t):
     # per-chunk states are recomputed in the backward; the in-chunk scores are kept
     out, a = _forward(q, k, v, b, h0, runs, masks, scale, t)
+    a, = residuals.keep(a)  # kept with the core's output by a remat policy saving "attention"
     return out, (q, k, v, b, h0, runs, masks, a)
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import residuals
 from pallas_kernels.linear_attention import _chunk_prep
 from pallas_kernels.linear_attention._inputs import default_scale, l2_normalize, pad_time, validate
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
@@ -60,10 +61,12 @@ def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
 def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
     # The in-chunk kernel is the costliest of the forward (41% of a layer's forward +
     # backward when the backward ran it again), so its results are kept for the backward
-    # (bf16, ~1.3 KB per token and head, plus the chunk states) instead of recomputed.
+    # (bf16, 1.8 KB per token and head at D = 128 with the chunk states) instead of
+    # recomputed; tagged so that a remat policy keeping "attention" keeps them too.
     intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, True)
-    qg, kg, w, _, aqk, inverse = intra
     out = _output(q, v, intra, h, vn, scale, t), ht
+    qg, kg, w, _, aqk, inverse = intra
+    qg, kg, w, aqk, inverse, h, vn = residuals.keep(qg, kg, w, aqk, inverse, h, vn)
     return out, (q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn)
 
 

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import residuals
 from pallas_kernels.sparse_attention import input_checks
 from pallas_kernels.sparse_attention.attention_backward import sparse_attention_backward
 from pallas_kernels.sparse_attention.attention_backward_by_key import (
@@ -62,7 +63,8 @@ def _forward(q, k, v, indices, scale, dkdv):
     o, lse = sparse_attention_forward(qg, kh, vh, idx, scale=scale, block_k=block_k,
                                       interpret=use_interpret())
     o = _ungroup_heads(o, q.shape[2])
-    return o, (q, k, v, indices, o, lse)
+    saved_o, lse = residuals.keep(o, lse)  # a remat policy saving "attention" keeps them
+    return o, (q, k, v, indices, saved_o, lse)
 
 
 def _backward(scale, dkdv, residuals, do):

@@ -132,8 +132,13 @@ def layer_save_points(cfg: Config, mixer: str, ffn: str, n: int) -> dict[str, tu
       gate_bytes += n * la.heads * 4
     add(remat.GATES, gate_bytes, gate_flops)
     # chunked form: intra-chunk [C, C] products and the [dk, dv] state per chunk
-    per_head = 4 * la.chunk_size * la.head_dim + (8 if la.delta_rule else 4) * la.head_dim ** 2
-    add(remat.ATTENTION, n * hd * 2, float(n) * la.heads * per_head)
+    c, dh = la.chunk_size, la.head_dim
+    per_head = 4 * c * dh + (8 if la.delta_rule else 4) * dh ** 2
+    # + the Pallas kernels' residuals (pallas_kernels/residuals.py), per token and head:
+    # KDA qg, kg, w, v_new, A_qk, (I + A_kk)^-1 and the chunk states (bf16); GLA its
+    # in-chunk scores (fp32)
+    kept = 2 * (4 * dh + 2 * c + dh * dh // c) if la.delta_rule else 4 * c
+    add(remat.ATTENTION, n * hd * 2 + n * la.heads * kept, float(n) * la.heads * per_head)
     linear("o", "o", hd, d, remat.MIXER_OUT)
   else:
     sa = m.sparse_attention
@@ -146,7 +151,9 @@ def layer_save_points(cfg: Config, mixer: str, ffn: str, n: int) -> dict[str, tu
         2.0 * n * (d * sa.index_q_rank + sa.index_q_rank * ih * ihd + d * ihd + d * ih))
     # indexer scores over the causal keys (on average half the row) and the top-k pick
     add(remat.TOPK, n * sa.top_k * 4, float(n) * seq * ih * ihd)
-    add(remat.ATTENTION, n * q_dim * 2, 4.0 * n * sa.q_heads * min(sa.top_k, seq) * sa.head_dim)
+    # the output, and the Pallas kernel's residuals: the output again and the log-sum-exp
+    add(remat.ATTENTION, 2 * n * q_dim * 2 + n * sa.q_heads * 4,
+        4.0 * n * sa.q_heads * min(sa.top_k, seq) * sa.head_dim)
     linear("o", "o", q_dim, d, remat.MIXER_OUT)
   add(remat.FFN_NORM, n * d * 2, 4.0 * n * d)
   if ffn == "dense":

@@ -9,13 +9,17 @@ from __future__ import annotations
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels import residuals as kernel_residuals
+
 LAYER_INPUT = "layer_input"  # the residual stream entering a layer
 MIXER_NORM = "mixer_norm"  # normalised input of the attention mixer
 QKV = "qkv"  # q, k, v projections (both attention kinds)
 GATES = "gates"  # low-rank gate projections (decay, output gate, beta)
 INDEXER = "indexer"  # indexer queries / keys / weights of the sparse layers
 TOPK = "topk_indices"  # the indexer's chosen keys per query (int32; costly to recompute)
-ATTENTION = "attention"  # the attention core's output (before the output projection)
+# the attention core's output (before the output projection) and what its kernels keep
+# for their backward (pallas_kernels/residuals.py tags those with this very name)
+ATTENTION = kernel_residuals.NAME
 MIXER_OUT = "mixer_out"  # output projection of the mixer
 FFN_NORM = "ffn_norm"  # normalised input of the FFN
 ROUTER = "router"  # router logits
