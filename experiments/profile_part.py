@@ -1,11 +1,16 @@
-"""Where one layer part's time goes: every compiled instruction's device time, by source op.
+"""Where a layer part's or the whole step's time goes: every compiled instruction's
+device time, by source op.
 
     python -m experiments.profile_part linear             # gpu-1 shapes, one GPU
     python -m experiments.profile_part moe --top 40 --json moe_profile.json
     python -m experiments.profile_part sparse --model.kernels.sparse_attention=reference
+    python -m experiments.profile_part step --memory.remat=full
 
-The part (a mixer or FFN: linear, sparse, moe, dense) runs forward + input and LoRA
-gradients at the preset's [batch, seq, d_model], as `bench_step` times it. The JAX
+A part (a mixer or FFN: linear, sparse, moe, dense) runs forward + input and LoRA
+gradients at the preset's [batch, seq, d_model], as `bench_step` times it; `step` runs
+the compiled train step of the preset on one device (its memory policy from the config)
+and splits the time into forward, backward and recompute (the remat policy's second
+forward, XLA's `rematted_computation`). The JAX
 profiler records a few runs; XLA's per-instruction summary of that trace (the one
 profile-guided scheduling reads, hylora.pgle) gives each instruction's device time,
 which is attributed to the JAX operation that produced it (the HLO `op_name`). Only
@@ -17,6 +22,7 @@ single `command_buffer` instruction instead of the kernels it replays.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.bench_step import _median_ms
+from experiments.bench_step import _median_ms, planned_policy
+from hylora.config import MeshConfig
 from hylora.errors import ConfigError
 from hylora.layer_memory import part_gradients
 from hylora.model import LoRAParam
@@ -57,10 +64,16 @@ def source_ops(hlo_text: str) -> dict[str, str]:
   return out
 
 
-def profile_part(cfg, part: str, runs: int = 3, repeats: int = 5) -> dict:
+def phase(op_name: str) -> str:
+  """forward, backward or recompute, from an instruction's op_name path."""
+  if "rematted_computation" in op_name:
+    return "recompute"
+  return "backward" if "transpose(" in op_name else "forward"
+
+
+def _part_program(cfg, part: str):
+  """(compiled part, run_once) for one mixer / FFN's forward + gradients."""
   table = MIXERS if part in MIXERS else FFNS
-  if part not in table:
-    raise ConfigError(f"part: unknown {part!r}; choose from {sorted(MIXERS) + sorted(FFNS)}")
   b, s, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
   graphdef, lora, rest = nnx.split(table[part](cfg, init=ParamInit(0)), LoRAParam, ...)
   x = jax.random.normal(jax.random.key(0), (b, s, d), jnp.float32).astype(jnp.bfloat16)
@@ -68,25 +81,67 @@ def profile_part(cfg, part: str, runs: int = 3, repeats: int = 5) -> dict:
                        jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
   args = (lora, x, rest, ctx)
   compiled = part_gradients(graphdef).lower(*args).compile()
-  wall_ms = _median_ms(compiled, args, repeats)
-  costs = instruction_costs(instruction_profile(compiled, args, runs))
+  return compiled, lambda: compiled(*args)
+
+
+def _step_program(cfg):
+  """(compiled train step, run_once) on one device; run_once threads the state."""
+  from hylora.train.data import Packer, make_source
+  from hylora.train.trainer import Trainer
+  from meshes.mesh import build_mesh
+
+  cfg = dataclasses.replace(cfg, mesh=MeshConfig(fsdp=1, expert=1, devices=0))  # one device
+  tc = cfg.train
+  trainer = Trainer(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+  lora, opt_state, frozen = trainer.init()
+  packer = Packer(make_source(tc.data, cfg.model.vocab_size, tc.seed, tc.synthetic_docs),
+                  tc.seq_len)
+  batch = trainer.put_batch(packer.next_batch(tc.batch_size))
+  compiled = trainer.compile(lora, opt_state, frozen, batch)
+  state = {"lora": lora, "opt": opt_state, "step": 0}
+
+  def run_once():  # the step donates the adapters and optimizer state: pass them on
+    state["lora"], state["opt"], metrics = trainer.step(state["lora"], state["opt"], frozen,
+                                                        batch, state["step"])
+    state["step"] += 1
+    return metrics
+
+  return compiled, run_once
+
+
+def profile_part(cfg, part: str, runs: int = 3, repeats: int = 5) -> dict:
+  if part == "step":
+    compiled, run_once = _step_program(cfg)
+  elif part in MIXERS or part in FFNS:
+    compiled, run_once = _part_program(cfg, part)
+  else:
+    raise ConfigError(f"part: unknown {part!r}; choose from "
+                      f"{sorted(MIXERS) + sorted(FFNS) + ['step']}")
+  jax.block_until_ready(run_once())
+  wall_ms = _median_ms(run_once, (), repeats)
+  costs = instruction_costs(instruction_profile(run_once, runs))
   ops = source_ops(compiled.as_text())
   by_op: dict[str, float] = {}
+  by_phase = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
   for name, us in costs.items():
     key = ops.get(name, name)
     by_op[key] = by_op.get(key, 0.0) + us
+    by_phase[phase(key)] += us
+  b, s, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
   return {"part": part, "shape": [b, s, d], "wall_ms": wall_ms,
           "profiled_ms": sum(costs.values()) / 1e3,
+          "phases_ms": {k: v / 1e3 for k, v in by_phase.items()},
           "instructions_us": dict(sorted(costs.items(), key=lambda kv: -kv[1])),
           "ops_us": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
 
 
 def format_report(r: dict, top: int) -> str:
-  lines = [f"{r['part']} at {r['shape']}: {r['wall_ms']:.2f} ms per forward + backward; "
+  lines = [f"{r['part']} at {r['shape']}: {r['wall_ms']:.2f} ms per run; "
            f"instructions sum to {r['profiled_ms']:.2f} ms"]
   if not r["instructions_us"]:
     lines.append("no per-instruction device times on this backend (NVIDIA GPUs only)")
     return "\n".join(lines)
+  lines.append("by phase: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r["phases_ms"].items()))
   lines.append(f"{'ms':>8} {'share':>6}  op (summed over its instructions)")
   total = max(r["profiled_ms"], 1e-9)
   for op, us in list(r["ops_us"].items())[:top]:
@@ -98,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   p = argparse.ArgumentParser(prog="python -m experiments.profile_part",
                               description=__doc__.split("\n\n")[0])
-  p.add_argument("part", help="linear, sparse, moe or dense")
+  p.add_argument("part", help="linear, sparse, moe, dense, or step (the whole train step)")
   p.add_argument("--preset", default="gpu-1")
   p.add_argument("--top", type=int, default=25, help="ops to list")
   p.add_argument("--json", default=None, help="write the whole profile here")
+  p.add_argument("--runs", type=int, default=3, help="profiled runs")
+  p.add_argument("--repeats", type=int, default=5, help="timed runs")
+  p.add_argument("--planned", action="store_true",
+                 help="step: under the memory planner's plan for this device (as bench_step)")
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_gpu_enable_command_buffer" not in flags:  # before the backend starts
     os.environ["XLA_FLAGS"] = f"{flags} {NO_COMMAND_BUFFERS}".strip()
@@ -109,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides, rest = split_overrides(argv)
     args = p.parse_args(rest)
     cfg = apply_overrides(get_preset(args.preset), overrides).validate()
-    report = profile_part(cfg, args.part)
+    if args.planned:
+      cfg = dataclasses.replace(cfg, memory=planned_policy(cfg, jax.devices()[0]))
+    report = profile_part(cfg, args.part, args.runs, args.repeats)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

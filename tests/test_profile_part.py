@@ -1,4 +1,4 @@
-"""experiments.profile_part: instruction -> source op mapping, and a CPU run."""
+"""experiments.profile_part: instruction -> source op and phase mapping, and a CPU run."""
 
 import os
 
@@ -17,10 +17,27 @@ def test_source_ops_name_the_jax_op_behind_each_instruction():
       "x": "add"}
 
 
-def test_cpu_run_says_there_is_no_instruction_profile(capsys, monkeypatch):
+def test_phases_follow_the_op_name_path():
+  assert profile_part.phase("jit(step)/jvp()/LinearAttention/mul") == "forward"
+  assert profile_part.phase("jit(step)/transpose(jvp())/dot_general") == "backward"
+  assert profile_part.phase(
+      "jit(step)/transpose(jvp(jvp()))/checkpoint/rematted_computation/tanh") == "recompute"
+
+
+# a two-layer tiny model, one run of each kind: the paths, not the numbers
+SMALL = ["--preset", "tiny", "--runs", "1", "--repeats", "1", "--model.layers=2",
+         "--model.pattern=linear,sparse", "--model.dense_layers=1", "--train.seq_len=64"]
+
+
+def test_cpu_step_run_says_there_is_no_instruction_profile(capsys, monkeypatch):
+  # The whole step (the parts share every line after building their program; they ran
+  # on the GPU, docs/performance.md).
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
-  assert profile_part.main(["linear", "--preset", "tiny"]) == 0
+  assert profile_part.main(["step", *SMALL]) == 0
   out = capsys.readouterr().out
-  assert "linear at [8, 128, 32]" in out and "NVIDIA GPUs only" in out
+  assert "step at [8, 64, 32]" in out and "NVIDIA GPUs only" in out
+
+
+def test_unknown_part_is_refused(capsys):
   assert profile_part.main(["attention", "--preset", "tiny"]) == 2
   assert "part: unknown 'attention'" in capsys.readouterr().err

@@ -151,8 +151,9 @@ def layer_save_points(cfg: Config, mixer: str, ffn: str, n: int) -> dict[str, tu
         2.0 * n * (d * sa.index_q_rank + sa.index_q_rank * ih * ihd + d * ihd + d * ih))
     # indexer scores over the causal keys (on average half the row) and the top-k pick
     add(remat.TOPK, n * sa.top_k * 4, float(n) * seq * ih * ihd)
-    # the output, and the Pallas kernel's residuals: the output again and the log-sum-exp
-    add(remat.ATTENTION, 2 * n * q_dim * 2 + n * sa.q_heads * 4,
+    # the output, and the Pallas kernel's residuals: the log-sum-exp (its output residual
+    # is the same buffer as the output)
+    add(remat.ATTENTION, n * q_dim * 2 + n * sa.q_heads * 4,
         4.0 * n * sa.q_heads * min(sa.top_k, seq) * sa.head_dim)
     linear("o", "o", q_dim, d, remat.MIXER_OUT)
   add(remat.FFN_NORM, n * d * 2, 4.0 * n * d)

@@ -20,16 +20,17 @@ import tempfile
 import jax
 
 
-def instruction_profile(compiled, args, runs: int = 3) -> bytes:
-  """Serialized ProfiledInstructionsProto of `runs` executions of `compiled(*args)`
-  (empty where the backend records no per-instruction device times)."""
+def instruction_profile(run_once, runs: int = 3) -> bytes:
+  """Serialized ProfiledInstructionsProto of `runs` calls of `run_once()` (which runs
+  one compiled program and returns its outputs; it may thread state between calls),
+  empty where the backend records no per-instruction device times."""
   from jax.experimental import profiler as exp_profiler
 
-  jax.block_until_ready(compiled(*args))  # the first run outside the trace: warm-up
+  jax.block_until_ready(run_once())  # the first run outside the trace: warm-up
   with tempfile.TemporaryDirectory() as logdir:
     with jax.profiler.trace(logdir):
       for _ in range(runs):
-        jax.block_until_ready(compiled(*args))
+        jax.block_until_ready(run_once())
     runs_dirs = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*")))
     if not runs_dirs:
       return b""
@@ -40,7 +41,7 @@ def compile_with_profile(lowered, args, runs: int = 3):
   """(compiled, profiled): `lowered` compiled with the measured costs of its own
   instructions when the device yields them (profiled=True), else compiled as is."""
   compiled = lowered.compile()
-  profile = instruction_profile(compiled, args, runs)
+  profile = instruction_profile(lambda: compiled(*args), runs)
   if not profile:
     return compiled, False
   return lowered.compile({"fdo_profile": profile}), True
