@@ -52,16 +52,21 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def source_ops(hlo_text: str) -> dict[str, str]:
-  """{instruction name: the JAX op behind it} from a compiled module's metadata (the
-  last four levels of the op_name path; the opcode where there is no metadata)."""
+  """{instruction name: the op_name path of the JAX op behind it} from a compiled module's
+  metadata (the opcode where there is no metadata)."""
   out = {}
   for line in hlo_text.splitlines():
     m = _DEFINITION.match(line)
     if m:
       name, opcode = m.groups()
       op_name = _OP_NAME.search(line)
-      out[name] = "/".join(op_name.group(1).split("/")[-4:]) if op_name else opcode
+      out[name] = op_name.group(1) if op_name else opcode
   return out
+
+
+def label(op_name: str) -> str:
+  """A short name for a table: the last four levels of the op_name path."""
+  return "/".join(op_name.split("/")[-4:])
 
 
 def phase(op_name: str) -> str:
@@ -124,9 +129,9 @@ def profile_part(cfg, part: str, runs: int = 3, repeats: int = 5) -> dict:
   by_op: dict[str, float] = {}
   by_phase = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
   for name, us in costs.items():
-    key = ops.get(name, name)
-    by_op[key] = by_op.get(key, 0.0) + us
-    by_phase[phase(key)] += us
+    op_name = ops.get(name, name)
+    by_op[label(op_name)] = by_op.get(label(op_name), 0.0) + us
+    by_phase[phase(op_name)] += us
   b, s, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
   return {"part": part, "shape": [b, s, d], "wall_ms": wall_ms,
           "profiled_ms": sum(costs.values()) / 1e3,

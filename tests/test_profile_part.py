@@ -12,9 +12,10 @@ TEXT = """ENTRY %main {
 
 
 def test_source_ops_name_the_jax_op_behind_each_instruction():
-  assert profile_part.source_ops(TEXT) == {
-      "fusion.5": "jvp()/Block/LinearAttention/mul", "custom-call.2": "jit(loss)/transpose(jvp())/pallas_call",
-      "x": "add"}
+  ops = profile_part.source_ops(TEXT)
+  assert ops == {"fusion.5": "jit(loss)/jvp()/Block/LinearAttention/mul",
+                 "custom-call.2": "jit(loss)/transpose(jvp())/pallas_call", "x": "add"}
+  assert profile_part.label(ops["fusion.5"]) == "jvp()/Block/LinearAttention/mul"
 
 
 def test_phases_follow_the_op_name_path():
@@ -22,6 +23,8 @@ def test_phases_follow_the_op_name_path():
   assert profile_part.phase("jit(step)/transpose(jvp())/dot_general") == "backward"
   assert profile_part.phase(
       "jit(step)/transpose(jvp(jvp()))/checkpoint/rematted_computation/tanh") == "recompute"
+  # deep in the model the backward marker is far from the op: the whole path is read
+  assert profile_part.phase("jit(step)/transpose(jvp(scan))/body/Block/Mixer/mul") == "backward"
 
 
 # a two-layer tiny model, one run of each kind: the paths, not the numbers
