@@ -115,6 +115,18 @@ def _module_ms(module, x, ctx, repeats: int) -> float:
   return _median_ms(part_gradients(graphdef), (lora, x, rest, ctx), repeats)
 
 
+def part_inputs(cfg):
+  """(x [B, T, d] bf16, ForwardContext) at the step's shapes: what one part sees."""
+  import jax
+  import jax.numpy as jnp
+
+  from hylora.model.context import ForwardContext
+  b, s, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
+  x = jax.random.normal(jax.random.key(0), (b, s, d), jnp.float32).astype(jnp.bfloat16)
+  segments = jnp.zeros((b, s), jnp.int32)
+  return x, ForwardContext(segments, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
+
+
 def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
   """Milliseconds per step of each part (one module's time x how often a step runs it)."""
   import jax
@@ -122,7 +134,6 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
   from flax import nnx
 
   from hylora import ops
-  from hylora.model.context import ForwardContext
   from hylora.model.ffn import FFNS
   from hylora.model.init import ParamInit
   from hylora.model.mixers import MIXERS
@@ -130,9 +141,7 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
 
   m, t = cfg.model, cfg.train
   b, s, d = t.batch_size, t.seq_len, m.d_model
-  x = jax.random.normal(jax.random.key(0), (b, s, d), jnp.float32).astype(jnp.bfloat16)
-  segments = jnp.zeros((b, s), jnp.int32)
-  ctx = ForwardContext(segments, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
+  x, ctx = part_inputs(cfg)
   counts = layer_counts(cfg)
   init = ParamInit(0)
   out = {}
@@ -165,10 +174,8 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
   return out
 
 
-def whole_step(cfg, steps: int, devices) -> dict:
-  """Seconds per compiled train step (median over `steps` after the first)."""
-  import jax
-
+def step_setup(cfg, devices):
+  """(trainer, lora, opt_state, frozen, packer): a train step's state on `devices`."""
   from hylora.train.data import Packer, make_source
   from hylora.train.trainer import Trainer
   from meshes.mesh import build_mesh
@@ -178,6 +185,15 @@ def whole_step(cfg, steps: int, devices) -> dict:
   lora, opt_state, frozen = trainer.init()
   packer = Packer(make_source(tc.data, cfg.model.vocab_size, tc.seed, tc.synthetic_docs),
                   tc.seq_len)
+  return trainer, lora, opt_state, frozen, packer
+
+
+def whole_step(cfg, steps: int, devices) -> dict:
+  """Seconds per compiled train step (median over `steps` after the first)."""
+  import jax
+
+  tc = cfg.train
+  trainer, lora, opt_state, frozen, packer = step_setup(cfg, devices)
   times = []
   for step in range(steps + 1):
     batch = trainer.put_batch(packer.next_batch(tc.batch_size))

@@ -30,15 +30,14 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from experiments.bench_step import _median_ms, planned_policy
+from experiments.bench_step import _median_ms, part_inputs, planned_policy, step_setup
+from hylora import hlo_schedule
 from hylora.config import MeshConfig
 from hylora.errors import ConfigError
 from hylora.layer_memory import part_gradients
 from hylora.model import LoRAParam
-from hylora.model.context import ForwardContext
 from hylora.model.ffn import FFNS
 from hylora.model.init import ParamInit
 from hylora.model.mixers import MIXERS
@@ -46,7 +45,6 @@ from hylora.overrides import apply_overrides, split_overrides
 from hylora.pgle import instruction_costs, instruction_profile
 from hylora.presets import get_preset
 
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (?:\(.*?\)|\S+) ([\w\-]+)\(")
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -55,12 +53,10 @@ def source_ops(hlo_text: str) -> dict[str, str]:
   """{instruction name: the op_name path of the JAX op behind it} from a compiled module's
   metadata (the opcode where there is no metadata)."""
   out = {}
-  for line in hlo_text.splitlines():
-    m = _DEFINITION.match(line)
-    if m:
-      name, opcode = m.groups()
-      op_name = _OP_NAME.search(line)
-      out[name] = op_name.group(1) if op_name else opcode
+  for instructions in hlo_schedule.computations(hlo_text).values():
+    for inst in instructions:
+      op_name = _OP_NAME.search(inst.rest)
+      out[inst.name] = op_name.group(1) if op_name else inst.opcode
   return out
 
 
@@ -79,11 +75,8 @@ def phase(op_name: str) -> str:
 def _part_program(cfg, part: str):
   """(compiled part, run_once) for one mixer / FFN's forward + gradients."""
   table = MIXERS if part in MIXERS else FFNS
-  b, s, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
   graphdef, lora, rest = nnx.split(table[part](cfg, init=ParamInit(0)), LoRAParam, ...)
-  x = jax.random.normal(jax.random.key(0), (b, s, d), jnp.float32).astype(jnp.bfloat16)
-  ctx = ForwardContext(jnp.zeros((b, s), jnp.int32),
-                       jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
+  x, ctx = part_inputs(cfg)
   args = (lora, x, rest, ctx)
   compiled = part_gradients(graphdef).lower(*args).compile()
   return compiled, lambda: compiled(*args)
@@ -91,17 +84,9 @@ def _part_program(cfg, part: str):
 
 def _step_program(cfg):
   """(compiled train step, run_once) on one device; run_once threads the state."""
-  from hylora.train.data import Packer, make_source
-  from hylora.train.trainer import Trainer
-  from meshes.mesh import build_mesh
-
   cfg = dataclasses.replace(cfg, mesh=MeshConfig(fsdp=1, expert=1, devices=0))  # one device
-  tc = cfg.train
-  trainer = Trainer(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
-  lora, opt_state, frozen = trainer.init()
-  packer = Packer(make_source(tc.data, cfg.model.vocab_size, tc.seed, tc.synthetic_docs),
-                  tc.seq_len)
-  batch = trainer.put_batch(packer.next_batch(tc.batch_size))
+  trainer, lora, opt_state, frozen, packer = step_setup(cfg, jax.devices()[:1])
+  batch = trainer.put_batch(packer.next_batch(cfg.train.batch_size))
   compiled = trainer.compile(lora, opt_state, frozen, batch)
   state = {"lora": lora, "opt": opt_state, "step": 0}
 
