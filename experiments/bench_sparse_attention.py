@@ -12,6 +12,7 @@ gather come from .device/peers.py. Prints one JSON object per measurement; --ski
 leaves out measurements by name, --budget-s stops starting new lengths past it.
 """
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -24,7 +25,9 @@ from pallas_kernels.sparse_attention import (
 from pallas_kernels.sparse_attention.attention_backward_by_key import (
     pairs_by_key, sparse_attention_dkdv)
 from pallas_kernels.sparse_attention.attention_forward import sparse_attention_forward
+from pallas_kernels.sparse_attention.by_density import prefers_dense
 from pallas_kernels.sparse_attention.kernel_setup import use_interpret
+from pallas_kernels.sparse_attention.masked_dense import masked_dense_attention
 from pallas_kernels.sparse_attention.sparse_attention_vjp import kernel_layout
 
 _START = time.perf_counter()
@@ -109,9 +112,14 @@ def check(t=1024, k_sel=256, heads=(64, 8), d=128):
     o = jax.jit(sparse_attention)(q, k, v, idx)
     out["fwd_rel"] = rel(o, sparse_attention_reference(q, k, v, idx))
     gr = jax.jit(jax.grad(loss_of(sparse_attention_reference, idx), (0, 1, 2)))(q, k, v)
-    for method in ("by_key", "atomic"):
+    out["masked_dense_fwd_rel"] = rel(jax.jit(masked_dense_attention)(q, k, v, idx),
+                                      sparse_attention_reference(q, k, v, idx))
+    methods = {"by_key": functools.partial(sparse_attention, dkdv="by_key"),
+               "atomic": functools.partial(sparse_attention, dkdv="atomic"),
+               "masked_dense": masked_dense_attention}
+    for method, attn in methods.items():
         try:
-            g = jax.jit(jax.grad(loss_of(sparse_attention, idx, dkdv=method), (0, 1, 2)))(q, k, v)
+            g = jax.jit(jax.grad(loss_of(attn, idx), (0, 1, 2)))(q, k, v)
             out.update({f"{method}_d{n}_rel": rel(a, b) for n, a, b in zip("qkv", g, gr)})
         except Exception as e:  # report, keep going
             out[method] = f"failed: {type(e).__name__}: {str(e)[:600]}"
@@ -143,7 +151,12 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
              jax.grad(loss_of(sparse_attention, idx, dkdv="by_key"), (0, 1, 2)), (q, k, v)),
             ("pallas_fwdbwd_atomic",
              jax.grad(loss_of(sparse_attention, idx, dkdv="atomic"), (0, 1, 2)), (q, k, v)),
-            ("pairs_by_key", lambda i: pairs_by_key(i), (idx,))]
+            ("pairs_by_key", lambda i: pairs_by_key(i), (idx,)),
+            ("masked_dense_fwd", lambda a, b, c: masked_dense_attention(a, b, c, idx), (q, k, v)),
+            ("masked_dense_fwdbwd", jax.grad(loss_of(masked_dense_attention, idx), (0, 1, 2)),
+             (q, k, v))]
+    res["by_density_picks"] = ("masked_dense" if prefers_dense(q.shape, k.shape, k_sel, q.dtype)
+                               else "pallas")
     for rows, warps in ((64, 4), (128, 8), (32, 4)):
         if f"dkdv_rows{rows}_w{warps}" not in skip:
             runs.append((f"dkdv_rows{rows}_w{warps}", *dkdv_pass(q, k, v, idx, do, rows, warps)))

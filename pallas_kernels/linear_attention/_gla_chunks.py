@@ -5,8 +5,9 @@ chunk is independent, so these kernels fill the GPU whatever B and H are. Inside
 chunk the scores A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk
 cumulative log decay) are built per 16-token sub-chunk: blocks below the diagonal
 factor the decay through the sub-chunk boundary (both factors <= 1, so tensor-core
-matmuls); diagonal blocks form each exp(b_t - b_s <= 0) exactly, one key at a time.
-No exp of a positive number is ever taken, so decays down to g = -20 per token stay finite.
+matmuls); diagonal blocks factor through the sub-chunk's first token where its decays
+allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly, one key at
+a time, so decays down to g = -20 per token stay finite.
 """
 import functools
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
     F32, SUB, compiler_params, compute_dtype, iota, mm, rows)
@@ -30,17 +32,28 @@ def _flags(ref, start, n):
 
 
 def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
-    """Exact scores of one 16x16 diagonal block, one key column at a time."""
-    t = iota(SUB)
-    cols = iota(SUB, 1, (SUB, SUB))
+    """Scores of one 16x16 diagonal block: one matmul, or exact one key column at a time."""
+    b_r = rows(b_ref, start, 1)
+    same = r_i[:, None] == _flags(r_ref, start, SUB)[None, :]
 
-    def column(j, a):
-        k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
-        ok = (t >= j) & (r_i == jnp.max(r_ref[pl.ds(start + j, 1)]))
-        col = jnp.where(ok, jnp.sum(q_i * k_j * _masked_exp(b_i - b_j), axis=1), 0.0)
-        return a + jnp.where(cols == j, col[:, None], 0.0)
+    def factored(q_i, b_i):
+        down, up = diag.decay_factors(b_i, b_r)
+        a = diag.exact_mm(q_i * down, rows(k_ref, start, SUB) * up, trans_b=True)
+        return jnp.where(same, diag.lower(a), 0.0)
 
-    return jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), F32))
+    def exact(q_i, b_i):
+        t = iota(SUB)
+        cols = iota(SUB, 1, (SUB, SUB))
+
+        def column(j, a):
+            k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
+            ok = (t >= j) & (r_i == jnp.max(r_ref[pl.ds(start + j, 1)]))
+            col = jnp.where(ok, jnp.sum(q_i * k_j * _masked_exp(b_i - b_j), axis=1), 0.0)
+            return a + jnp.where(cols == j, col[:, None], 0.0)
+
+        return jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), F32))
+
+    return diag.choose(b_i, b_r, factored, exact, q_i, b_i)
 
 
 def _output_kernel(q_ref, k_ref, v_ref, b_ref, r_ref, ci_ref, h_ref, o_ref, a_ref, *, scale, cd):
@@ -112,7 +125,31 @@ def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds
             q_off = jnp.where((t_idx >= start + SUB)[:, None], q * _masked_exp(b - b_edge), 0.0)
             dk_i += mm(dat_ref[pl.ds(start, SUB), :], q_off, cd) * _masked_exp(b_edge - b_i)
 
-        def diag_dq(j, dq_a):  # key j of the diagonal block (dA is zero above the diagonal)
+        dq_i, dk_i = _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start,
+                                 dq_i, dk_i)
+        db_i = q_i * dq_i - k_i * dk_i
+        if i == N_SUB - 1:
+            db_i += jnp.where(sub_rows == SUB - 1, extra, 0.0)
+        dq_ref[pl.ds(start, SUB), :] = dq_i.astype(dq_ref.dtype)
+        dk_ref[pl.ds(start, SUB), :] = dk_i.astype(dk_ref.dtype)
+        db_ref[pl.ds(start, SUB), :] = db_i
+        dv_ref[pl.ds(start, SUB), :] = dv_i.astype(dv_ref.dtype)
+
+
+def _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start, dq_i, dk_i):
+    """dq, dk plus the diagonal block's score-gradient paths (dA is zero above the diagonal,
+    its transpose dat below)."""
+    b_r = rows(b_ref, start, 1)
+    da_d = da_ref[pl.ds(start, SUB), pl.ds(start, SUB)]
+    dat_d = dat_ref[pl.ds(start, SUB), pl.ds(start, SUB)]
+
+    def factored(dq_i, dk_i):
+        down, up = diag.decay_factors(b_i, b_r)
+        return (dq_i + diag.exact_mm(da_d, k_i * up) * down,
+                dk_i + diag.exact_mm(dat_d, q_i * down) * up)
+
+    def exact(dq_i, dk_i):
+        def diag_dq(j, dq_a):  # key j of the diagonal block
             col = da_ref[pl.ds(start, SUB), pl.ds(start + j, 1)]
             k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
             return dq_a + col * k_j * _masked_exp(b_i - b_j)
@@ -122,15 +159,10 @@ def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds
             q_t, b_t = rows(q_ref, start + t, 1), rows(b_ref, start + t, 1)
             return dk_a + col * q_t * _masked_exp(b_t - b_i)
 
-        dq_i = jax.lax.fori_loop(0, SUB, diag_dq, dq_i)
-        dk_i = jax.lax.fori_loop(0, SUB, diag_dk, dk_i)
-        db_i = q_i * dq_i - k_i * dk_i
-        if i == N_SUB - 1:
-            db_i += jnp.where(sub_rows == SUB - 1, extra, 0.0)
-        dq_ref[pl.ds(start, SUB), :] = dq_i.astype(dq_ref.dtype)
-        dk_ref[pl.ds(start, SUB), :] = dk_i.astype(dk_ref.dtype)
-        db_ref[pl.ds(start, SUB), :] = db_i
-        dv_ref[pl.ds(start, SUB), :] = dv_i.astype(dv_ref.dtype)
+        return (jax.lax.fori_loop(0, SUB, diag_dq, dq_i),
+                jax.lax.fori_loop(0, SUB, diag_dk, dk_i))
+
+    return diag.choose(b_i, b_r, factored, exact, dq_i, dk_i)
 
 
 def _chunk_specs(Dk, Dv):

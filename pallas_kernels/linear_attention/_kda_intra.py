@@ -12,7 +12,9 @@ and the next state is keep exp(b_last) S + kg^T v_new.
 
 Everything is built from 16x16 blocks: blocks below the diagonal factor the decay
 through the sub-chunk boundaries (every exponent <= 0, one tensor-core matmul per block),
-diagonal blocks form each exp(b_t - b_s) exactly (16 steps over [16, Dk] tiles), and T
+diagonal blocks factor through the sub-chunk's first token where its decays allow
+(_diagonal_blocks) and otherwise form each exp(b_t - b_s) exactly (16 steps over
+[16, Dk] tiles), and T
 comes from blockwise forward substitution: 16-step substitutions for the four diagonal
 blocks, exact fp32 16x16 matmuls below. Live tiles are [16, D] (D = 256: 16 KiB fp32)
 plus ten 16x16 blocks of T; dot operands are at most [16, 256] + [16, 256] in the compute
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
 from pallas_kernels.linear_attention._pallas_common import F32, SUB, iota, mm, rows
@@ -74,20 +77,32 @@ def unit_lower_inverse(a):
 
 
 def _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start):
-    """Exact 16x16 diagonal blocks of A_kk / beta (strict) and A_qk, one key at a time."""
-    t, cols = iota(SUB, 0, (SUB, SUB)), iota(SUB, 1, (SUB, SUB))
+    """16x16 diagonal blocks of A_kk / beta (strict) and A_qk: two matmuls where the
+    sub-chunk's decays factor (_diagonal_blocks), else exact, one key at a time."""
+    b_r = rows(b_ref, start, 1)
 
-    def key(j, acc):
-        a_kk, a_qk = acc
-        k_j = rows(k_ref, start + j, 1) * masked_exp(b_i - rows(b_ref, start + j, 1))
-        kk = jnp.sum(k_i * k_j, axis=1)[:, None]
-        qk = jnp.sum(q_i * k_j, axis=1)[:, None]
-        a_kk = a_kk + jnp.where((cols == j) & (t > j), kk, 0.0)
-        a_qk = a_qk + jnp.where((cols == j) & (t >= j), qk, 0.0)
-        return a_kk, a_qk
+    def factored(q_i, k_i, b_i):
+        down, up = diag.decay_factors(b_i, b_r)
+        key = k_i * up
+        return (diag.lower(diag.exact_mm(k_i * down, key, trans_b=True), strict=True),
+                diag.lower(diag.exact_mm(q_i * down, key, trans_b=True)))
 
-    zero = jnp.zeros((SUB, SUB), F32)
-    return jax.lax.fori_loop(0, SUB, key, (zero, zero))
+    def exact(q_i, k_i, b_i):
+        t, cols = iota(SUB, 0, (SUB, SUB)), iota(SUB, 1, (SUB, SUB))
+
+        def key(j, acc):
+            a_kk, a_qk = acc
+            k_j = rows(k_ref, start + j, 1) * masked_exp(b_i - rows(b_ref, start + j, 1))
+            kk = jnp.sum(k_i * k_j, axis=1)[:, None]
+            qk = jnp.sum(q_i * k_j, axis=1)[:, None]
+            a_kk = a_kk + jnp.where((cols == j) & (t > j), kk, 0.0)
+            a_qk = a_qk + jnp.where((cols == j) & (t >= j), qk, 0.0)
+            return a_kk, a_qk
+
+        zero = jnp.zeros((SUB, SUB), F32)
+        return jax.lax.fori_loop(0, SUB, key, (zero, zero))
+
+    return diag.choose(b_i, b_r, factored, exact, q_i, k_i, b_i)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref,

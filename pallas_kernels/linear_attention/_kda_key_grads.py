@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_intra import flags, masked_exp
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
@@ -69,20 +70,42 @@ def _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, i, cd):
         dk = (mm(dp_ref[:, pl.ds(s, SUB)], q_off, cd, trans_a=True)
               + mm(da_ref[:, pl.ds(s, SUB)], kb_off, cd, trans_a=True)) * masked_exp(b_edge - b_i)
 
-    def diagonal(j, acc):  # token s + j as the key of rows s.. and as the query of rows s..
-        dq, g, dk = acc
-        q_j, k_j, b_j = rows(q_ref, s + j, 1), rows(k_ref, s + j, 1), rows(b_ref, s + j, 1)
-        beta_j = beta_ref[pl.ds(s + j, 1)].astype(F32)[None, :]
-        as_key = k_j * masked_exp(b_i - b_j)  # dP, dA are zero above / on the diagonal
-        dq += dp_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
-        g += da_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
-        to_key = masked_exp(b_j - b_i)
-        dp_row = row_as_column(dp_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
-        da_row = row_as_column(da_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
-        dk += (dp_row * q_j + da_row * beta_j * k_j) * to_key
-        return dq, g, dk
+    return _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk)
 
-    return jax.lax.fori_loop(0, SUB, diagonal, (dq, g, dk))
+
+def _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk):
+    """Adds the diagonal block's paths: two matmuls each way where the sub-chunk's decays
+    factor (_diagonal_blocks), else exact, one token at a time."""
+    b_i, b_r = rows(b_ref, s, SUB), rows(b_ref, s, 1)
+
+    def factored(dq, g, dk):
+        down, up = diag.decay_factors(b_i, b_r)
+        dp_d = dp_ref[pl.ds(s, SUB), pl.ds(s, SUB)].astype(F32)
+        da_d = da_ref[pl.ds(s, SUB), pl.ds(s, SUB)].astype(F32)
+        key = rows(k_ref, s, SUB) * up
+        as_query = down * rows(q_ref, s, SUB)
+        beta_k = down * beta_ref[pl.ds(s, SUB)].astype(F32)[:, None] * rows(k_ref, s, SUB)
+        return (dq + diag.exact_mm(dp_d, key) * down, g + diag.exact_mm(da_d, key) * down,
+                dk + (diag.exact_mm(dp_d, as_query, trans_a=True)
+                      + diag.exact_mm(da_d, beta_k, trans_a=True)) * up)
+
+    def exact(dq, g, dk):
+        def token(j, acc):  # token s + j as the key of rows s.. and as the query of rows s..
+            dq, g, dk = acc
+            q_j, k_j, b_j = rows(q_ref, s + j, 1), rows(k_ref, s + j, 1), rows(b_ref, s + j, 1)
+            beta_j = beta_ref[pl.ds(s + j, 1)].astype(F32)[None, :]
+            as_key = k_j * masked_exp(b_i - b_j)  # dP, dA are zero above / on the diagonal
+            dq += dp_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
+            g += da_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
+            to_key = masked_exp(b_j - b_i)
+            dp_row = row_as_column(dp_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
+            da_row = row_as_column(da_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
+            dk += (dp_row * q_j + da_row * beta_j * k_j) * to_key
+            return dq, g, dk
+
+        return jax.lax.fori_loop(0, SUB, token, (dq, g, dk))
+
+    return diag.choose(b_i, b_r, factored, exact, dq, g, dk)
 
 
 def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref,

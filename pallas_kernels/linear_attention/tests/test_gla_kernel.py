@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention.tests._data import fast_jit, loss_fn, make_inputs, rel_rms
@@ -26,6 +27,13 @@ def _check(x, out_tol, grad_tol, **kernel_kw):
 def test_fp32_exact_with_resets_initial_state_strong_decay_and_split_dv():
     # T=80 pads to 128; 16-wide state tiles exercise the tiled sequential kernels
     _check(make_inputs(seed=5, T=80, Dk=32, Dv=32), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16))
+
+
+def test_fp32_exact_with_factored_diagonal_blocks():
+    # g >= -2 per token keeps every sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT:
+    # every diagonal block takes the matmul path (the strong-decay test mixes in the exact one)
+    assert 15 * 2.0 < diag.FACTOR_LIMIT
+    _check(make_inputs(seed=9, T=80, Dk=32, Dv=32, min_log_decay=-2.0), 1e-4, 1e-4)
 
 
 def test_bf16_inputs_within_tolerance():

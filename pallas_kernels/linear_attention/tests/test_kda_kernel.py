@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
 from pallas_kernels.linear_attention.tests._data import fast_jit, make_inputs, rel_rms
 
@@ -51,6 +52,14 @@ def test_fp32_exact_with_resets_initial_state_strong_decay_padding_and_split_dv(
     if not normalize_qk:  # the delta rule needs |k|^2 beta <= 2 to stay stable
         x["k"] = x["k"] / jnp.linalg.norm(x["k"], axis=-1, keepdims=True)
     _assert_within(_errors(x, block_v=16, normalize_qk=normalize_qk), 1e-4, 1e-4)
+
+
+def test_fp32_exact_with_factored_diagonal_blocks():
+    # g >= -2 per token keeps every sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT:
+    # every diagonal block takes the matmul path (the strong-decay tests mix in the exact one)
+    assert 15 * 2.0 < diag.FACTOR_LIMIT
+    x = make_inputs(seed=9, T=130, Dk=16, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
+    _assert_within(_errors(x, block_v=16), 1e-4, 1e-4)
 
 
 def test_bf16_inputs_within_tolerance():

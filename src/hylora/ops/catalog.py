@@ -41,6 +41,15 @@ REGISTRY.register("sparse_attention.topk_indices", "pallas", f"{_SA}:topk_indice
                   backends=("gpu",), per_shard="indexer")
 REGISTRY.register("sparse_attention.attend", "pallas", f"{_SA}:sparse_attention",
                   backends=("gpu",), per_shard="sparse_attention")
+# Dense fused attention under the selection mask where the selection is dense enough
+# (training lengths), the Pallas gather kernels past that (pallas_kernels/sparse_attention/
+# by_density.py); the masked dense form alone is picked by name.
+REGISTRY.register("sparse_attention.attend", "by_density",
+                  f"{_SA}.by_density:sparse_attention_by_density", backends=("gpu",),
+                  priority=1, per_shard="sparse_attention")
+REGISTRY.register("sparse_attention.attend", "masked_dense",
+                  f"{_SA}.masked_dense:masked_dense_attention", backends=("cpu", "gpu", "tpu"),
+                  priority=-2, per_shard="sparse_attention")
 REGISTRY.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
 REGISTRY.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
 # Exact, G times the FLOPs, a GPU kernel's memory: what a CPU compile that stands in for
