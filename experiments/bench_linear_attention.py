@@ -1,11 +1,11 @@
 """GPU benchmark: Pallas chunked GLA vs the plain-JAX chunked reference (same run).
 
-    PYTHONPATH=src:. python3 experiments/bench_linear_attention.py [--peers]
+    PYTHONPATH=src:. python3 experiments/bench_linear_attention.py [--peers PEERS_SCRIPT]
     PYTHONPATH=src:. python3 experiments/bench_linear_attention.py --op kda [--shapes 1,8192,64,128] [--breakdown]
 
 Prints forward and forward+backward milliseconds (median of timed calls after warm-up),
-a correctness check against the reference, and (with --peers) the jla / fla figures from
-.device/peers.py at the anchor shape.
+a correctness check against the reference, and (with --peers) the jla / fla figures that
+the given peers comparison script prints at the anchor shape.
 """
 import argparse
 import json
@@ -195,7 +195,8 @@ def parse_tiling(spec):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--peers", action="store_true")
+    ap.add_argument("--peers", metavar="PEERS_SCRIPT",
+                    help="a script printing the peers' figures: PEERS_SCRIPT linear_attention --shape B,T,H,D")
     ap.add_argument("--tiling", nargs="*", default=[parse_tiling("")], type=parse_tiling,
                     help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
     ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
@@ -230,7 +231,7 @@ def main():
         del q, k, v, g
     if args.peers:
         shape = ",".join(map(str, SHAPES[0]))
-        subprocess.run([sys.executable, ".device/peers.py", "linear_attention", "--shape", shape])
+        subprocess.run([sys.executable, args.peers, "linear_attention", "--shape", shape])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ per sequence length: indexer + top-K, attention forward (and a sweep of its tile
 settings), forward+backward with the key-major dk/dv pass and with atomics, the
 key sort and the key-major pass alone, the reference's forward+backward at the first
 length, and each compiled function's temporary memory. Dense cuDNN and the jla naive
-gather come from .device/peers.py. Prints one JSON object per measurement; --skip
+gather come from the peers comparison script. Prints one JSON object per measurement; --skip
 leaves out measurements by name, --budget-s stops starting new lengths past it.
 """
 import argparse
@@ -48,7 +48,7 @@ def timed(fn, *args, n=5, warmup=2):
 
 
 def random_indices(key, b, t, k):
-    """Like peers.py: K random causal keys per query (repeats possible), -1 past t."""
+    """As the peers comparison does: K random causal keys per query (repeats possible), -1 past t."""
     pos = jnp.arange(t)[:, None]
     r = jax.random.randint(key, (t, k), 0, t)
     idx = jnp.where(jnp.arange(k)[None, :] < jnp.minimum(pos + 1, k), r % (pos + 1), -1)
@@ -152,9 +152,12 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
             ("pallas_fwdbwd_atomic",
              jax.grad(loss_of(sparse_attention, idx, dkdv="atomic"), (0, 1, 2)), (q, k, v)),
             ("pairs_by_key", lambda i: pairs_by_key(i), (idx,)),
-            ("masked_dense_fwd", lambda a, b, c: masked_dense_attention(a, b, c, idx), (q, k, v)),
-            ("masked_dense_fwdbwd", jax.grad(loss_of(masked_dense_attention, idx), (0, 1, 2)),
-             (q, k, v))]
+            # the selection as an argument (a traced value, as in the model), not a
+            # constant that XLA would try to fold into the mask
+            ("masked_dense_fwd", masked_dense_attention, (q, k, v, idx)),
+            ("masked_dense_fwdbwd",
+             jax.grad(lambda q, k, v, i: loss_of(masked_dense_attention, i)(q, k, v), (0, 1, 2)),
+             (q, k, v, idx))]
     res["by_density_picks"] = ("masked_dense" if prefers_dense(q.shape, k.shape, k_sel, q.dtype)
                                else "pallas")
     for rows, warps in ((64, 4), (128, 8), (32, 4)):

@@ -11,7 +11,9 @@ Exact: the softmax runs over the selected keys only, and a query with no valid i
 outputs zeros, as in the reference. The selection is read as a set (a key listed
 twice counts once; the indexer never lists one twice). The mask is [B, 1, T, Tk]
 (one byte per pair, two once the attention turns it into an additive bias), so this
-path is for lengths where that fits: see by_density.py for the choice.
+path is for lengths where that fits: see by_density.py for the choice. Selections that
+stay at or before their query (the indexer's) let the kernel skip the pairs past the
+diagonal.
 """
 import jax
 import jax.numpy as jnp
@@ -44,7 +46,19 @@ def masked_dense_attention(q, k, v, indices, *, scale=None, implementation=None)
         fused = jax.default_backend() == "gpu" and q.dtype in FUSED_DTYPES
         implementation = "cudnn" if fused else "xla"
     mask = jax.lax.stop_gradient(selection_mask(indices, k.shape[1]))
-    o = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
-                                     implementation=implementation)
+
+    def attend(causal):
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=mask, scale=scale, is_causal=causal, implementation=implementation)
+
+    t = q.shape[1]
+    if k.shape[1] == t:
+        # The indexer selects keys s <= t only; then the kernel may skip every tile past
+        # the diagonal (half the pairs). A selection past its query, which the contract
+        # allows, takes the full pass.
+        causal = jnp.all(indices <= jnp.arange(t, dtype=indices.dtype)[None, :, None])
+        o = jax.lax.cond(causal, attend(True), attend(False), q, k, v)
+    else:  # a range of the queries: positions unknown here, every pair
+        o = attend(False)(q, k, v)
     has_keys = jnp.any(indices >= 0, axis=-1)[:, :, None, None]
     return jnp.where(has_keys, o, 0).astype(q.dtype)

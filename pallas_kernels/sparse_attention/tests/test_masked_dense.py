@@ -34,6 +34,18 @@ def test_masked_dense_matches_the_gather_reference_fp32():
         assert helpers.rel_err(g, w) <= 1e-5
 
 
+def test_masked_dense_keeps_selected_keys_past_the_query():
+    # the contract allows any key; such a selection must not take the causal pass
+    q, k, v, do = helpers.attention_inputs(27, 1, 32, 4, 2, 16, dtype=jnp.float32)
+    keys = jax.random.split(jax.random.key(28), 32)
+    idx = jax.vmap(lambda kk: jax.random.permutation(kk, 32)[:8])(keys)[None].astype(jnp.int32)
+    assert bool(jnp.any(idx > jnp.arange(32)[None, :, None]))
+    want = helpers.vjp(sparse_attention_reference, q, k, v, idx, do)
+    got = helpers.vjp(masked_dense_attention, q, k, v, idx, do)
+    for g, w in zip(got, want):
+        assert helpers.rel_err(g, w) <= 1e-5
+
+
 def test_masked_dense_takes_every_key_of_a_query_range():
     # a device holding queries [16, 48) of a 48-token sequence passes all 48 keys
     q, k, v, do = helpers.attention_inputs(23, 1, 48, 4, 2, 16, dtype=jnp.float32)
