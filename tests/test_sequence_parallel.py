@@ -134,9 +134,10 @@ def _sparse_inputs(b, t, seed=0):
   return (q, k, v), (q_idx, k_idx, w), jnp.asarray(seg)
 
 
-def test_registered_sparse_kernels_on_a_split_sequence_match_the_whole_sequence():
+@pytest.mark.parametrize("attend_impl", ["pallas", "masked_dense"])
+def test_registered_sparse_kernels_on_a_split_sequence_match_the_whole_sequence(attend_impl):
   topk = REGISTRY.resolve("sparse_attention.topk_indices", "pallas")  # interpreted on CPU
-  attend = REGISTRY.resolve("sparse_attention.attend", "pallas")
+  attend = REGISTRY.resolve("sparse_attention.attend", attend_impl)
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   (q, k, v), indexer, seg = _sparse_inputs(1, 64)
   probe = jax.random.normal(jax.random.key(7), q.shape)
