@@ -9,6 +9,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from hylora import remat
 from pallas_kernels.linear_attention import chunked_gla, chunked_kda
 from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention.masked_dense import masked_dense_attention
 
 B, T, H, D = 1, 128, 2, 64
 KEEP_ATTENTION = jax.checkpoint_policies.save_only_these_names(remat.ATTENTION)
@@ -34,6 +35,10 @@ CASES = {
     "gla": (lambda q, k, v, g, beta: chunked_gla(q, k, v, g)[0], {(B, H, T // 64, 64, 64): 1}),
     "sparse": (lambda q, k, v, g, beta: sparse_attention(q, k, v, _causal_indices()),
                {(B, T, H, D): 1}),
+    # fused dense attention under the selection mask: its own residuals (on CPU, XLA's
+    # attention: output, probabilities [B, HK, G, T, T], the mask)
+    "masked_dense": (lambda q, k, v, g, beta: masked_dense_attention(q, k, v, _causal_indices()),
+                     {(B, T, H, D): 1, (B, 1, H, T, T): 2}),
 }
 
 

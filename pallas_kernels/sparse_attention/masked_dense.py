@@ -15,9 +15,12 @@ path is for lengths where that fits: see by_density.py for the choice. Selection
 stay at or before their query (the indexer's) let the kernel skip the pairs past the
 diagonal.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import residuals
 from pallas_kernels.sparse_attention import input_checks
 
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -45,20 +48,45 @@ def masked_dense_attention(q, k, v, indices, *, scale=None, implementation=None)
     if implementation is None:
         fused = jax.default_backend() == "gpu" and q.dtype in FUSED_DTYPES
         implementation = "cudnn" if fused else "xla"
-    mask = jax.lax.stop_gradient(selection_mask(indices, k.shape[1]))
-
-    def attend(causal):
-        return lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, mask=mask, scale=scale, is_causal=causal, implementation=implementation)
-
+    mask = selection_mask(indices, k.shape[1])
     t = q.shape[1]
-    if k.shape[1] == t:
-        # The indexer selects keys s <= t only; then the kernel may skip every tile past
-        # the diagonal (half the pairs). A selection past its query, which the contract
-        # allows, takes the full pass.
-        causal = jnp.all(indices <= jnp.arange(t, dtype=indices.dtype)[None, :, None])
-        o = jax.lax.cond(causal, attend(True), attend(False), q, k, v)
-    else:  # a range of the queries: positions unknown here, every pair
-        o = attend(False)(q, k, v)
+    # The indexer selects keys s <= t only; then the kernel may skip every tile past the
+    # diagonal (half the pairs). A selection past its query, which the contract allows,
+    # takes the full pass; so does a range of the queries (positions unknown here).
+    causal = (jnp.all(indices <= jnp.arange(t, dtype=indices.dtype)[None, :, None])
+              if k.shape[1] == t else None)
+    o = _attention_keeping_residuals(q, k, v, mask, causal, scale, implementation)
     has_keys = jnp.any(indices >= 0, axis=-1)[:, :, None, None]
     return jnp.where(has_keys, o, 0).astype(q.dtype)
+
+
+def _attention(q, k, v, mask, causal, scale, implementation):
+    def attend(is_causal):
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation=implementation)
+
+    if causal is None:
+        return attend(False)(q, k, v)
+    return jax.lax.cond(causal, attend(True), attend(False), q, k, v)
+
+
+# jax's fused attention keeps its residuals (output, softmax statistics, the mask as a
+# bias) unnamed, so inside the model's remat policies its forward would run again in the
+# backward; this wrapper names them as the attention core's residuals (see
+# pallas_kernels/residuals.py), as the Pallas kernels do.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention_keeping_residuals(q, k, v, mask, causal, scale, implementation):
+    return _attention(q, k, v, mask, causal, scale, implementation)
+
+
+def _attention_fwd(q, k, v, mask, causal, scale, implementation):
+    o, pullback = jax.vjp(
+        lambda q, k, v: _attention(q, k, v, mask, causal, scale, implementation), q, k, v)
+    return o, jax.tree.map(lambda a: residuals.keep(a)[0], pullback)
+
+
+def _attention_bwd(scale, implementation, pullback, do):
+    return (*pullback(do), None, None)
+
+
+_attention_keeping_residuals.defvjp(_attention_fwd, _attention_bwd)
