@@ -20,8 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hylora import memory, remat
 from hylora.config import MemoryConfig, MeshConfig
 from hylora.errors import ConfigError
-from hylora.memory_plan import estimate_policy, plan_memory, replan_after_compile
+from hylora.memory_plan import (estimate_policy, layer_save_points, plan_memory,
+                                replan_after_compile)
 from hylora.model import IGNORE_INDEX
+from hylora.presets import get_preset
 from hylora.train import state as st
 from hylora.train.step import BATCH_KEYS, make_loss_fn
 from meshes.mesh import build_mesh
@@ -279,3 +281,16 @@ def test_plan_that_cannot_fit_says_so():
     plan_memory(_gpu_like(), (1, 1), 0)
   with pytest.raises(ConfigError, match="mesh_shape"):
     plan_memory(_gpu_like(), (0, 1), 1e9)
+
+
+def test_masked_dense_sparse_attention_counts_its_mask_bias():
+  # gpu-1: 8192 tokens, K = 2048 -> by_density picks masked dense, which keeps the
+  # selection as a bf16 bias [B, 1, T, T] beside the output; the gather kernels do not
+  cfg = get_preset("gpu-1")
+  n, seq = cfg.train.batch_size * cfg.train.seq_len, cfg.train.seq_len
+  gather = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels,
+                                                                sparse_attention="pallas"))
+  dense_bytes, dense_flops = layer_save_points(cfg, "sparse", "moe", n)[remat.ATTENTION]
+  gather_bytes, gather_flops = layer_save_points(gather, "sparse", "moe", n)[remat.ATTENTION]
+  assert dense_bytes - gather_bytes == n * seq * 2
+  assert dense_flops == gather_flops * (seq // 2) / cfg.model.sparse_attention.top_k

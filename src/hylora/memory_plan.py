@@ -101,6 +101,20 @@ class MemoryPlan:
 # ---- sizes and FLOPs of the save points ------------------------------------------------
 
 
+def _sparse_attention_is_masked_dense(cfg: Config, n: int) -> bool:
+  """Whether the sparse layers run masked dense attention on GPU (the planner's target):
+  chosen by name, or by `auto` through pallas_kernels/sparse_attention/by_density.py."""
+  choice = cfg.kernels.sparse_attention
+  if choice in ("masked_dense", "by_density", "auto"):
+    from pallas_kernels.sparse_attention.by_density import prefers_dense
+    sa, seq = cfg.model.sparse_attention, cfg.train.seq_len
+    rows = max(1, n // seq)
+    return choice == "masked_dense" or prefers_dense(
+        (rows, seq, sa.q_heads, sa.head_dim), (rows, seq, sa.kv_heads, sa.head_dim),
+        sa.top_k, "bfloat16")
+  return False
+
+
 def layer_save_points(cfg: Config, mixer: str, ffn: str, n: int) -> dict[str, tuple[int, float]]:
   """{name: (bytes, forward FLOPs)} of one layer for n tokens on one device."""
   m, lora = cfg.model, cfg.lora
@@ -151,10 +165,15 @@ def layer_save_points(cfg: Config, mixer: str, ffn: str, n: int) -> dict[str, tu
         2.0 * n * (d * sa.index_q_rank + sa.index_q_rank * ih * ihd + d * ihd + d * ih))
     # indexer scores over the causal keys (on average half the row) and the top-k pick
     add(remat.TOPK, n * sa.top_k * 4, float(n) * seq * ih * ihd)
-    # the output, and the Pallas kernel's residuals: the log-sum-exp (its output residual
-    # is the same buffer as the output)
-    add(remat.ATTENTION, n * q_dim * 2 + n * sa.q_heads * 4,
-        4.0 * n * sa.q_heads * min(sa.top_k, seq) * sa.head_dim)
+    # the output, and the kernel's residuals: the log-sum-exp (its output residual is the
+    # same buffer as the output); masked dense attention also keeps the selection as a
+    # bf16 bias, 2 bytes per (query, key), and computes the causal half of all pairs
+    keys = min(sa.top_k, seq)
+    extra = 0
+    if _sparse_attention_is_masked_dense(cfg, n):
+      keys, extra = seq // 2, n * seq * 2
+    add(remat.ATTENTION, n * q_dim * 2 + n * sa.q_heads * 4 + extra,
+        4.0 * n * sa.q_heads * keys * sa.head_dim)
     linear("o", "o", q_dim, d, remat.MIXER_OUT)
   add(remat.FFN_NORM, n * d * 2, 4.0 * n * d)
   if ffn == "dense":
