@@ -3,13 +3,16 @@
     PYTHONPATH=src:. python3 experiments/bench_sparse_attention.py --seqs 32768,131072
 
 First checks the kernels against the reference at a small size (relative errors of
-the output and of dq/dk/dv for both dk/dv methods, top-K set overlap), then times,
-per sequence length: indexer + top-K, attention forward (and a sweep of its tile
-settings), forward+backward with the key-major dk/dv pass and with atomics, the
-key sort and the key-major pass alone, the reference's forward+backward at the first
-length, and each compiled function's temporary memory. Dense cuDNN and the jla naive
-gather come from the peers comparison script. Prints one JSON object per measurement; --skip
-leaves out measurements by name, --budget-s stops starting new lengths past it.
+the output and of dq/dk/dv for both dk/dv methods and for masked dense attention, top-K
+set overlap for both selections), then times, per sequence length: indexer + top-K
+(sorting, and by threshold), attention forward (and a sweep of its tile settings),
+forward+backward with the key-major dk/dv pass and with atomics, the key sort and the
+key-major pass alone, masked dense attention (cuDNN under the selection mask, the other
+choice of by_density.py) forward and forward+backward, the reference's forward+backward
+at the first length, and each compiled function's temporary memory. Dense cuDNN and the
+jla naive gather come from the peers comparison script. Prints one JSON object per
+measurement; --skip leaves out measurements by name, --budget-s stops starting new
+lengths past it.
 """
 import argparse
 import functools
@@ -128,12 +131,13 @@ def check(t=1024, k_sel=256, heads=(64, 8), d=128):
     qi = jax.random.normal(ks[0], (1, t, 64, 128), jnp.bfloat16)
     ki = jax.random.normal(ks[1], (1, t, 128), jnp.bfloat16)
     w = jax.random.normal(ks[2], (1, t, 64), jnp.float32)
-    a = jax.jit(lambda *x: topk_indices(*x, top_k=k_sel))(qi, ki, w)
     r = topk_indices_reference(qi, ki, w, top_k=k_sel)
-    same = jax.vmap(lambda x, y: jnp.isin(x, y).mean())(a[0], r[0])
-    print(json.dumps({"check": "indexer", "T": t, "K": k_sel,
-                      "set_overlap": float(same.mean()), "exact_rows": float((same == 1).mean())}),
-          flush=True)
+    for selection in ("sort", "threshold"):
+        a = jax.jit(lambda *x: topk_indices(*x, top_k=k_sel, selection=selection))(qi, ki, w)
+        same = jax.vmap(lambda x, y: jnp.isin(x, y).mean())(a[0], r[0])
+        print(json.dumps({"check": f"indexer ({selection})", "T": t, "K": k_sel,
+                          "set_overlap": float(same.mean()),
+                          "exact_rows": float((same == 1).mean())}), flush=True)
 
 
 def bench(t, k_sel=2048, with_reference=False, skip=()):
@@ -146,6 +150,9 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
     res = {"T": t, "K": k_sel, "HQ": 64, "HK": 8, "D": 128}
     do = jax.random.normal(ks[0], q.shape, q.dtype)
     runs = [("indexer_topk", lambda a, b, c: topk_indices(a, b, c, top_k=k_sel), (qi, ki, w)),
+            ("indexer_topk_threshold",
+             lambda a, b, c: topk_indices(a, b, c, top_k=k_sel, selection="threshold"),
+             (qi, ki, w)),
             ("pallas_fwd", lambda a, b, c: sparse_attention(a, b, c, idx), (q, k, v)),
             ("pallas_fwdbwd_by_key",
              jax.grad(loss_of(sparse_attention, idx, dkdv="by_key"), (0, 1, 2)), (q, k, v)),

@@ -3,8 +3,9 @@
 The kernel fuses, for one query and a block of keys, the indexer matmul over all
 indexer heads ([HI, DI] x [DI, block_k]), the ReLU, the per-head weighting and the sum
 over heads, plus the causal and segment masks. Queries are processed in chunks: the
-kernel writes the fp32 scores of one chunk ([chunk, T], never [T, T]) and
-jax.lax.top_k selects from them (ties: smaller index first) before the next chunk.
+kernel writes the fp32 scores of one chunk ([chunk, T], never [T, T]) and the top-K are
+selected from them (ties: smaller index first) before the next chunk, by jax.lax.top_k
+or by threshold (threshold_top_k.py).
 """
 
 import functools
@@ -17,6 +18,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.sparse_attention import input_checks
 from pallas_kernels.sparse_attention.kernel_setup import (
     check_head_dim, pad_axis, tile_rows, use_interpret)
+from pallas_kernels.sparse_attention.threshold_top_k import threshold_top_k
 
 _BLOCK_K = 128
 _CHUNK_SCORE_BYTES = 1 << 30  # fp32 scores of one query chunk: at most 1 GiB
@@ -69,7 +71,11 @@ def _chunk_scores(start, q_chunk, w_chunk, seg_chunk, k_idx, seg, *, block_k, in
     )(start, q_chunk, w_chunk, seg_chunk, k_idx, seg)
 
 
-def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=None):
+SELECTIONS = ("sort", "threshold")
+
+
+def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=None,
+                 selection: str = "sort"):
     """Per query, the top_k causal same-segment keys by indexer score, int32 [B, T, top_k].
 
     Same contract as topk_indices_reference: score
@@ -80,7 +86,13 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     positions query_offset .. query_offset + T - 1 of the keys k_idx [B, Tk, DI] (a
     device's share of a sequence split over devices); segment_ids [B, Tk] are the keys'
     and the indices point into the Tk keys.
+
+    `selection` picks each chunk's top-K from its score rows: "sort" (jax.lax.top_k) or
+    "threshold" (threshold_top_k.py: a fixed number of passes over the rows instead of a
+    sort; the same sets).
     """
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
     input_checks.check_indexer_inputs(q_idx, k_idx, w, top_k, segment_ids,
                                       queries_are_a_range=query_offset is not None)
     check_head_dim("q_idx", q_idx.shape[3])
@@ -112,6 +124,8 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
         scores = _chunk_scores((offset + start)[None], sl(q_p), sl(w_p), sl(seg_q), k_p,
                                seg_k, block_k=block_k, interpret=interpret)
+        if selection == "threshold":
+            return threshold_top_k(scores, kept)
         values, idx = jax.lax.top_k(scores, kept)
         return jnp.where(values > -jnp.inf, idx, -1).astype(jnp.int32)
 

@@ -52,10 +52,12 @@ def test_kernel_matches_gather_reference_on_random_indices_bf16():
             assert helpers.rel_err(g, w) <= 1e-2, dkdv
 
 
-def test_kernel_topk_equals_lax_top_k_over_materialised_scores():
+@pytest.mark.parametrize("selection", ["sort", "threshold"])
+def test_kernel_topk_equals_lax_top_k_over_materialised_scores(selection):
     q_idx, k_idx, w, seg = helpers.integer_indexer_inputs(13, 2, 150, 2, 16)
     for segment_ids in (None, seg):
-        got = jax.jit(lambda a, b, c, s: topk_indices(a, b, c, top_k=20, segment_ids=s))(
+        got = jax.jit(lambda a, b, c, s: topk_indices(a, b, c, top_k=20, segment_ids=s,
+                                                      selection=selection))(
             q_idx, k_idx, w, segment_ids)
         want = helpers.materialised_topk(q_idx, k_idx, w, 20, segment_ids)
         # The selection is a set: compare sorted rows (ties must pick the same keys).
@@ -102,6 +104,9 @@ def test_kernel_topk_rejects_bad_inputs():
     with pytest.raises(ValueError, match="k_idx dtype"):
         topk_indices(jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 16), jnp.bfloat16),
                      jnp.zeros((1, 8, 2)), top_k=4)
+    with pytest.raises(ValueError, match="selection must be one of"):
+        topk_indices(jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 16)), jnp.zeros((1, 8, 2)),
+                     top_k=4, selection="heap")
 
 
 def test_the_atomic_backward_runs_with_relaxed_atomics():

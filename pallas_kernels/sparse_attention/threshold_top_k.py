@@ -1,0 +1,52 @@
+"""Top-K of long score rows by finding the K-th largest value, without sorting.
+
+jax.lax.top_k with K = 2048 sorts each row (XLA's GPU top-k kernel covers small K
+only), and sorting [T, T] scores grows as T^2 log T: at T = 131072 the indexer's
+top-K took most of its 1.9 s (docs/performance.md). Selecting by threshold reads each
+row a fixed number of times instead: 32 counting passes find the K-th largest value
+bit by bit (on an order-preserving integer image of the fp32 scores), then one pass
+takes every score above it and, of the scores equal to it, those with the smallest
+indices (the tie rule of lax.top_k), and places them by a running count. The result is
+the same set as lax.top_k's (not its order); -1 fills rows with fewer than K finite
+scores.
+"""
+import jax
+import jax.numpy as jnp
+
+_SIGN = jnp.uint32(0x80000000)
+
+
+def _ordered_keys(scores):
+    """uint32 keys with the order of the fp32 scores (-0.0 counted as 0.0)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(scores == 0, 0.0, scores), jnp.uint32)
+    return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
+
+
+def _kth_largest_key(keys, k):
+    """Per row, the largest v with count(keys >= v) >= k: the k-th largest key."""
+    def bit(i, prefix):
+        candidate = prefix | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+        enough = jnp.sum(keys >= candidate[..., None], axis=-1) >= k
+        return jnp.where(enough, candidate, prefix)
+
+    return jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:-1], jnp.uint32))
+
+
+def threshold_top_k(scores, k: int):
+    """Indices int32 [..., k] of the k largest fp32 scores of each row (ties: smaller
+    index), as a set; entries that would pick a -inf score are -1."""
+    *batch, n = scores.shape
+    if not 0 < k <= n:
+        raise ValueError(f"k must be in [1, {n}] for rows of {n} scores, got {k}")
+    rows = scores.reshape(-1, n).astype(jnp.float32)
+    keys = _ordered_keys(rows)
+    kth = _kth_largest_key(keys, k)[:, None]
+    above, tied = keys > kth, keys == kth
+    room = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    take = (above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= room)))
+    take = take & (rows > -jnp.inf)
+    slot = jnp.where(take, jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1, k)
+    row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
+    cols = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), rows.shape)
+    out = jnp.full((rows.shape[0], k + 1), -1, jnp.int32).at[row_ids, slot].set(cols)
+    return out[:, :k].reshape(*batch, k)
