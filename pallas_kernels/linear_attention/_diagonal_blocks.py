@@ -1,8 +1,9 @@
 """Diagonal 16x16 blocks of the in-chunk decayed products, by matmul where the decay allows.
 
 Inside one 16-token sub-chunk, sum_d x_t[d] y_s[d] exp(b_t[d] - b_s[d]) factors through
-the sub-chunk's first token r as (x_t exp(b_t - b_r)) . (y_s exp(b_r - b_s)): one fp32
-matmul (exact products, fp32 accumulation) instead of 16 steps of [16, D] exps and
+the sub-chunk's first token r as (x_t exp(b_t - b_r)) . (y_s exp(b_r - b_s)): one
+matmul of fp32 operands (TF32 tensor cores on GPU, Pallas's default for fp32; exact in
+interpret mode) with fp32 accumulation, instead of 16 steps of [16, D] exps and
 cross-thread row reductions. The factors are exps of numbers up to the sub-chunk's
 decay range, so the kernels take this path only when every |b_t - b_r| in the sub-chunk
 is at most FACTOR_LIMIT (exp(40) = 2.4e17: far from fp32 overflow and underflow, and
@@ -29,8 +30,9 @@ def decay_factors(b_i, b_r):
     return jnp.exp(rel), jnp.exp(-rel)
 
 
-def exact_mm(a, b, trans_a=False, trans_b=False):
-    """fp32 operands, fp32 accumulation: the factored diagonal keeps the exact path's precision."""
+def f32_mm(a, b, trans_a=False, trans_b=False):
+    """fp32 operands and accumulation (TF32 on GPU: 10 mantissa bits, above the bf16 of
+    the blocks below the diagonal)."""
     return mm(a, b, F32, trans_a=trans_a, trans_b=trans_b)
 
 

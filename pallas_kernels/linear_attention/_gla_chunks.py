@@ -38,7 +38,7 @@ def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
 
     def factored(q_i, b_i):
         down, up = diag.decay_factors(b_i, b_r)
-        a = diag.exact_mm(q_i * down, rows(k_ref, start, SUB) * up, trans_b=True)
+        a = diag.f32_mm(q_i * down, rows(k_ref, start, SUB) * up, trans_b=True)
         return jnp.where(same, diag.lower(a), 0.0)
 
     def exact(q_i, b_i):
@@ -145,8 +145,8 @@ def _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start, dq_i
 
     def factored(dq_i, dk_i):
         down, up = diag.decay_factors(b_i, b_r)
-        return (dq_i + diag.exact_mm(da_d, k_i * up) * down,
-                dk_i + diag.exact_mm(dat_d, q_i * down) * up)
+        return (dq_i + diag.f32_mm(da_d, k_i * up) * down,
+                dk_i + diag.f32_mm(dat_d, q_i * down) * up)
 
     def exact(dq_i, dk_i):
         def diag_dq(j, dq_a):  # key j of the diagonal block

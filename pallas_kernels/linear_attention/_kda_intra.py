@@ -84,8 +84,8 @@ def _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start):
     def factored(q_i, k_i, b_i):
         down, up = diag.decay_factors(b_i, b_r)
         key = k_i * up
-        return (diag.lower(diag.exact_mm(k_i * down, key, trans_b=True), strict=True),
-                diag.lower(diag.exact_mm(q_i * down, key, trans_b=True)))
+        return (diag.lower(diag.f32_mm(k_i * down, key, trans_b=True), strict=True),
+                diag.lower(diag.f32_mm(q_i * down, key, trans_b=True)))
 
     def exact(q_i, k_i, b_i):
         t, cols = iota(SUB, 0, (SUB, SUB)), iota(SUB, 1, (SUB, SUB))

@@ -85,9 +85,9 @@ def _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk):
         key = rows(k_ref, s, SUB) * up
         as_query = down * rows(q_ref, s, SUB)
         beta_k = down * beta_ref[pl.ds(s, SUB)].astype(F32)[:, None] * rows(k_ref, s, SUB)
-        return (dq + diag.exact_mm(dp_d, key) * down, g + diag.exact_mm(da_d, key) * down,
-                dk + (diag.exact_mm(dp_d, as_query, trans_a=True)
-                      + diag.exact_mm(da_d, beta_k, trans_a=True)) * up)
+        return (dq + diag.f32_mm(dp_d, key) * down, g + diag.f32_mm(da_d, key) * down,
+                dk + (diag.f32_mm(dp_d, as_query, trans_a=True)
+                      + diag.f32_mm(da_d, beta_k, trans_a=True)) * up)
 
     def exact(dq, g, dk):
         def token(j, acc):  # token s + j as the key of rows s.. and as the query of rows s..

@@ -67,8 +67,8 @@ def _forward(q, k, v, indices, scale, dkdv):
     return o, (q, k, v, indices, saved_o, lse)
 
 
-def _backward(scale, dkdv, residuals, do):
-    q, k, v, indices, o, lse = residuals
+def _backward(scale, dkdv, saved, do):
+    q, k, v, indices, o, lse = saved
     b, t, hq, _ = q.shape
     hk = k.shape[2]
     interpret = use_interpret()

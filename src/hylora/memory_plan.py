@@ -105,14 +105,15 @@ def _sparse_attention_is_masked_dense(cfg: Config, n: int) -> bool:
   """Whether the sparse layers run masked dense attention on GPU (the planner's target):
   chosen by name, or by `auto` through pallas_kernels/sparse_attention/by_density.py."""
   choice = cfg.kernels.sparse_attention
-  if choice in ("masked_dense", "by_density", "auto"):
-    from pallas_kernels.sparse_attention.by_density import prefers_dense
-    sa, seq = cfg.model.sparse_attention, cfg.train.seq_len
-    rows = max(1, n // seq)
-    return choice == "masked_dense" or prefers_dense(
-        (rows, seq, sa.q_heads, sa.head_dim), (rows, seq, sa.kv_heads, sa.head_dim),
-        sa.top_k, "bfloat16")
-  return False
+  if choice == "masked_dense":
+    return True
+  if choice not in ("auto", "by_density"):
+    return False
+  from pallas_kernels.sparse_attention.by_density import prefers_dense
+  sa, seq = cfg.model.sparse_attention, cfg.train.seq_len
+  rows = max(1, n // seq)
+  return prefers_dense((rows, seq, sa.q_heads, sa.head_dim),
+                       (rows, seq, sa.kv_heads, sa.head_dim), sa.top_k, "bfloat16")
 
 
 def layer_save_points(cfg: Config, mixer: str, ffn: str, n: int) -> dict[str, tuple[int, float]]:
