@@ -150,8 +150,8 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
     res = {"T": t, "K": k_sel, "HQ": 64, "HK": 8, "D": 128}
     do = jax.random.normal(ks[0], q.shape, q.dtype)
     runs = [("indexer_topk", lambda a, b, c: topk_indices(a, b, c, top_k=k_sel), (qi, ki, w)),
-            ("indexer_topk_threshold",
-             lambda a, b, c: topk_indices(a, b, c, top_k=k_sel, selection="threshold"),
+            ("indexer_topk_sort",
+             lambda a, b, c: topk_indices(a, b, c, top_k=k_sel, selection="sort"),
              (qi, ki, w)),
             ("pallas_fwd", lambda a, b, c: sparse_attention(a, b, c, idx), (q, k, v)),
             ("pallas_fwdbwd_by_key",

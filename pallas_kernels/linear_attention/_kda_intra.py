@@ -166,9 +166,10 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
         out_specs.append(square)
         out_shape.append(L.shape(cd, B, H, n, C, C))
     flag = L.chunk_flags()
-    # A serial chain of small steps per program: two warps per program let more programs
-    # share an SM (H200, (1, 8192, 64, 128): 5.8 ms; 4 warps 8.8, 8 warps 14.9)
+    # A serial chain of small steps per program: one warp per program lets more programs
+    # share an SM (H200, (2, 8192, 64, 128): 10.1 ms; 2 warps 11.3; at (1, 8192, 64, 128)
+    # 2 warps 5.8, 4 warps 8.8, 8 warps 14.9)
     return L.call(functools.partial(_intra_kernel, cd=cd), (B, H, n),
                   [keys, keys, values, keys, L.chunk_beta(), flag, flag, flag],
                   tuple(out_specs), tuple(out_shape), interpret=interpret,
-                  name="kda_intra", num_warps=2)(q, k, v, b, beta, runs, carry_in, in_last)
+                  name="kda_intra", num_warps=1)(q, k, v, b, beta, runs, carry_in, in_last)

@@ -75,7 +75,7 @@ SELECTIONS = ("sort", "threshold")
 
 
 def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=None,
-                 selection: str = "sort"):
+                 selection: str = "threshold"):
     """Per query, the top_k causal same-segment keys by indexer score, int32 [B, T, top_k].
 
     Same contract as topk_indices_reference: score
@@ -87,9 +87,10 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     device's share of a sequence split over devices); segment_ids [B, Tk] are the keys'
     and the indices point into the Tk keys.
 
-    `selection` picks each chunk's top-K from its score rows: "sort" (jax.lax.top_k) or
-    "threshold" (threshold_top_k.py: a fixed number of passes over the rows instead of a
-    sort; the same sets).
+    `selection` picks each chunk's top-K from its score rows: "threshold" (the default;
+    threshold_top_k.py: a fixed number of passes over the rows instead of a sort, the
+    same sets; on the H200 1.2-1.3x faster than the sort from T = 16K to 128K, with
+    2.7 GB of temporaries instead of 6.4) or "sort" (jax.lax.top_k).
     """
     if selection not in SELECTIONS:
         raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")

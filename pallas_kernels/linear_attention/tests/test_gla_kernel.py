@@ -29,11 +29,15 @@ def test_fp32_exact_with_resets_initial_state_strong_decay_and_split_dv():
     _check(make_inputs(seed=5, T=80, Dk=32, Dv=32), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16))
 
 
-def test_fp32_exact_with_factored_diagonal_blocks():
-    # g >= -2 per token keeps every sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT:
-    # every diagonal block takes the matmul path (the strong-decay test mixes in the exact one)
-    assert 15 * 2.0 < diag.FACTOR_LIMIT
-    _check(make_inputs(seed=9, T=80, Dk=32, Dv=32, min_log_decay=-2.0), 1e-4, 1e-4)
+def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
+    # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
+    # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 sends its
+    # sub-chunks down the exact path, in the same kernel launch
+    assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * 20.0
+    x = make_inputs(seed=9, T=80, Dk=32, Dv=32, min_log_decay=-2.0)
+    strong = (jnp.arange(80) >= 66) & (jnp.arange(80) % 4 == 0)
+    x["g"] = jnp.where(strong[None, :, None, None], -20.0, x["g"])
+    _check(x, 1e-4, 1e-4)
 
 
 def test_bf16_inputs_within_tolerance():

@@ -54,11 +54,14 @@ def test_fp32_exact_with_resets_initial_state_strong_decay_padding_and_split_dv(
     _assert_within(_errors(x, block_v=16, normalize_qk=normalize_qk), 1e-4, 1e-4)
 
 
-def test_fp32_exact_with_factored_diagonal_blocks():
-    # g >= -2 per token keeps every sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT:
-    # every diagonal block takes the matmul path (the strong-decay tests mix in the exact one)
-    assert 15 * 2.0 < diag.FACTOR_LIMIT
+def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
+    # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
+    # chunks 0 and 2 take the matmul path; g = -20 on a few tokens of chunk 1 sends its
+    # sub-chunks down the exact path, in the same kernel launch
+    assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * 20.0
     x = make_inputs(seed=9, T=130, Dk=16, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
+    strong = (jnp.arange(130) >= 70) & (jnp.arange(130) % 5 == 0) & (jnp.arange(130) < 128)
+    x["g"] = jnp.where(strong[None, :, None, None], -20.0, x["g"])
     _assert_within(_errors(x, block_v=16), 1e-4, 1e-4)
 
 
