@@ -11,11 +11,11 @@ gradients at the preset's [batch, seq, d_model], as `bench_step` times it; `step
 the compiled train step of the preset on one device (its memory policy from the config)
 and splits the time into forward, backward and recompute (the remat policy's second
 forward, XLA's `rematted_computation`). The JAX
-profiler records a few runs; XLA's per-instruction summary of that trace (the one
-profile-guided scheduling reads, hylora.pgle) gives each instruction's device time,
-which is attributed to the JAX operation that produced it (the HLO `op_name`). Only
-NVIDIA GPUs record it; elsewhere the script says so and lists nothing. XLA's command
-buffers (CUDA graphs) are switched off for the run: inside one, the profile sees a
+profiler records a few runs; the trace's kernel and copy events (hylora.device_trace)
+give the device's busy and idle time and each instruction's summed device time, which
+is attributed to the JAX operation that produced it (the HLO `op_name`). Only GPUs
+record device events; elsewhere the script says so and lists nothing. XLA's command
+buffers (CUDA graphs) are switched off for the run: inside one, the trace sees a
 single `command_buffer` instruction instead of the kernels it replays.
 """
 
@@ -33,7 +33,7 @@ import jax
 from flax import nnx
 
 from experiments.bench_step import _median_ms, part_inputs, planned_policy, step_setup
-from hylora import hlo_schedule
+from hylora import device_trace, hlo_schedule
 from hylora.config import MeshConfig
 from hylora.errors import ConfigError
 from hylora.layer_memory import part_gradients
@@ -42,7 +42,6 @@ from hylora.model.ffn import FFNS
 from hylora.model.init import ParamInit
 from hylora.model.mixers import MIXERS
 from hylora.overrides import apply_overrides, split_overrides
-from hylora.pgle import instruction_costs, instruction_profile
 from hylora.presets import get_preset
 
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
@@ -109,7 +108,8 @@ def profile_part(cfg, part: str, runs: int = 3, repeats: int = 5) -> dict:
                       f"{sorted(MIXERS) + sorted(FFNS) + ['step']}")
   jax.block_until_ready(run_once())
   wall_ms = _median_ms(run_once, (), repeats)
-  costs = instruction_costs(instruction_profile(run_once, runs))
+  device = device_trace.timeline(device_trace.record(run_once, runs), runs)
+  costs = device.by_instruction_us if device else {}
   ops = source_ops(compiled.as_text())
   by_op: dict[str, float] = {}
   by_phase = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
@@ -120,6 +120,9 @@ def profile_part(cfg, part: str, runs: int = 3, repeats: int = 5) -> dict:
   b, s, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
   return {"part": part, "shape": [b, s, d], "wall_ms": wall_ms,
           "profiled_ms": sum(costs.values()) / 1e3,
+          "device_busy_ms": device.busy_ms if device else None,
+          "device_span_ms": device.span_ms if device else None,
+          "longest_idle": device.gaps[:5] if device else [],
           "phases_ms": {k: v / 1e3 for k, v in by_phase.items()},
           "instructions_us": dict(sorted(costs.items(), key=lambda kv: -kv[1])),
           "ops_us": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
@@ -131,6 +134,9 @@ def format_report(r: dict, top: int) -> str:
   if not r["instructions_us"]:
     lines.append("no per-instruction device times on this backend (NVIDIA GPUs only)")
     return "\n".join(lines)
+  lines.append(f"device busy {r['device_busy_ms']:.2f} of {r['device_span_ms']:.2f} ms per "
+               "traced run; longest idle: " + ", ".join(
+                   f"{ms:.3f} ms before {after}" for ms, _, after in r["longest_idle"]))
   lines.append("by phase: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r["phases_ms"].items()))
   lines.append(f"{'ms':>8} {'share':>6}  op (summed over its instructions)")
   total = max(r["profiled_ms"], 1e-9)
