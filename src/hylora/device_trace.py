@@ -22,9 +22,9 @@ import jax
 
 @dataclasses.dataclass
 class Timeline:
-  """One device's activity over `runs` traced runs, per run."""
-  span_ms: float  # first event's start to the last one's end (runs back to back, so the
-  # host's turnaround between runs counts as idle)
+  """One device's activity over `runs` traced runs, per run. The runs follow each other,
+  so the host's turnaround between two runs counts as idle time."""
+  span_ms: float  # the first event's start to the last one's end
   busy_ms: float  # time covered by at least one kernel or copy
   events: int
   by_instruction_us: dict[str, float]  # HLO instruction -> summed event time
