@@ -57,9 +57,13 @@ def test_split_sequence_matches_whole_sequence_forward_and_gradients(kind, mesh_
   def loss_of(fn):
     return lambda *xs: _loss(fn, xs[:-1], xs[-1], seg, probe)
 
-  want_o, want_final = reference(*args, initial_state=h0, segment_ids=seg,
-                                 output_final_state=True)
-  want_grads = jax.grad(loss_of(reference), grad_args)(*args, h0)
+  # The whole sequence on one device, compiled as one program (not op by op).
+  @jax.jit
+  def whole(*xs):
+    out = reference(*xs[:-1], initial_state=xs[-1], segment_ids=seg, output_final_state=True)
+    return out, jax.grad(loss_of(reference), grad_args)(*xs)
+
+  (want_o, want_final), want_grads = whole(*args, h0)
 
   spec = NamedSharding(mesh, P(split[1], "fsdp"))
   placed = tuple(jax.device_put(a, spec) for a in args)
@@ -106,7 +110,7 @@ def test_registered_pallas_kda_passes_state_between_devices():
   kda = REGISTRY.resolve("linear_attention.kda", "pallas")  # interpreted on CPU
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   args, h0, seg = _inputs(1, 64, True, seed=3)
-  want, _ = kda(*args, initial_state=h0, segment_ids=seg)
+  want = jax.jit(lambda *xs: kda(*xs, initial_state=h0, segment_ids=seg)[0])(*args)
 
   @jax.jit
   def run(*xs):
@@ -147,7 +151,7 @@ def test_registered_sparse_kernels_on_a_split_sequence_match_the_whole_sequence(
     o = attend(q, k, v, idx)
     return jnp.sum(o * probe), (idx, o)
 
-  want_grads, (want_idx, want_o) = jax.grad(layer, (0, 1, 2), has_aux=True)(q, k, v)
+  want_grads, (want_idx, want_o) = jax.jit(jax.grad(layer, (0, 1, 2), has_aux=True))(q, k, v)
 
   @jax.jit
   def run(q, k, v):
