@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._inputs import CHUNK as C
@@ -57,28 +58,37 @@ def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
 
 
 def _output_kernel(q_ref, k_ref, v_ref, b_ref, r_ref, ci_ref, h_ref, o_ref, a_ref, *, scale, cd):
+    """One loop step per 16-token sub-chunk (a loop, not unrolled: the unrolled kernel's
+    code outgrew the instruction cache, ncu's 'no instruction' stall)."""
     S = h_ref[...]
-    for i in range(N_SUB):
-        start = i * SUB
+    cols = iota(C, 1, (SUB, C))
+    k_all, b_all, v_all = rows(k_ref, 0, C), rows(b_ref, 0, C), v_ref[...]
+    r_all = r_ref[...]
+
+    def sub_chunk(i, carry):
+        start = pl.multiple_of(i * SUB, SUB)
         q_i, b_i = rows(q_ref, start, SUB), rows(b_ref, start, SUB)
         r_i = _flags(r_ref, start, SUB)
         ci_i = _flags(ci_ref, start, SUB).astype(F32)[:, None]
         o_i = mm(q_i * jnp.exp(b_i) * ci_i, S, cd)
-        if i > 0:  # keys of earlier sub-chunks, decay split at the sub-chunk boundary
-            b_edge = rows(b_ref, start - 1, 1)
-            q_dec = q_i * _masked_exp(b_i - b_edge)
-            for j in range(i):
-                k_j, b_j = rows(k_ref, j * SUB, SUB), rows(b_ref, j * SUB, SUB)
-                a_ij = mm(q_dec, k_j * _masked_exp(b_edge - b_j), cd, trans_b=True)
-                a_ij = jnp.where(r_i[:, None] == _flags(r_ref, j * SUB, SUB)[None, :], a_ij, 0.0)
-                o_i += mm(a_ij, v_ref[pl.ds(j * SUB, SUB), :], cd)
-                a_ref[pl.ds(start, SUB), pl.ds(j * SUB, SUB)] = a_ij
+        # keys of earlier sub-chunks as one [16, C] block, the decay split at the sub-chunk
+        # boundary; columns at or past `start` are masked (their exponents clamped to <= 0)
+        b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
+        earlier = cols < start
+        k_off = jnp.where((iota(C) < start)[:, None], k_all * _masked_exp(b_edge - b_all), 0.0)
+        a_off = mm(q_i * _masked_exp(b_i - b_edge), k_off, cd, trans_b=True)
+        a_off = jnp.where(earlier & (r_i[:, None] == r_all[None, :]), a_off, 0.0)
+        o_i += mm(a_off, v_all, cd)
         a_d = _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start)
-        a_ref[pl.ds(start, SUB), pl.ds(start, SUB)] = a_d
-        for j in range(i + 1, N_SUB):
-            a_ref[pl.ds(start, SUB), pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), F32)
         o_i += mm(a_d, v_ref[pl.ds(start, SUB), :], cd)
         o_ref[pl.ds(start, SUB), :] = (scale * o_i).astype(o_ref.dtype)
+        # the row block of A: the diagonal block, and everything else (zero past it)
+        in_diag = (cols >= start) & (cols < start + SUB)
+        plgpu.store(a_ref.at[pl.ds(start, SUB), :], a_off, mask=~in_diag)
+        a_ref[pl.ds(start, SUB), pl.ds(start, SUB)] = a_d
+        return carry
+
+    jax.lax.fori_loop(0, N_SUB, sub_chunk, 0)
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
@@ -93,7 +103,8 @@ def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
 def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_ref, do_ref,
                   a_ref, da_ref, dat_ref, dq_ref, dk_ref, dv_ref, db_ref, *, scale, cd):
     """Every score and score gradient is read from a_ref / da_ref / dat_ref, so the exact
-    diagonal blocks take one column load per step and no cross-thread reductions."""
+    diagonal blocks take one column load per step and no cross-thread reductions. One
+    loop step per sub-chunk, as in the output kernel."""
     t_idx = iota(C)
     sub_rows = iota(SUB, 0, (SUB, 1))
     S, dS = h_ref[...], ds_ref[...]  # matmul operands only: kept in the compute dtype
@@ -101,10 +112,9 @@ def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds
     do = do_ref[...]
     b_last = rows(b_ref, C - 1, 1)
     keep = jnp.max(_flags(ci_ref, C - 1, 1)).astype(F32)
-    # b_last scales the surviving start state and every key's decay to the chunk end
-    extra = keep * hds_ref[...][None, :] * jnp.exp(b_last)
-    for i in range(N_SUB):
-        start = i * SUB
+
+    def sub_chunk(i, extra):
+        start = pl.multiple_of(i * SUB, SUB)
         q_i, k_i, b_i = (rows(x, start, SUB) for x in (q_ref, k_ref, b_ref))
         v_i, do_i = rows(v_ref, start, SUB), rows(do_ref, start, SUB)
         ci_i = _flags(ci_ref, start, SUB).astype(F32)[:, None]
@@ -116,24 +126,27 @@ def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds
         dv_i = mm(k_i * decay_to_end, dS, cd) + scale * mm(a_ref[:, pl.ds(start, SUB)], do, cd,
                                                            trans_a=True)
         extra += jnp.sum(k_i * dk_i, axis=0, keepdims=True)
-        if i > 0:  # this sub-chunk's queries against earlier keys
-            b_edge = rows(b_ref, start - 1, 1)
-            k_off = jnp.where((t_idx < start)[:, None], k * _masked_exp(b_edge - b), 0.0)
-            dq_i += mm(da_ref[pl.ds(start, SUB), :], k_off, cd) * _masked_exp(b_i - b_edge)
-        if i < N_SUB - 1:  # this sub-chunk's keys against later queries
-            b_edge = rows(b_ref, start + SUB - 1, 1)
-            q_off = jnp.where((t_idx >= start + SUB)[:, None], q * _masked_exp(b - b_edge), 0.0)
-            dk_i += mm(dat_ref[pl.ds(start, SUB), :], q_off, cd) * _masked_exp(b_edge - b_i)
+        # this sub-chunk's queries against earlier keys (none for the first: all masked)
+        b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
+        k_off = jnp.where((t_idx < start)[:, None], k * _masked_exp(b_edge - b), 0.0)
+        dq_i += mm(da_ref[pl.ds(start, SUB), :], k_off, cd) * _masked_exp(b_i - b_edge)
+        # this sub-chunk's keys against later queries (none for the last)
+        b_edge = rows(b_ref, start + SUB - 1, 1)
+        q_off = jnp.where((t_idx >= start + SUB)[:, None], q * _masked_exp(b - b_edge), 0.0)
+        dk_i += mm(dat_ref[pl.ds(start, SUB), :], q_off, cd) * _masked_exp(b_edge - b_i)
 
         dq_i, dk_i = _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start,
                                  dq_i, dk_i)
-        db_i = q_i * dq_i - k_i * dk_i
-        if i == N_SUB - 1:
-            db_i += jnp.where(sub_rows == SUB - 1, extra, 0.0)
         dq_ref[pl.ds(start, SUB), :] = dq_i.astype(dq_ref.dtype)
         dk_ref[pl.ds(start, SUB), :] = dk_i.astype(dk_ref.dtype)
-        db_ref[pl.ds(start, SUB), :] = db_i
+        # extra is complete once the last sub-chunk has added its keys (above)
+        last_row = (sub_rows == SUB - 1) & (i == N_SUB - 1)
+        db_ref[pl.ds(start, SUB), :] = q_i * dq_i - k_i * dk_i + jnp.where(last_row, extra, 0.0)
         dv_ref[pl.ds(start, SUB), :] = dv_i.astype(dv_ref.dtype)
+        return extra
+
+    # b_last scales the surviving start state and every key's decay to the chunk end
+    jax.lax.fori_loop(0, N_SUB, sub_chunk, keep * hds_ref[...][None, :] * jnp.exp(b_last))
 
 
 def _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start, dq_i, dk_i):

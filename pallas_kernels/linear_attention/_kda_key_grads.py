@@ -47,28 +47,28 @@ def _state_overlap(h_ref, dh_ref, block_v):
     return kept
 
 
-def _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, i, cd):
-    """Gradients of the decayed scores for sub-chunk i ([16, BK] each): dq from dP as
-    queries, g = dA (x) k as queries of A_kk (dk = beta g), and dk as keys of both."""
-    s = i * SUB
+def _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd):
+    """Gradients of the decayed scores for the sub-chunk at row s ([16, BK] each): dq from
+    dP as queries, g = dA (x) k as queries of A_kk (dk = beta g), and dk as keys of both.
+    s is a loop index: the first sub-chunk's earlier keys and the last one's later queries
+    are empty masks."""
     t_idx = iota(C, 0, (C, 1))
     q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
     b_i = rows(b_ref, s, SUB)
-    dq = g = dk = jnp.zeros((SUB, q.shape[1]), F32)
-    if i > 0:  # earlier keys, decay split at the last token of sub-chunk i - 1
-        b_edge = rows(b_ref, s - 1, 1)
-        k_off = jnp.where(t_idx < s, k * masked_exp(b_edge - b), 0.0)
-        e_q = masked_exp(b_i - b_edge)
-        dq = mm(dp_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
-        g = mm(da_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
-    if i < N_SUB - 1:  # later queries, decay split at the last token of sub-chunk i
-        b_edge = rows(b_ref, s + SUB - 1, 1)
-        later = t_idx >= s + SUB
-        e_later = masked_exp(b - b_edge)
-        q_off = jnp.where(later, q * e_later, 0.0)
-        kb_off = jnp.where(later, beta_ref[...].astype(F32)[:, None] * k * e_later, 0.0)
-        dk = (mm(dp_ref[:, pl.ds(s, SUB)], q_off, cd, trans_a=True)
-              + mm(da_ref[:, pl.ds(s, SUB)], kb_off, cd, trans_a=True)) * masked_exp(b_edge - b_i)
+    # earlier keys, decay split at the last token of the previous sub-chunk
+    b_edge = rows(b_ref, jnp.maximum(s - 1, 0), 1)
+    k_off = jnp.where(t_idx < s, k * masked_exp(b_edge - b), 0.0)
+    e_q = masked_exp(b_i - b_edge)
+    dq = mm(dp_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
+    g = mm(da_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
+    # later queries, decay split at the last token of this sub-chunk
+    b_edge = rows(b_ref, s + SUB - 1, 1)
+    later = t_idx >= s + SUB
+    e_later = masked_exp(b - b_edge)
+    q_off = jnp.where(later, q * e_later, 0.0)
+    kb_off = jnp.where(later, beta_ref[...].astype(F32)[:, None] * k * e_later, 0.0)
+    dk = (mm(dp_ref[:, pl.ds(s, SUB)], q_off, cd, trans_a=True)
+          + mm(da_ref[:, pl.ds(s, SUB)], kb_off, cd, trans_a=True)) * masked_exp(b_edge - b_i)
 
     return _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk)
 
@@ -111,15 +111,21 @@ def _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk):
 def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref,
                       vn_ref, dx_ref, dp_ref, da_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *,
                       scale, cd, block_v):
+    """One loop step per 16-token sub-chunk: unrolled, the kernel's code outgrew the
+    instruction cache (the GLA kernels' 'no instruction' stalls, docs/performance.md)."""
     b_last = rows(b_ref, C - 1, 1)
-    db_last = jnp.zeros_like(b_last)
-    for i in range(N_SUB):
-        s = i * SUB
+    last_row = iota(SUB, 0, (SUB, 1)) == SUB - 1
+    keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
+    # b_last scales the surviving start state and every kg row
+    db_last = keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
+
+    def sub_chunk(i, db_last):
+        s = pl.multiple_of(i * SUB, SUB)
         q_i, k_i, b_i = rows(q_ref, s, SUB), rows(k_ref, s, SUB), rows(b_ref, s, SUB)
         beta_i = beta_ref[pl.ds(s, SUB)].astype(F32)[:, None]
         ci_i = flags(ci_ref, s)
         dqg, dkg, dxs = _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, cd, block_v)
-        dq_p, g, dk_key = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, i, cd)
+        dq_p, g, dk_key = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd)
         k_w = k_i * jnp.exp(b_i) * ci_i           # K
         dk_end = dkg * masked_exp(b_last - b_i) * flags(il_ref, s)
         dk_w = -beta_i * dxs * jnp.exp(b_i) * ci_i
@@ -127,15 +133,16 @@ def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_r
         dk = dk_end + dk_w + beta_i * g + dk_key
         db = q_i * dq + k_i * (dk_w + beta_i * g - dk_end - dk_key)
         db_last += jnp.sum(k_i * dk_end, axis=0, keepdims=True)
-        if i == N_SUB - 1:  # b_last scales the surviving start state and every kg row
-            keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
-            db_last += keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
-            db += jnp.where(iota(SUB, 0, (SUB, 1)) == SUB - 1, db_last, 0.0)
+        # complete after the last sub-chunk's keys: the chunk's last row carries it
+        db += jnp.where(last_row & (i == N_SUB - 1), db_last, 0.0)
         dbeta = jnp.sum(k_i * g, axis=1) - jnp.sum(dxs * k_w, axis=1)
         dq_ref[pl.ds(s, SUB), :] = dq.astype(dq_ref.dtype)
         dk_ref[pl.ds(s, SUB), :] = dk.astype(dk_ref.dtype)
         db_ref[pl.ds(s, SUB), :] = db
         dbeta_ref[pl.ds(s, SUB)] = dbeta
+        return db_last
+
+    jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
 
 
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale,

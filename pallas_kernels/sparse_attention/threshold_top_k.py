@@ -12,8 +12,12 @@ scores.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-_SIGN = jnp.uint32(0x80000000)
+# A NumPy scalar, not a jax Array: a module-level Array would be closed over by every
+# jitted caller as a device constant, which a jit lowered ahead of time and called later
+# counts as one input more than it is called with.
+_SIGN = np.uint32(0x80000000)
 
 
 def _ordered_keys(scores):
