@@ -103,9 +103,11 @@ def kernel_breakdown(shape, tiling):
 
 def kda_kernel_breakdown(shape):
     """Milliseconds of each KDA kernel alone (forward: intra, states, output; backward
-    adds the recomputed intra with the inverse, dv_local, state_grads, wy_grads, key_grads)."""
+    adds the recomputed intra with the inverse, dv_local, state_grads, wy_grads, key_grads),
+    and of the looped in-chunk kernel with 2 and 4 warps."""
     from pallas_kernels.linear_attention import _chunk_prep
     from pallas_kernels.linear_attention._kda_intra import chunk_intra
+    from pallas_kernels.linear_attention._kda_intra_rows import chunk_intra_rows
     from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
     from pallas_kernels.linear_attention._kda_states import chunk_state_grads, chunk_states
     from pallas_kernels.linear_attention._kda_value_side import (
@@ -124,6 +126,10 @@ def kda_kernel_breakdown(shape):
     intra = jax.jit(lambda *a, e: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e,
                                               interpret=interp), static_argnames="e")
     qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
+    # the looped variant of the in-chunk kernel (_kda_intra_rows), with the inverse
+    rows = {n: jax.jit(lambda *a, n=n: chunk_intra_rows(*a, runs, ci, il, cd=cd, emit_inverse=True,
+                                                      interpret=interp, num_warps=n))
+            for n in (2, 4)}
     states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
     h, vn, _ = states(w, u0, kg, b)
     output = jax.jit(lambda qg, aqk, h, vn: chunk_output(qg, aqk, h, vn, scale=scale,
@@ -140,6 +146,8 @@ def kda_kernel_breakdown(shape):
     return {"op": "kda", "shape": list(shape), "kernel_ms": {
         "intra": round(timed(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
         "intra_with_inverse": round(timed(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
+        **{f"intra_rows_with_inverse_{n}w": round(timed(f, qp, kp, vp, b, beta), 3)
+           for n, f in rows.items()},
         "states": round(timed(states, w, u0, kg, b), 3),
         "output": round(timed(output, qg, aqk, h, vn), 3),
         "dv_local": round(timed(dv_local, aqk, vp, vn), 3),
