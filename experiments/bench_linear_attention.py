@@ -8,6 +8,7 @@ a correctness check against the reference, and (with --peers) the jla / fla figu
 the given peers comparison script prints at the anchor shape.
 """
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -67,8 +68,9 @@ def correctness(shape=(1, 4096, 4, 128)):
 
 
 def kernel_breakdown(shape, tiling):
-    """Milliseconds of each of the four kernels (and the plain-JAX preparation) alone."""
-    from pallas_kernels.linear_attention import _chunk_prep
+    """Milliseconds of each kernel (and the plain-JAX preparation) alone; with
+    tiling.split, "outputs" and "grads" time the split layout's kernels together."""
+    from pallas_kernels.linear_attention import _chunk_prep, _gla_split
     from pallas_kernels.linear_attention._gla_chunks import (
         chunk_grads, chunk_outputs, chunk_score_grads)
     from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
@@ -82,6 +84,11 @@ def kernel_breakdown(shape, tiling):
     sk = dict(block_k=t.block_k, block_v=t.block_v, interpret=False, num_warps=t.state_warps,
               num_stages=t.state_stages)
     ck = dict(interpret=False, num_warps=t.chunk_warps, num_stages=t.chunk_stages)
+    if t.split:
+        chunk_outputs = functools.partial(_gla_split.chunk_outputs, block_v=t.block_v)
+        chunk_grads = functools.partial(_gla_split.chunk_grads, block_k=t.block_k,
+                                        block_v=t.block_v)
+        ck.pop("num_stages")
     states = jax.jit(lambda k, v, b: chunk_states(k, v, b, il, ci, h0, **sk))
     h, _ = states(kp, vp, b)
     dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=D ** -0.5, **sk))

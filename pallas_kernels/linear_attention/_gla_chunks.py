@@ -57,11 +57,31 @@ def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
     return diag.choose(b_i, b_r, factored, exact, q_i, b_i)
 
 
+def score_rows(q_i, b_i, r_i, k_all, b_all, r_all, k_ref, b_ref, r_ref, start, cd):
+    """The sub-chunk's row block of A: (its [16, C] part left of the diagonal block, zero
+    from column `start` on; the [16, 16] diagonal block)."""
+    cols = iota(C, 1, (SUB, C))
+    # keys of earlier sub-chunks as one block, the decay split at the sub-chunk boundary;
+    # columns at or past `start` are masked (their exponents clamped to <= 0)
+    b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
+    k_off = jnp.where((iota(C) < start)[:, None], k_all * _masked_exp(b_edge - b_all), 0.0)
+    a_off = mm(q_i * _masked_exp(b_i - b_edge), k_off, cd, trans_b=True)
+    a_off = jnp.where((cols < start) & (r_i[:, None] == r_all[None, :]), a_off, 0.0)
+    return a_off, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start)
+
+
+def store_score_rows(a_ref, start, a_off, a_d):
+    """Writes the row block: the diagonal block, and everything else (zero past it)."""
+    cols = iota(C, 1, (SUB, C))
+    in_diag = (cols >= start) & (cols < start + SUB)
+    plgpu.store(a_ref.at[pl.ds(start, SUB), :], a_off, mask=~in_diag)
+    a_ref[pl.ds(start, SUB), pl.ds(start, SUB)] = a_d
+
+
 def _output_kernel(q_ref, k_ref, v_ref, b_ref, r_ref, ci_ref, h_ref, o_ref, a_ref, *, scale, cd):
     """One loop step per 16-token sub-chunk (a loop, not unrolled: the unrolled kernel's
     code outgrew the instruction cache, ncu's 'no instruction' stall)."""
     S = h_ref[...]
-    cols = iota(C, 1, (SUB, C))
     k_all, b_all, v_all = rows(k_ref, 0, C), rows(b_ref, 0, C), v_ref[...]
     r_all = r_ref[...]
 
@@ -70,22 +90,12 @@ def _output_kernel(q_ref, k_ref, v_ref, b_ref, r_ref, ci_ref, h_ref, o_ref, a_re
         q_i, b_i = rows(q_ref, start, SUB), rows(b_ref, start, SUB)
         r_i = _flags(r_ref, start, SUB)
         ci_i = _flags(ci_ref, start, SUB).astype(F32)[:, None]
-        o_i = mm(q_i * jnp.exp(b_i) * ci_i, S, cd)
-        # keys of earlier sub-chunks as one [16, C] block, the decay split at the sub-chunk
-        # boundary; columns at or past `start` are masked (their exponents clamped to <= 0)
-        b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
-        earlier = cols < start
-        k_off = jnp.where((iota(C) < start)[:, None], k_all * _masked_exp(b_edge - b_all), 0.0)
-        a_off = mm(q_i * _masked_exp(b_i - b_edge), k_off, cd, trans_b=True)
-        a_off = jnp.where(earlier & (r_i[:, None] == r_all[None, :]), a_off, 0.0)
-        o_i += mm(a_off, v_all, cd)
-        a_d = _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start)
-        o_i += mm(a_d, v_ref[pl.ds(start, SUB), :], cd)
+        a_off, a_d = score_rows(q_i, b_i, r_i, k_all, b_all, r_all, k_ref, b_ref, r_ref,
+                                start, cd)
+        o_i = (mm(q_i * jnp.exp(b_i) * ci_i, S, cd) + mm(a_off, v_all, cd)
+               + mm(a_d, v_ref[pl.ds(start, SUB), :], cd))
         o_ref[pl.ds(start, SUB), :] = (scale * o_i).astype(o_ref.dtype)
-        # the row block of A: the diagonal block, and everything else (zero past it)
-        in_diag = (cols >= start) & (cols < start + SUB)
-        plgpu.store(a_ref.at[pl.ds(start, SUB), :], a_off, mask=~in_diag)
-        a_ref[pl.ds(start, SUB), pl.ds(start, SUB)] = a_d
+        store_score_rows(a_ref, start, a_off, a_d)
         return carry
 
     jax.lax.fori_loop(0, N_SUB, sub_chunk, 0)
@@ -100,11 +110,13 @@ def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
     dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
 
 
-def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_ref, do_ref,
-                  a_ref, da_ref, dat_ref, dq_ref, dk_ref, dv_ref, db_ref, *, scale, cd):
+def grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_ref, do_ref,
+                 a_ref, da_ref, dat_ref, dq_ref, dk_ref, db_ref, *dv_ref, scale, cd):
     """Every score and score gradient is read from a_ref / da_ref / dat_ref, so the exact
     diagonal blocks take one column load per step and no cross-thread reductions. One
-    loop step per sub-chunk, as in the output kernel."""
+    loop step per sub-chunk, as in the output kernel. Every path into dq, dk and db is
+    separable over key channels: the refs q, k, b, h, ds, hds may hold a block of them
+    (the split layout, _gla_split), in which case dv is left to its own kernel (no dv_ref)."""
     t_idx = iota(C)
     sub_rows = iota(SUB, 0, (SUB, 1))
     S, dS = h_ref[...], ds_ref[...]  # matmul operands only: kept in the compute dtype
@@ -123,8 +135,6 @@ def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds
         dq_i = scale * mm(do_i, S, cd, trans_b=True) * jnp.exp(b_i) * ci_i
         decay_to_end = _masked_exp(b_last - b_i) * il_i
         dk_i = mm(v_i, dS, cd, trans_b=True) * decay_to_end
-        dv_i = mm(k_i * decay_to_end, dS, cd) + scale * mm(a_ref[:, pl.ds(start, SUB)], do, cd,
-                                                           trans_a=True)
         extra += jnp.sum(k_i * dk_i, axis=0, keepdims=True)
         # this sub-chunk's queries against earlier keys (none for the first: all masked)
         b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
@@ -142,7 +152,10 @@ def _grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds
         # extra is complete once the last sub-chunk has added its keys (above)
         last_row = (sub_rows == SUB - 1) & (i == N_SUB - 1)
         db_ref[pl.ds(start, SUB), :] = q_i * dq_i - k_i * dk_i + jnp.where(last_row, extra, 0.0)
-        dv_ref[pl.ds(start, SUB), :] = dv_i.astype(dv_ref.dtype)
+        if dv_ref:
+            dv_i = (mm(k_i * decay_to_end, dS, cd)
+                    + scale * mm(a_ref[:, pl.ds(start, SUB)], do, cd, trans_a=True))
+            dv_ref[0][pl.ds(start, SUB), :] = dv_i.astype(dv_ref[0].dtype)
         return extra
 
     # b_last scales the surviving start state and every key's decay to the chunk end
@@ -231,14 +244,15 @@ def chunk_grads(q, k, v, b, carry_in, in_last, h, ds, do, a, da, dat, *, scale, 
     # one cheap XLA reduction instead of two [Dk, Dv] fp32 tiles per program
     hds = jnp.sum(h.astype(F32) * ds.astype(F32), axis=-1)
     row = pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, Dk), lambda b, h, c: (b, h, c, 0))
-    return pl.pallas_call(
-        functools.partial(_grads_kernel, scale=scale, cd=compute_dtype(q.dtype)),
+    dq, dk, db, dv = pl.pallas_call(
+        functools.partial(grads_kernel, scale=scale, cd=compute_dtype(q.dtype)),
         grid=(B, H, Tp // C),
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(q.shape, F32)),
+                   jax.ShapeDtypeStruct(q.shape, F32), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         in_specs=[keys, keys, values, keys, flags, flags, state, state, row, values,
                   scores, scores, scores],
-        out_specs=(keys, keys, values, keys),
+        out_specs=(keys, keys, keys, values),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="gla_chunk_grads",
     )(q, k, v, b, carry_in, in_last, h, ds, hds, do, a, da, dat)
+    return dq, dk, dv, db

@@ -5,7 +5,9 @@ kernel computes each chunk's output and its in-chunk scores A. Backward: the sta
 states are recomputed (the inputs and A are the residuals: A costs as much memory as
 one [B, T, H, 64] fp32 tensor), a reverse sequential kernel gives each chunk's
 end-state gradient, a parallel kernel the score gradients dA, and a last parallel
-kernel dq, dk, dv and the decay gradient.
+kernel dq, dk, dv and the decay gradient. `Tiling(split=1)` runs the parallel parts as
+more, smaller kernels instead (_gla_split: scores apart from outputs, dv apart from the
+key-channel gradients).
 """
 import functools
 from typing import NamedTuple
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import _chunk_prep
+from pallas_kernels.linear_attention import _chunk_prep, _gla_split
 from pallas_kernels.linear_attention._gla_chunks import (
     chunk_grads, chunk_outputs, chunk_score_grads)
 from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
@@ -30,6 +32,7 @@ class Tiling(NamedTuple):
     state_stages: int = 2
     chunk_warps: int = 4  # H200, (1, 32768, 32, 128), fwd+bwd: 25.1 ms; 2 warps 39.4
     chunk_stages: int = 1
+    split: int = 0  # 1: the split parallel kernels (_gla_split), tiled by block_k / block_v
     interpret: bool = False
 
 
@@ -41,8 +44,13 @@ def _states(k, v, b, masks, h0, t: Tiling):
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t):
     h, ht = _states(k, v, b, masks, h0, t)
-    o, a = chunk_outputs(q, k, v, b, runs, masks[0], h, scale=scale, interpret=t.interpret,
-                         num_warps=t.chunk_warps, num_stages=t.chunk_stages)
+    if t.split:
+        o, a = _gla_split.chunk_outputs(q, k, v, b, runs, masks[0], h, scale=scale,
+                                        block_v=t.block_v, interpret=t.interpret,
+                                        num_warps=t.chunk_warps)
+    else:
+        o, a = chunk_outputs(q, k, v, b, runs, masks[0], h, scale=scale, interpret=t.interpret,
+                             num_warps=t.chunk_warps, num_stages=t.chunk_stages)
     return (o, ht), a
 
 
@@ -67,9 +75,15 @@ def _gla_core_bwd(scale, t, res, cts):
                                 block_v=t.block_v, interpret=t.interpret,
                                 num_warps=t.state_warps, num_stages=t.state_stages)
     da, dat = chunk_score_grads(v, runs, do, scale=scale, interpret=t.interpret)
-    dq, dk, dv, db = chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat, scale=scale,
-                                 interpret=t.interpret, num_warps=t.chunk_warps,
-                                 num_stages=t.chunk_stages)
+    if t.split:
+        dq, dk, dv, db = _gla_split.chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat,
+                                                scale=scale, block_k=t.block_k,
+                                                block_v=t.block_v, interpret=t.interpret,
+                                                num_warps=t.chunk_warps)
+    else:
+        dq, dk, dv, db = chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat, scale=scale,
+                                     interpret=t.interpret, num_warps=t.chunk_warps,
+                                     num_stages=t.chunk_stages)
     return dq, dk, dv, db, dh0, None, None
 
 

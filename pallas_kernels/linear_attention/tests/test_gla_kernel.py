@@ -29,16 +29,30 @@ def test_fp32_exact_with_resets_initial_state_strong_decay_and_split_dv():
     _check(make_inputs(seed=5, T=80, Dk=32, Dv=32), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16))
 
 
-def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
+def _mixed_decay_inputs(seed):
     # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
     # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 sends its
     # sub-chunks down the exact path, in the same kernel launch
     assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * 20.0
-    x = make_inputs(seed=9, T=80, Dk=32, Dv=32, min_log_decay=-2.0)
+    x = make_inputs(seed=seed, T=80, Dk=32, Dv=32, min_log_decay=-2.0)
     strong = (jnp.arange(80) >= 66) & (jnp.arange(80) % 4 == 0)
     x["g"] = jnp.where(strong[None, :, None, None], -20.0, x["g"])
-    _check(x, 1e-4, 1e-4)
+    return x
+
+
+def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
+    _check(_mixed_decay_inputs(9), 1e-4, 1e-4)
+
+
+def test_split_kernels_fp32_exact_over_key_and_value_blocks():
+    # two 16-channel blocks of keys and of values: every split kernel's block grid
+    _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(split=1, block_k=16, block_v=16))
 
 
 def test_bf16_inputs_within_tolerance():
     _check(make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=-5.0), 5e-3, 1e-2)
+
+
+def test_split_kernels_bf16_inputs_within_tolerance():
+    _check(make_inputs(seed=7, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=-5.0),
+           5e-3, 1e-2, tiling=Tiling(split=1))
