@@ -13,8 +13,8 @@ and the blockwise inverse of (I + A_kk). Here one loop step handles rows s..s+15
   w, u0 rows: T_i diag(beta) K and T_i diag(beta) v as [16, 64] x [64, D] matmuls.
 
 The inverse's products are exact fp32 (as in _kda_intra: rounding there is amplified
-when keys are nearly parallel). Live tiles are [64, D] (fp32 keys, decayed keys, the
-beta-scaled K and v) plus the [64, 64] T: with D = 256 they spill to local memory.
+when keys are nearly parallel). Carried across steps: the [64, 64] fp32 rows of T;
+within a step, [64, D] tiles (keys, decayed keys, beta-scaled K and v).
 """
 import functools
 
@@ -33,17 +33,17 @@ from pallas_kernels.linear_attention._pallas_common import F32, SUB, iota, mm, r
 def _intra_rows_kernel(q_ref, k_ref, v_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref,
                        qg_ref, kg_ref, w_ref, u0_ref, aqk_ref, *inverse_ref, cd):
     b_last = rows(b_ref, C - 1, 1)
-    k_all, b_all = rows(k_ref, 0, C), rows(b_ref, 0, C)
-    beta_all = beta_ref[...].astype(F32)[:, None]
-    r_all = r_ref[...]
-    wk = beta_all * k_all * jnp.exp(b_all) * ci_ref[...].astype(F32)[:, None]
-    wv = beta_all * v_ref[...].astype(F32)
     token = iota(C, 0, (C, 1))
     cols = iota(C, 1, (SUB, C))
     row_in_block = iota(SUB, 0, (SUB, C))
 
     def row_block(i, t_rows):
+        # the chunk's [64, D] tiles are (re)loaded per step, not kept across the loop: only
+        # T's rows are carried, which keeps the registers live across steps to one tile
         s = pl.multiple_of(i * SUB, SUB)
+        k_all, b_all = rows(k_ref, 0, C), rows(b_ref, 0, C)
+        beta_all = beta_ref[...].astype(F32)[:, None]
+        r_all = r_ref[...]
         q_i, k_i, b_i = rows(q_ref, s, SUB), rows(k_ref, s, SUB), rows(b_ref, s, SUB)
         beta_i = beta_ref[pl.ds(s, SUB)].astype(F32)[:, None]
         r_i = r_ref[pl.ds(s, SUB)]
@@ -67,7 +67,9 @@ def _intra_rows_kernel(q_ref, k_ref, v_ref, b_ref, beta_ref, r_ref, ci_ref, il_r
 
         identity_rows = jnp.where(cols == s + row_in_block, 1.0, 0.0)
         t_i = exact_dot(_inverse_16(a_ii), identity_rows - exact_dot(a_left, t_rows))
+        wk = beta_all * k_all * jnp.exp(b_all) * ci_ref[...].astype(F32)[:, None]
         w_ref[pl.ds(s, SUB), :] = mm(t_i, wk, cd).astype(w_ref.dtype)
+        wv = beta_all * v_ref[...].astype(F32)
         u0_ref[pl.ds(s, SUB), :] = mm(t_i, wv, cd).astype(u0_ref.dtype)
         if inverse_ref:
             inverse_ref[0][pl.ds(s, SUB), :] = t_i.astype(inverse_ref[0].dtype)
