@@ -135,6 +135,9 @@ def grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_
         dq_i = scale * mm(do_i, S, cd, trans_b=True) * jnp.exp(b_i) * ci_i
         decay_to_end = _masked_exp(b_last - b_i) * il_i
         dk_i = mm(v_i, dS, cd, trans_b=True) * decay_to_end
+        if dv_ref:
+            dv_i = (mm(k_i * decay_to_end, dS, cd)
+                    + scale * mm(a_ref[:, pl.ds(start, SUB)], do, cd, trans_a=True))
         extra += jnp.sum(k_i * dk_i, axis=0, keepdims=True)
         # this sub-chunk's queries against earlier keys (none for the first: all masked)
         b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
@@ -153,8 +156,6 @@ def grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_
         last_row = (sub_rows == SUB - 1) & (i == N_SUB - 1)
         db_ref[pl.ds(start, SUB), :] = q_i * dq_i - k_i * dk_i + jnp.where(last_row, extra, 0.0)
         if dv_ref:
-            dv_i = (mm(k_i * decay_to_end, dS, cd)
-                    + scale * mm(a_ref[:, pl.ds(start, SUB)], do, cd, trans_a=True))
             dv_ref[0][pl.ds(start, SUB), :] = dv_i.astype(dv_ref[0].dtype)
         return extra
 
