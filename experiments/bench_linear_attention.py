@@ -70,9 +70,8 @@ def correctness(shape=(1, 4096, 4, 128)):
 def kernel_breakdown(shape, tiling):
     """Milliseconds of each kernel (and the plain-JAX preparation) alone; with
     tiling.split, "outputs" and "grads" time the split layout's kernels together."""
-    from pallas_kernels.linear_attention import _chunk_prep, _gla_split
-    from pallas_kernels.linear_attention._gla_chunks import (
-        chunk_grads, chunk_outputs, chunk_score_grads)
+    from pallas_kernels.linear_attention import _chunk_prep, _gla_chunks, _gla_split
+    from pallas_kernels.linear_attention._gla_chunks import chunk_score_grads
     from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
     B, T, H, D = shape
     q, k, v, g = inputs(*shape)
@@ -83,12 +82,14 @@ def kernel_breakdown(shape, tiling):
     h0 = jnp.zeros((B, H, D, D), jnp.float32)
     sk = dict(block_k=t.block_k, block_v=t.block_v, interpret=False, num_warps=t.state_warps,
               num_stages=t.state_stages)
-    ck = dict(interpret=False, num_warps=t.chunk_warps, num_stages=t.chunk_stages)
     if t.split:
+        ck = dict(interpret=False, num_warps=t.chunk_warps)
         chunk_outputs = functools.partial(_gla_split.chunk_outputs, block_v=t.block_v)
         chunk_grads = functools.partial(_gla_split.chunk_grads, block_k=t.block_k,
                                         block_v=t.block_v)
-        ck.pop("num_stages")
+    else:
+        ck = dict(interpret=False, num_warps=t.chunk_warps, num_stages=t.chunk_stages)
+        chunk_outputs, chunk_grads = _gla_chunks.chunk_outputs, _gla_chunks.chunk_grads
     states = jax.jit(lambda k, v, b: chunk_states(k, v, b, il, ci, h0, **sk))
     h, _ = states(kp, vp, b)
     dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=D ** -0.5, **sk))

@@ -19,13 +19,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, compiler_params, compute_dtype, iota, mm, rows)
+    F32, SUB, compiler_params, compute_dtype, iota, masked_exp, mm, rows)
 
 N_SUB = C // SUB
-
-
-def _masked_exp(x):
-    return jnp.exp(jnp.minimum(x, 0.0))
 
 
 def _flags(ref, start, n):
@@ -49,7 +45,7 @@ def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
         def column(j, a):
             k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
             ok = (t >= j) & (r_i == jnp.max(r_ref[pl.ds(start + j, 1)]))
-            col = jnp.where(ok, jnp.sum(q_i * k_j * _masked_exp(b_i - b_j), axis=1), 0.0)
+            col = jnp.where(ok, jnp.sum(q_i * k_j * masked_exp(b_i - b_j), axis=1), 0.0)
             return a + jnp.where(cols == j, col[:, None], 0.0)
 
         return jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), F32))
@@ -64,8 +60,8 @@ def score_rows(q_i, b_i, r_i, k_all, b_all, r_all, k_ref, b_ref, r_ref, start, c
     # keys of earlier sub-chunks as one block, the decay split at the sub-chunk boundary;
     # columns at or past `start` are masked (their exponents clamped to <= 0)
     b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
-    k_off = jnp.where((iota(C) < start)[:, None], k_all * _masked_exp(b_edge - b_all), 0.0)
-    a_off = mm(q_i * _masked_exp(b_i - b_edge), k_off, cd, trans_b=True)
+    k_off = jnp.where((iota(C) < start)[:, None], k_all * masked_exp(b_edge - b_all), 0.0)
+    a_off = mm(q_i * masked_exp(b_i - b_edge), k_off, cd, trans_b=True)
     a_off = jnp.where((cols < start) & (r_i[:, None] == r_all[None, :]), a_off, 0.0)
     return a_off, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start)
 
@@ -133,7 +129,7 @@ def grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_
         il_i = _flags(il_ref, start, SUB).astype(F32)[:, None]
         # state paths: o <- start state (queries), end state <- k, v (keys)
         dq_i = scale * mm(do_i, S, cd, trans_b=True) * jnp.exp(b_i) * ci_i
-        decay_to_end = _masked_exp(b_last - b_i) * il_i
+        decay_to_end = masked_exp(b_last - b_i) * il_i
         dk_i = mm(v_i, dS, cd, trans_b=True) * decay_to_end
         if dv_ref:
             dv_i = (mm(k_i * decay_to_end, dS, cd)
@@ -141,12 +137,12 @@ def grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_
         extra += jnp.sum(k_i * dk_i, axis=0, keepdims=True)
         # this sub-chunk's queries against earlier keys (none for the first: all masked)
         b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
-        k_off = jnp.where((t_idx < start)[:, None], k * _masked_exp(b_edge - b), 0.0)
-        dq_i += mm(da_ref[pl.ds(start, SUB), :], k_off, cd) * _masked_exp(b_i - b_edge)
+        k_off = jnp.where((t_idx < start)[:, None], k * masked_exp(b_edge - b), 0.0)
+        dq_i += mm(da_ref[pl.ds(start, SUB), :], k_off, cd) * masked_exp(b_i - b_edge)
         # this sub-chunk's keys against later queries (none for the last)
         b_edge = rows(b_ref, start + SUB - 1, 1)
-        q_off = jnp.where((t_idx >= start + SUB)[:, None], q * _masked_exp(b - b_edge), 0.0)
-        dk_i += mm(dat_ref[pl.ds(start, SUB), :], q_off, cd) * _masked_exp(b_edge - b_i)
+        q_off = jnp.where((t_idx >= start + SUB)[:, None], q * masked_exp(b - b_edge), 0.0)
+        dk_i += mm(dat_ref[pl.ds(start, SUB), :], q_off, cd) * masked_exp(b_edge - b_i)
 
         dq_i, dk_i = _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start,
                                  dq_i, dk_i)
@@ -179,12 +175,12 @@ def _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start, dq_i
         def diag_dq(j, dq_a):  # key j of the diagonal block
             col = da_ref[pl.ds(start, SUB), pl.ds(start + j, 1)]
             k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
-            return dq_a + col * k_j * _masked_exp(b_i - b_j)
+            return dq_a + col * k_j * masked_exp(b_i - b_j)
 
         def diag_dk(t, dk_a):  # query t of the diagonal block
             col = dat_ref[pl.ds(start, SUB), pl.ds(start + t, 1)]
             q_t, b_t = rows(q_ref, start + t, 1), rows(b_ref, start + t, 1)
-            return dk_a + col * q_t * _masked_exp(b_t - b_i)
+            return dk_a + col * q_t * masked_exp(b_t - b_i)
 
         return (jax.lax.fori_loop(0, SUB, diag_dq, dq_i),
                 jax.lax.fori_loop(0, SUB, diag_dk, dk_i))

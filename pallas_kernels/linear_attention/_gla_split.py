@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention._gla_chunks import (
-    _flags, _masked_exp, _scores_shape, grads_kernel, score_rows, store_score_rows)
+    _flags, _scores_shape, grads_kernel, score_rows, store_score_rows)
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, compiler_params, compute_dtype, mm, rows)
+    F32, SUB, compiler_params, compute_dtype, masked_exp, mm, rows)
 
 N_SUB = C // SUB
 _sq = pl.squeezed
@@ -50,7 +50,7 @@ def _outputs_kernel(q_ref, b_ref, ci_ref, h_ref, a_ref, v_ref, o_ref, *, scale, 
 def _value_grads_kernel(k_ref, b_ref, il_ref, ds_ref, a_ref, do_ref, dv_ref, *, scale, cd):
     k, b = rows(k_ref, 0, C), rows(b_ref, 0, C)
     b_last = rows(b_ref, C - 1, 1)
-    kg = k * _masked_exp(b_last - b) * il_ref[...].astype(F32)[:, None]
+    kg = k * masked_exp(b_last - b) * il_ref[...].astype(F32)[:, None]
     dv = mm(kg, ds_ref[...], cd) + scale * mm(a_ref[...], do_ref[...], cd, trans_a=True)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 

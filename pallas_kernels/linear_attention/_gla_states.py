@@ -13,11 +13,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, compiler_params, compute_dtype, mm, row_as_column, rows)
-
-
-def _masked_exp(x):
-    return jnp.exp(jnp.minimum(x, 0.0))
+    F32, compiler_params, compute_dtype, masked_exp, mm, row_as_column, rows)
 
 
 def _flag(ref, start, n=C):
@@ -31,7 +27,7 @@ def _states_kernel(k_ref, v_ref, b_ref, il_ref, ci_ref, h0_ref, h_ref, ht_ref, *
         k, v, b = rows(k_ref, base, C), rows(v_ref, base, C), rows(b_ref, base, C)
         b_last = rows(b_ref, base + C - 1, 1)
         keep = jnp.max(_flag(ci_ref, base + C - 1, 1))  # the start state survives the chunk
-        k_dec = k * _masked_exp(b_last - b) * _flag(il_ref, base)[:, None]
+        k_dec = k * masked_exp(b_last - b) * _flag(il_ref, base)[:, None]
         return keep * row_as_column(jnp.exp(b_last)) * S + mm(k_dec, v, cd, trans_a=True)
 
     ht_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, h0_ref[...].astype(F32))

@@ -29,11 +29,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
-from pallas_kernels.linear_attention._pallas_common import F32, SUB, iota, mm, rows
-
-
-def masked_exp(x):
-    return jnp.exp(jnp.minimum(x, 0.0))
+from pallas_kernels.linear_attention._pallas_common import F32, SUB, iota, masked_exp, mm, rows
 
 
 def exact_dot(a, b):

@@ -25,9 +25,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_intra import (
-    _diagonal_blocks, _inverse_16, exact_dot, flags, masked_exp)
+    _diagonal_blocks, _inverse_16, exact_dot, flags)
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
-from pallas_kernels.linear_attention._pallas_common import F32, SUB, iota, mm, rows
+from pallas_kernels.linear_attention._pallas_common import (
+    F32, SUB, iota, masked_exp, mm, rows)
 
 
 def _intra_rows_kernel(q_ref, k_ref, v_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref,

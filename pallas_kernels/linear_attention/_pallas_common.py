@@ -34,6 +34,12 @@ def rows(ref, start, n):
     return ref[pl.ds(start, n), :].astype(F32)
 
 
+def masked_exp(x):
+    """exp(min(x, 0)): decays are only ever exponentiated as exp(x <= 0); the clamp keeps
+    masked-out entries (exponents of the wrong sign) finite before they are zeroed."""
+    return jnp.exp(jnp.minimum(x, 0.0))
+
+
 def iota(n, axis=0, shape=None):
     return jax.lax.broadcasted_iota(jnp.int32, shape or (n,), axis)
 

@@ -8,7 +8,6 @@ initial_state is given, reset to zero before the first token of each new segment
 `*_recurrent` is the token-by-token oracle; `*_chunked` is the memory-sane chunked form
 (chunk 64, no [T, T] tensors, differentiable by plain autodiff) used as the CPU default.
 """
-import functools
 
 import jax
 import jax.numpy as jnp
