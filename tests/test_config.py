@@ -1,5 +1,3 @@
-import dataclasses
-
 import pytest
 
 from experiments.lora_2p8t import main

@@ -150,7 +150,6 @@ def sparse_attention_reference(q, k, v, indices, *, scale=None, block_q: int = 1
     input_checks.check_attention_inputs(q, k, v, indices)
     input_checks.check_positive_int("block_q", block_q)
     b, t, hq, d = q.shape
-    hk = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
     block_q = min(block_q, t)
 

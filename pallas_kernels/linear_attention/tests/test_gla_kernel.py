@@ -1,7 +1,6 @@
 """The Pallas GLA kernels (interpret mode on CPU) against the fp32 token-by-token oracle."""
 import jax
 import jax.numpy as jnp
-import pytest
 
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent

@@ -2,7 +2,6 @@
 same outputs, inverse included, on fresh random inputs with segment resets; decays of at
 most -2 per token send the first chunk's diagonal blocks down the factored path, -20 on
 some tokens of the second chunk sends its blocks down the exact one."""
-import jax
 import jax.numpy as jnp
 import pytest
 

@@ -6,7 +6,6 @@ x is read from the residual stream by the scheme `model.residual` chooses
 
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 from hylora.model.init import ParamInit
