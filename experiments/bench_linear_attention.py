@@ -112,7 +112,7 @@ def kernel_breakdown(shape, tiling):
 def kda_kernel_breakdown(shape):
     """Milliseconds of each KDA kernel alone (forward: intra, states, output; backward
     adds the recomputed intra with the inverse, dv_local, state_grads, wy_grads, key_grads),
-    and of the looped in-chunk kernel with 2 and 4 warps."""
+    and of the looped in-chunk kernel with 1, 2 and 4 warps."""
     from pallas_kernels.linear_attention import _chunk_prep
     from pallas_kernels.linear_attention._kda_intra import chunk_intra
     from pallas_kernels.linear_attention._kda_intra_rows import chunk_intra_rows
@@ -137,7 +137,7 @@ def kda_kernel_breakdown(shape):
     # the looped variant of the in-chunk kernel (_kda_intra_rows), with the inverse
     rows = {n: jax.jit(lambda *a, n=n: chunk_intra_rows(*a, runs, ci, il, cd=cd, emit_inverse=True,
                                                       interpret=interp, num_warps=n))
-            for n in (2, 4)}
+            for n in (1, 2, 4)}
     states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
     h, vn, _ = states(w, u0, kg, b)
     output = jax.jit(lambda qg, aqk, h, vn: chunk_output(qg, aqk, h, vn, scale=scale,

@@ -8,7 +8,9 @@ here each part gets the grid that fits it:
   backward  dv = (k exp(b_last - b) il) dS + scale A^T do per (chunk, value block), dense;
             dq, dk, db per (chunk, block of key channels): the fused gradient kernel's
             body, which only ever combines channels of one key block.
-Same results as the fused layout (`Tiling(split=1)` picks this one).
+The same results as the fused layout up to rounding: sums run in another order, and a
+key block decides alone whether its diagonal blocks factor (`Tiling(split=1)` picks this
+layout).
 """
 import functools
 
@@ -114,6 +116,7 @@ def chunk_grads(q, k, v, b, carry_in, in_last, h, ds, do, a, da, dat, *, scale, 
         interpret=interpret, name="gla_chunk_value_grads",
     )(k, b, in_last, ds, a, do)
     hds = jnp.sum(h.astype(F32) * ds.astype(F32), axis=-1)  # as in _gla_chunks.chunk_grads
+    # `a` is passed for the kernel's signature only: without a dv output it is not read
     dq, dk, db = pl.pallas_call(
         functools.partial(grads_kernel, scale=scale, cd=cd),
         grid=(B, H, Tp // C, Dk // block_k),

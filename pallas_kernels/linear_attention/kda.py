@@ -88,10 +88,12 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-                output_final_state=False, normalize_qk=True, block_v=None):
+                output_final_state=False, normalize_qk=True, block_v=None, block_k=None):
     """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0). Returns
-    (o [B, T, H, Dv] in v's dtype, fp32 final state [B, H, Dk, Dv] or None)."""
+    (o [B, T, H, Dv] in v's dtype, fp32 final state [B, H, Dk, Dv] or None). block_v /
+    block_k: the value-channel tile of every kernel / the key-channel tile of the
+    key-gradient kernel (defaults by Dk, Dv)."""
     B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids)
     _check_head_dims(Dk, Dv)
     scale = default_scale(scale, Dk)
@@ -107,7 +109,10 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     bv = block_v or min(Dv, 64 if Dk <= 128 else 32)
     if bv < 16 or bv & (bv - 1) or Dv % bv:
         raise ValueError(f"block_v = {bv}: need a power of two >= 16 dividing Dv = {Dv}")
-    t = Tiling(block_v=bv, block_k=min(Dk, 64), interpret=interpret_mode())
+    bk = block_k or min(Dk, 64)
+    if bk < 16 or bk & (bk - 1) or Dk % bk:
+        raise ValueError(f"block_k = {bk}: need a power of two >= 16 dividing Dk = {Dk}")
+    t = Tiling(block_v=bv, block_k=bk, interpret=interpret_mode())
     o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)
 

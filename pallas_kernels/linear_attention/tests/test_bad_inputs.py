@@ -2,7 +2,8 @@
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.linear_attention import chunked_gla, gla_chunked, kda_chunked, kda_recurrent
+from pallas_kernels.linear_attention import (
+    chunked_gla, chunked_kda, gla_chunked, kda_chunked, kda_recurrent)
 from pallas_kernels.linear_attention.tests._data import make_inputs
 
 
@@ -38,3 +39,11 @@ def test_bad_keywords(x):
         kda_recurrent(*qkvg, jnp.zeros((1, 8)))
     with pytest.raises(ValueError, match="power of two"):
         chunked_gla(x["q"][..., :12], x["k"][..., :12], x["v"], x["g"][..., :12])
+
+
+def test_bad_kda_tiles(x):
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])  # Dk = Dv = 16
+    with pytest.raises(ValueError, match="block_k = 24: need a power of two"):
+        chunked_kda(*args, block_k=24)
+    with pytest.raises(ValueError, match="block_v = 32: need a power of two >= 16 dividing"):
+        chunked_kda(*args, block_v=32)

@@ -30,12 +30,14 @@ def test_fp32_exact_with_resets_initial_state_strong_decay_and_split_dv():
 
 def _mixed_decay_inputs(seed):
     # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
-    # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 sends its
-    # sub-chunks down the exact path, in the same kernel launch
+    # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 (all four of its
+    # sub-chunks) and on channels 16.. only sends those sub-chunks down the exact path:
+    # in the split layout's key blocks of 16, one block factors while the other is exact
     assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * 20.0
-    x = make_inputs(seed=seed, T=80, Dk=32, Dv=32, min_log_decay=-2.0)
-    strong = (jnp.arange(80) >= 66) & (jnp.arange(80) % 4 == 0)
-    x["g"] = jnp.where(strong[None, :, None, None], -20.0, x["g"])
+    x = make_inputs(seed=seed, T=150, Dk=32, Dv=32, min_log_decay=-2.0)
+    t = jnp.arange(150)
+    strong = ((t >= 66) & (t < 128) & (t % 4 == 0))[:, None] & (jnp.arange(32) >= 16)[None, :]
+    x["g"] = jnp.where(strong[None, :, None, :], -20.0, x["g"])
     return x
 
 

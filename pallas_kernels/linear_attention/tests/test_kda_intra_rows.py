@@ -1,7 +1,7 @@
 """The looped in-chunk KDA kernel against the unrolled one (interpret mode on CPU): the
-same outputs, inverse included, on fresh random inputs with segment resets; decays of at
-most -2 per token send the first chunk's diagonal blocks down the factored path, -20 on
-some tokens of the second chunk sends its blocks down the exact one."""
+same outputs, inverse included, on fresh random inputs with segment resets; log decays
+g >= -2 per token send the first chunk's diagonal blocks down the factored path, g = -20
+on some tokens of the second chunk sends its blocks down the exact one."""
 import jax.numpy as jnp
 import pytest
 

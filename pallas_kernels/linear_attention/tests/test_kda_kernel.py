@@ -65,6 +65,17 @@ def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
     _assert_within(_errors(x, block_v=16), 1e-4, 1e-4)
 
 
+def test_fp32_exact_over_key_blocks_taking_different_diagonal_paths():
+    # Dk = 32 in two key blocks of 16 for the key-gradient kernel; g = -20 on channels of
+    # the second block only (a few tokens of chunk 1), so in the same sub-chunk one key
+    # block factors its diagonal block and the other takes the exact path
+    x = make_inputs(seed=13, T=150, Dk=32, Dv=16, min_log_decay=-2.0, segment_rate=0.03)
+    strong = ((jnp.arange(150) >= 70) & (jnp.arange(150) < 128)
+              & (jnp.arange(150) % 5 == 0))[:, None] & (jnp.arange(32) >= 16)[None, :]
+    x["g"] = jnp.where(strong[None, :, None, :], -20.0, x["g"])
+    _assert_within(_errors(x, block_k=16), 1e-4, 1e-4)
+
+
 def test_bf16_inputs_within_tolerance():
     # B=2, D=64, strong decays (g down to -20), segment resets, initial state, T=130
     x = make_inputs(seed=7, B=2, T=130, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16,
