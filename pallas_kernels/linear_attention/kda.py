@@ -106,15 +106,18 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     h0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     # BV = 32 at Dk = 256 keeps the sequential kernels' [Dk, BV] fp32 state small
-    bv = block_v or min(Dv, 64 if Dk <= 128 else 32)
-    if bv < 16 or bv & (bv - 1) or Dv % bv:
-        raise ValueError(f"block_v = {bv}: need a power of two >= 16 dividing Dv = {Dv}")
-    bk = block_k or min(Dk, 64)
-    if bk < 16 or bk & (bk - 1) or Dk % bk:
-        raise ValueError(f"block_k = {bk}: need a power of two >= 16 dividing Dk = {Dk}")
+    bv = _tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
+    bk = _tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
     t = Tiling(block_v=bv, block_k=bk, interpret=interpret_mode())
     o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)
+
+
+def _tile(name, size, dim_name, dim):
+    if size < 16 or size & (size - 1) or dim % size:
+        raise ValueError(f"{name} = {size}: need a power of two >= 16 dividing "
+                         f"{dim_name} = {dim}")
+    return size
 
 
 def _check_head_dims(Dk, Dv):

@@ -2,6 +2,8 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.linear_attention import _diagonal_blocks as diag
+
 
 def make_inputs(seed, B=1, T=80, H=2, Dk=16, Dv=16, dtype=jnp.float32, min_log_decay=-20.0,
                 segment_rate=0.04):
@@ -15,6 +17,16 @@ def make_inputs(seed, B=1, T=80, H=2, Dk=16, Dv=16, dtype=jnp.float32, min_log_d
     segment_ids = jnp.cumsum(jax.random.uniform(ks[5], (B, T)) < segment_rate, axis=1).astype(jnp.int32)
     h0 = jax.random.normal(ks[6], (B, H, Dk, Dv))
     return dict(q=q, k=k, v=v, g=g, beta=beta, segment_ids=segment_ids, initial_state=h0)
+
+
+def with_strong_decay(x, tokens, channels=None, log_decay=-20.0):
+    """x with g = log_decay on the tokens (bool [T]) and channels (bool [Dk], all if None).
+    On inputs made with min_log_decay >= -2, a 16-token sub-chunk stays within the
+    factored diagonal path's decay range (15 * 2 < FACTOR_LIMIT) unless it holds such
+    tokens: three of them (3 * 20 > FACTOR_LIMIT) send it down the exact path."""
+    assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * -log_decay
+    mask = tokens[:, None] if channels is None else tokens[:, None] & channels[None, :]
+    return dict(x, g=jnp.where(mask[None, :, None, :], log_decay, x["g"]))
 
 
 def rel_rms(ref, x):

@@ -2,10 +2,9 @@
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention.gla import Tiling
-from pallas_kernels.linear_attention.tests._data import fast_jit, loss_fn, make_inputs, rel_rms
+from pallas_kernels.linear_attention.tests._data import fast_jit, loss_fn, make_inputs, rel_rms, with_strong_decay
 
 
 def _check(x, out_tol, grad_tol, **kernel_kw):
@@ -33,12 +32,9 @@ def _mixed_decay_inputs(seed):
     # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 (all four of its
     # sub-chunks) and on channels 16.. only sends those sub-chunks down the exact path:
     # in the split layout's key blocks of 16, one block factors while the other is exact
-    assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * 20.0
     x = make_inputs(seed=seed, T=150, Dk=32, Dv=32, min_log_decay=-2.0)
     t = jnp.arange(150)
-    strong = ((t >= 66) & (t < 128) & (t % 4 == 0))[:, None] & (jnp.arange(32) >= 16)[None, :]
-    x["g"] = jnp.where(strong[None, :, None, :], -20.0, x["g"])
-    return x
+    return with_strong_decay(x, (t >= 66) & (t < 128) & (t % 4 == 0), jnp.arange(32) >= 16)
 
 
 def test_fp32_exact_with_factored_and_exact_diagonal_blocks():

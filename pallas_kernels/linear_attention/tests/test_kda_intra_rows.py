@@ -6,10 +6,9 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.linear_attention import _chunk_prep
-from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_intra_rows import chunk_intra_rows
-from pallas_kernels.linear_attention.tests._data import fast_jit, make_inputs, rel_rms
+from pallas_kernels.linear_attention.tests._data import fast_jit, make_inputs, rel_rms, with_strong_decay
 
 NAMES = ("qg", "kg", "w", "u0", "A_qk", "inverse")
 
@@ -17,9 +16,8 @@ NAMES = ("qg", "kg", "w", "u0", "A_qk", "inverse")
 def _intra_inputs(seed, T, D, dtype, segment_rate):
     x = make_inputs(seed=seed, T=T, H=2, Dk=D, Dv=D, dtype=dtype, segment_rate=segment_rate,
                     min_log_decay=-2.0)
-    assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * 20.0
-    strong = (jnp.arange(T) >= 66) & (jnp.arange(T) < 128) & (jnp.arange(T) % 4 == 0)
-    x["g"] = jnp.where(strong[None, :, None, None], -20.0, x["g"])
+    t = jnp.arange(T)
+    x = with_strong_decay(x, (t >= 66) & (t < 128) & (t % 4 == 0))
     B = x["q"].shape[0]
     q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"],
                                            B, T)

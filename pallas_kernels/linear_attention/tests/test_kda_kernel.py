@@ -3,9 +3,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
-from pallas_kernels.linear_attention.tests._data import fast_jit, make_inputs, rel_rms
+from pallas_kernels.linear_attention.tests._data import fast_jit, make_inputs, rel_rms, with_strong_decay
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -58,10 +57,9 @@ def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
     # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
     # chunks 0 and 2 take the matmul path; g = -20 on a few tokens of chunk 1 sends its
     # sub-chunks down the exact path, in the same kernel launch
-    assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * 20.0
     x = make_inputs(seed=9, T=130, Dk=16, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
-    strong = (jnp.arange(130) >= 70) & (jnp.arange(130) % 5 == 0) & (jnp.arange(130) < 128)
-    x["g"] = jnp.where(strong[None, :, None, None], -20.0, x["g"])
+    t = jnp.arange(130)
+    x = with_strong_decay(x, (t >= 70) & (t % 5 == 0) & (t < 128))
     _assert_within(_errors(x, block_v=16), 1e-4, 1e-4)
 
 
@@ -70,9 +68,8 @@ def test_fp32_exact_over_key_blocks_taking_different_diagonal_paths():
     # the second block only (a few tokens of chunk 1), so in the same sub-chunk one key
     # block factors its diagonal block and the other takes the exact path
     x = make_inputs(seed=13, T=150, Dk=32, Dv=16, min_log_decay=-2.0, segment_rate=0.03)
-    strong = ((jnp.arange(150) >= 70) & (jnp.arange(150) < 128)
-              & (jnp.arange(150) % 5 == 0))[:, None] & (jnp.arange(32) >= 16)[None, :]
-    x["g"] = jnp.where(strong[None, :, None, :], -20.0, x["g"])
+    t = jnp.arange(150)
+    x = with_strong_decay(x, (t >= 70) & (t < 128) & (t % 5 == 0), jnp.arange(32) >= 16)
     _assert_within(_errors(x, block_k=16), 1e-4, 1e-4)
 
 
