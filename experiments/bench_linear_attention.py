@@ -8,7 +8,6 @@ a correctness check against the reference, and (with --peers) the jla / fla figu
 the given peers comparison script prints at the anchor shape.
 """
 import argparse
-import functools
 import json
 import statistics
 import subprocess
@@ -68,11 +67,14 @@ def correctness(shape=(1, 4096, 4, 128)):
 
 
 def kernel_breakdown(shape, tiling):
-    """Milliseconds of each kernel (and the plain-JAX preparation) alone; with
-    tiling.split, "outputs" and "grads" time the split layout's kernels together."""
-    from pallas_kernels.linear_attention import _chunk_prep, _gla_chunks, _gla_split
-    from pallas_kernels.linear_attention._gla_chunks import chunk_score_grads
+    """Milliseconds of each kernel (and the plain-JAX preparation) alone; "grads" is the
+    value-gradient and key-gradient kernels together."""
+    from pallas_kernels.linear_attention import _chunk_prep
+    from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outputs
+    from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
     from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
+    from pallas_kernels.linear_attention._pallas_common import interpret_mode
+    interp = interpret_mode()  # a CPU smoke run interprets the kernels
     B, T, H, D = shape
     q, k, v, g = inputs(*shape)
     t = tiling
@@ -80,30 +82,29 @@ def kernel_breakdown(shape, tiling):
     qp, kp, vp, b, runs = prep(q, k, v, g)
     ci, il = _chunk_prep.segment_masks(runs)
     h0 = jnp.zeros((B, H, D, D), jnp.float32)
-    sk = dict(block_k=t.block_k, block_v=t.block_v, interpret=False, num_warps=t.state_warps,
+    scale = D ** -0.5
+    sk = dict(block_k=t.block_k, block_v=t.block_v, interpret=interp, num_warps=t.state_warps,
               num_stages=t.state_stages)
-    if t.split:
-        ck = dict(interpret=False, num_warps=t.chunk_warps)
-        chunk_outputs = functools.partial(_gla_split.chunk_outputs, block_v=t.block_v)
-        chunk_grads = functools.partial(_gla_split.chunk_grads, block_k=t.block_k,
-                                        block_v=t.block_v)
-    else:
-        ck = dict(interpret=False, num_warps=t.chunk_warps, num_stages=t.chunk_stages)
-        chunk_outputs, chunk_grads = _gla_chunks.chunk_outputs, _gla_chunks.chunk_grads
+    ck = dict(interpret=interp, num_warps=t.chunk_warps)
+    gk = dict(interpret=interp, num_warps=t.grad_warps)
     states = jax.jit(lambda k, v, b: chunk_states(k, v, b, il, ci, h0, **sk))
     h, _ = states(kp, vp, b)
-    dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=D ** -0.5, **sk))
+    dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=scale, **sk))
     ds, _ = dstates(qp, b, vp)
-    outputs = jax.jit(lambda q, k, v, b, h: chunk_outputs(q, k, v, b, runs, ci, h, scale=D ** -0.5, **ck))
-    _, a = outputs(qp, kp, vp, b, h)
-    dscores = jax.jit(lambda v, do: chunk_score_grads(v, runs, do, scale=D ** -0.5, interpret=False))
+    scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **ck))
+    a = scores(qp, kp, b)
+    outputs = jax.jit(lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale,
+                                                          block_v=t.block_v, **ck))
+    dscores = jax.jit(lambda v, do: chunk_score_grads(v, runs, do, scale=scale, **gk))
     da, dat = dscores(vp, vp)
-    grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_grads(q, k, v, b, ci, il, h, ds, do, a, da, dat,
-                                                              scale=D ** -0.5, **ck))
+    grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_grads(
+        q, k, v, b, ci, il, h, ds, do, a, da, dat, scale=scale, block_k=t.block_k,
+        block_v=t.block_v, **gk))
     return {"shape": list(shape), "kernel_ms": {
         "prepare": round(timed(prep, q, k, v, g), 3),
         "states": round(timed(states, kp, vp, b), 3),
-        "outputs": round(timed(outputs, qp, kp, vp, b, h), 3),
+        "scores": round(timed(scores, qp, kp, b), 3),
+        "outputs": round(timed(outputs, qp, vp, b, h, a), 3),
         "state_grads": round(timed(dstates, qp, b, vp), 3),
         "score_grads": round(timed(dscores, vp, vp), 3),
         "grads": round(timed(grads, qp, kp, vp, b, h, ds, vp), 3)}}
@@ -111,11 +112,9 @@ def kernel_breakdown(shape, tiling):
 
 def kda_kernel_breakdown(shape):
     """Milliseconds of each KDA kernel alone (forward: intra, states, output; backward
-    adds the recomputed intra with the inverse, dv_local, state_grads, wy_grads, key_grads),
-    and of the looped in-chunk kernel with 1, 2 and 4 warps."""
+    adds the recomputed intra with the inverse, dv_local, state_grads, wy_grads, key_grads)."""
     from pallas_kernels.linear_attention import _chunk_prep
     from pallas_kernels.linear_attention._kda_intra import chunk_intra
-    from pallas_kernels.linear_attention._kda_intra_rows import chunk_intra_rows
     from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
     from pallas_kernels.linear_attention._kda_states import chunk_state_grads, chunk_states
     from pallas_kernels.linear_attention._kda_value_side import (
@@ -134,10 +133,6 @@ def kda_kernel_breakdown(shape):
     intra = jax.jit(lambda *a, e: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e,
                                               interpret=interp), static_argnames="e")
     qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
-    # the looped variant of the in-chunk kernel (_kda_intra_rows), with the inverse
-    rows = {n: jax.jit(lambda *a, n=n: chunk_intra_rows(*a, runs, ci, il, cd=cd, emit_inverse=True,
-                                                      interpret=interp, num_warps=n))
-            for n in (1, 2, 4)}
     states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
     h, vn, _ = states(w, u0, kg, b)
     output = jax.jit(lambda qg, aqk, h, vn: chunk_output(qg, aqk, h, vn, scale=scale,
@@ -154,8 +149,6 @@ def kda_kernel_breakdown(shape):
     return {"op": "kda", "shape": list(shape), "kernel_ms": {
         "intra": round(timed(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
         "intra_with_inverse": round(timed(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
-        **{f"intra_rows_with_inverse_{n}w": round(timed(f, qp, kp, vp, b, beta), 3)
-           for n, f in rows.items()},
         "states": round(timed(states, w, u0, kg, b), 3),
         "output": round(timed(output, qg, aqk, h, vn), 3),
         "dv_local": round(timed(dv_local, aqk, vp, vn), 3),

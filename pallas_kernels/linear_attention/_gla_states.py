@@ -2,8 +2,9 @@
 
 Each program owns one [BK, BV] tile of the fp32 state of one (batch row, head) and walks
 the chunks in order (or in reverse), doing one small matmul per chunk; everything else
-about a chunk is computed by the parallel kernels in `_gla_chunks.py`. The per-chunk
-tiles are written in the compute dtype: they only ever feed tensor-core matmuls.
+about a chunk is computed by the parallel kernels (`_gla_scores.py`, `_gla_chunks.py`).
+The per-chunk tiles are written in the compute dtype: they only ever feed tensor-core
+matmuls.
 """
 import functools
 

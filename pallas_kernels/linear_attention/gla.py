@@ -1,13 +1,12 @@
 """chunked_gla: Pallas chunked gated linear attention with a Pallas backward (custom_vjp).
 
-Forward: a thin sequential kernel computes every chunk's start state, then a parallel
-kernel computes each chunk's output and its in-chunk scores A. Backward: the start
-states are recomputed (the inputs and A are the residuals: A costs as much memory as
-one [B, T, H, 64] fp32 tensor), a reverse sequential kernel gives each chunk's
-end-state gradient, a parallel kernel the score gradients dA, and a last parallel
-kernel dq, dk, dv and the decay gradient. `Tiling(split=1)` runs the parallel parts as
-more, smaller kernels instead (_gla_split: scores apart from outputs, dv apart from the
-key-channel gradients).
+Forward: a thin sequential kernel computes every chunk's start state (_gla_states),
+parallel kernels each chunk's in-chunk scores A (_gla_scores) and, per block of value
+channels, its output (_gla_chunks). Backward: the start states are recomputed (the
+inputs and A are the residuals: A costs as much memory as one [B, T, H, 64] fp32
+tensor), a reverse sequential kernel gives each chunk's end-state gradient, parallel
+kernels the score gradients dA, dv per value block, and dq, dk and the decay gradient
+per block of key channels.
 """
 import functools
 from typing import NamedTuple
@@ -16,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import _chunk_prep, _gla_split
-from pallas_kernels.linear_attention._gla_chunks import (
-    chunk_grads, chunk_outputs, chunk_score_grads)
+from pallas_kernels.linear_attention import _chunk_prep
+from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outputs
+from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
 from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
 from pallas_kernels.linear_attention._inputs import default_scale, validate
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
@@ -30,9 +29,10 @@ class Tiling(NamedTuple):
     block_v: int = 64
     state_warps: int = 4
     state_stages: int = 2
-    chunk_warps: int = 4  # H200, (1, 32768, 32, 128), fwd+bwd: 25.1 ms; 2 warps 39.4
-    chunk_stages: int = 1
-    split: int = 0  # 1: the split parallel kernels (_gla_split), tiled by block_k / block_v
+    # warps of the parallel kernels; H200, (1, 32768, 32, 128): scores 2.9 ms (1 warp 7.0,
+    # 4 warps 3.4), key and value gradients 5.6 ms (2 warps 7.2, 8 warps 8.3)
+    chunk_warps: int = 2  # forward: scores, outputs
+    grad_warps: int = 4  # backward: score gradients, value and key gradients
     interpret: bool = False
 
 
@@ -44,13 +44,9 @@ def _states(k, v, b, masks, h0, t: Tiling):
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t):
     h, ht = _states(k, v, b, masks, h0, t)
-    if t.split:
-        o, a = _gla_split.chunk_outputs(q, k, v, b, runs, masks[0], h, scale=scale,
-                                        block_v=t.block_v, interpret=t.interpret,
-                                        num_warps=t.chunk_warps)
-    else:
-        o, a = chunk_outputs(q, k, v, b, runs, masks[0], h, scale=scale, interpret=t.interpret,
-                             num_warps=t.chunk_warps, num_stages=t.chunk_stages)
+    a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.chunk_warps)
+    o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v,
+                      interpret=t.interpret, num_warps=t.chunk_warps)
     return (o, ht), a
 
 
@@ -74,16 +70,11 @@ def _gla_core_bwd(scale, t, res, cts):
     ds, dh0 = chunk_state_grads(q, b, masks[0], do, dht, scale=scale, block_k=t.block_k,
                                 block_v=t.block_v, interpret=t.interpret,
                                 num_warps=t.state_warps, num_stages=t.state_stages)
-    da, dat = chunk_score_grads(v, runs, do, scale=scale, interpret=t.interpret)
-    if t.split:
-        dq, dk, dv, db = _gla_split.chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat,
-                                                scale=scale, block_k=t.block_k,
-                                                block_v=t.block_v, interpret=t.interpret,
-                                                num_warps=t.chunk_warps)
-    else:
-        dq, dk, dv, db = chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat, scale=scale,
-                                     interpret=t.interpret, num_warps=t.chunk_warps,
-                                     num_stages=t.chunk_stages)
+    da, dat = chunk_score_grads(v, runs, do, scale=scale, interpret=t.interpret,
+                                num_warps=t.grad_warps)
+    dq, dk, dv, db = chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat, scale=scale,
+                                 block_k=t.block_k, block_v=t.block_v, interpret=t.interpret,
+                                 num_warps=t.grad_warps)
     return dq, dk, dv, db, dh0, None, None
 
 

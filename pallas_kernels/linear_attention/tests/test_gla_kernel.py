@@ -31,7 +31,7 @@ def _mixed_decay_inputs(seed):
     # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
     # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 (all four of its
     # sub-chunks) and on channels 16.. only sends those sub-chunks down the exact path:
-    # in the split layout's key blocks of 16, one block factors while the other is exact
+    # in key blocks of 16, one block factors while the other is exact
     x = make_inputs(seed=seed, T=150, Dk=32, Dv=32, min_log_decay=-2.0)
     t = jnp.arange(150)
     return with_strong_decay(x, (t >= 66) & (t < 128) & (t % 4 == 0), jnp.arange(32) >= 16)
@@ -41,15 +41,10 @@ def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
     _check(_mixed_decay_inputs(9), 1e-4, 1e-4)
 
 
-def test_split_kernels_fp32_exact_over_key_and_value_blocks():
-    # two 16-channel blocks of keys and of values: every split kernel's block grid
-    _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(split=1, block_k=16, block_v=16))
+def test_fp32_exact_over_key_and_value_blocks():
+    # two 16-channel blocks of keys and of values: every parallel kernel's block grid
+    _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16))
 
 
 def test_bf16_inputs_within_tolerance():
     _check(make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=-5.0), 5e-3, 1e-2)
-
-
-def test_split_kernels_bf16_inputs_within_tolerance():
-    _check(make_inputs(seed=7, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=-5.0),
-           5e-3, 1e-2, tiling=Tiling(split=1))

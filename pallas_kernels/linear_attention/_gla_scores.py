@@ -1,0 +1,101 @@
+"""The in-chunk GLA scores and their gradient, chunk by chunk in parallel.
+
+A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay,
+s <= t in one segment) is built per 16-token sub-chunk, one program each: blocks below
+the diagonal factor the decay through the sub-chunk boundary (both factors <= 1, so one
+tensor-core matmul); diagonal blocks factor through the sub-chunk's first token where
+its decays allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly,
+one key at a time, so decays down to g = -20 per token stay finite. A is kept for the backward,
+which needs it for dv; dA = scale * do v^T needs no decay at all.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.linear_attention import _diagonal_blocks as diag
+from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid, scores_shape
+from pallas_kernels.linear_attention._inputs import CHUNK as C
+from pallas_kernels.linear_attention._pallas_common import (
+    F32, SUB, compiler_params, compute_dtype, iota, masked_exp, mm, rows)
+
+
+def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
+    """Scores of one 16x16 diagonal block: one matmul, or exact one key column at a time."""
+    b_r = rows(b_ref, start, 1)
+    same = r_i[:, None] == r_ref[pl.ds(start, SUB)][None, :]
+
+    def factored(q_i, b_i):
+        down, up = diag.decay_factors(b_i, b_r)
+        a = diag.f32_mm(q_i * down, rows(k_ref, start, SUB) * up, trans_b=True)
+        return jnp.where(same, diag.lower(a), 0.0)
+
+    def exact(q_i, b_i):
+        t = iota(SUB)
+        cols = iota(SUB, 1, (SUB, SUB))
+
+        def column(j, a):
+            k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
+            ok = (t >= j) & (r_i == jnp.max(r_ref[pl.ds(start + j, 1)]))
+            col = jnp.where(ok, jnp.sum(q_i * k_j * masked_exp(b_i - b_j), axis=1), 0.0)
+            return a + jnp.where(cols == j, col[:, None], 0.0)
+
+        return jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), F32))
+
+    return diag.choose(b_i, b_r, factored, exact, q_i, b_i)
+
+
+def _scores_kernel(q_ref, k_ref, b_ref, r_ref, a_ref, *, cd):
+    """The [16, C] row block of A of sub-chunk program_id(3): q_ref holds its 16 queries,
+    k_ref, b_ref and r_ref the whole chunk."""
+    start = pl.multiple_of(pl.program_id(3) * SUB, SUB)
+    q_i, b_i, r_i = q_ref[...].astype(F32), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
+    cols = iota(C, 1, (SUB, C))
+    # keys of earlier sub-chunks as one block, the decay split at the sub-chunk boundary;
+    # columns at or past `start` are masked (exponents clamped to <= 0)
+    b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
+    k_off = jnp.where((iota(C) < start)[:, None],
+                      rows(k_ref, 0, C) * masked_exp(b_edge - rows(b_ref, 0, C)), 0.0)
+    a_off = mm(q_i * masked_exp(b_i - b_edge), k_off, cd, trans_b=True)
+    a_off = jnp.where((cols < start) & (r_i[:, None] == r_ref[...][None, :]), a_off, 0.0)
+    # the row block: everything but the diagonal block (zero past it), then that block
+    in_diag = (cols >= start) & (cols < start + SUB)
+    plgpu.store(a_ref, a_off, mask=~in_diag)
+    a_ref[:, pl.ds(start, SUB)] = _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start)
+
+
+def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
+    """dA = scale * do v^T on the causal same-segment pairs, and its transpose."""
+    v, do, r = v_ref[...], do_ref[...], r_ref[...]
+    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
+    same = r[:, None] == r[None, :]
+    da_ref[...] = jnp.where(same & (s <= t), scale * mm(do, v, cd, trans_b=True), 0.0)
+    dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
+
+
+def chunk_scores(q, k, b, runs, *, interpret, num_warps=4):
+    """The in-chunk scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal)."""
+    B, Tp, H, Dk = q.shape
+    g = Grid(N_SUB)
+    return pl.pallas_call(
+        functools.partial(_scores_kernel, cd=compute_dtype(q.dtype)),
+        grid=(B, H, Tp // C, g.size(1)), out_shape=scores_shape(B, H, Tp),
+        in_specs=[g.sub_chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], out_specs=g.score_rows(),
+        compiler_params=compiler_params(num_warps), interpret=interpret,
+        name="gla_chunk_scores",
+    )(q, k, b, runs)
+
+
+def chunk_score_grads(v, runs, do, *, scale, interpret, num_warps=4):
+    """dA = scale * do v^T on causal same-segment pairs [B, H, NT, C, C], and dA transposed."""
+    B, Tp, H, Dv = v.shape
+    g = Grid()
+    return pl.pallas_call(
+        functools.partial(_dscores_kernel, scale=scale, cd=compute_dtype(v.dtype)),
+        grid=(B, H, Tp // C, g.size(1)), out_shape=(scores_shape(B, H, Tp),) * 2,
+        in_specs=[g.chunk(Dv), g.flags(), g.chunk(Dv)], out_specs=(g.scores(), g.scores()),
+        compiler_params=compiler_params(num_warps), interpret=interpret,
+        name="gla_chunk_score_grads",
+    )(v, runs, do)
