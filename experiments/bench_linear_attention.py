@@ -111,10 +111,12 @@ def kernel_breakdown(shape, tiling):
 
 
 def kda_kernel_breakdown(shape):
-    """Milliseconds of each KDA kernel alone (forward: intra, states, output; backward
-    adds the recomputed intra with the inverse, dv_local, state_grads, wy_grads, key_grads)."""
+    """Milliseconds of each KDA kernel alone (forward: intra = scores + solve, states,
+    output; backward adds the recomputed intra with the inverse, dv_local, state_grads,
+    wy_grads, key_grads)."""
     from pallas_kernels.linear_attention import _chunk_prep
     from pallas_kernels.linear_attention._kda_intra import chunk_intra
+    from pallas_kernels.linear_attention._kda_scores import chunk_scores
     from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
     from pallas_kernels.linear_attention._kda_states import chunk_state_grads, chunk_states
     from pallas_kernels.linear_attention._kda_value_side import (
@@ -133,6 +135,7 @@ def kda_kernel_breakdown(shape):
     intra = jax.jit(lambda *a, e: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e,
                                               interpret=interp), static_argnames="e")
     qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
+    scores = jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp))
     states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
     h, vn, _ = states(w, u0, kg, b)
     output = jax.jit(lambda qg, aqk, h, vn: chunk_output(qg, aqk, h, vn, scale=scale,
@@ -149,6 +152,7 @@ def kda_kernel_breakdown(shape):
     return {"op": "kda", "shape": list(shape), "kernel_ms": {
         "intra": round(timed(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
         "intra_with_inverse": round(timed(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
+        "of_which_scores": round(timed(scores, qp, kp, b, beta), 3),
         "states": round(timed(states, w, u0, kg, b), 3),
         "output": round(timed(output, qg, aqk, h, vn), 3),
         "dv_local": round(timed(dv_local, aqk, vp, vn), 3),

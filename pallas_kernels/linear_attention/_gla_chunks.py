@@ -23,22 +23,18 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, compiler_params, compute_dtype, iota, masked_exp, mm, rows)
-
-
-def _flags(ref, start, n):
-    return ref[pl.ds(start, n)].astype(F32)[:, None]
+    F32, SUB, compiler_params, compute_dtype, flag_column, iota, masked_exp, mm, rows)
 
 
 def _outputs_kernel(q_ref, b_ref, ci_ref, h_ref, a_ref, v_ref, o_ref, *, scale, cd):
     q, b = rows(q_ref, 0, C), rows(b_ref, 0, C)
-    o = mm(q * jnp.exp(b) * _flags(ci_ref, 0, C), h_ref[...], cd) + mm(a_ref[...], v_ref[...], cd)
+    o = mm(q * jnp.exp(b) * flag_column(ci_ref, 0, C), h_ref[...], cd) + mm(a_ref[...], v_ref[...], cd)
     o_ref[...] = (scale * o).astype(o_ref.dtype)
 
 
 def _value_grads_kernel(k_ref, b_ref, il_ref, ds_ref, a_ref, do_ref, dv_ref, *, scale, cd):
     k, b = rows(k_ref, 0, C), rows(b_ref, 0, C)
-    kg = k * masked_exp(rows(b_ref, C - 1, 1) - b) * _flags(il_ref, 0, C)
+    kg = k * masked_exp(rows(b_ref, C - 1, 1) - b) * flag_column(il_ref, 0, C)
     dv = mm(kg, ds_ref[...], cd) + scale * mm(a_ref[...], do_ref[...], cd, trans_a=True)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -60,8 +56,8 @@ def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref,
         q_i, k_i, b_i = (rows(x, start, SUB) for x in (q_ref, k_ref, b_ref))
         v_i, do_i = rows(v_ref, start, SUB), rows(do_ref, start, SUB)
         # state paths: o <- start state (queries), end state <- k, v (keys)
-        dq_i = scale * mm(do_i, S, cd, trans_b=True) * jnp.exp(b_i) * _flags(ci_ref, start, SUB)
-        dk_i = mm(v_i, dS, cd, trans_b=True) * masked_exp(b_last - b_i) * _flags(il_ref, start, SUB)
+        dq_i = scale * mm(do_i, S, cd, trans_b=True) * jnp.exp(b_i) * flag_column(ci_ref, start)
+        dk_i = mm(v_i, dS, cd, trans_b=True) * masked_exp(b_last - b_i) * flag_column(il_ref, start)
         extra += jnp.sum(k_i * dk_i, axis=0, keepdims=True)
         # this sub-chunk's queries against earlier keys (none for the first: all masked)
         b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)

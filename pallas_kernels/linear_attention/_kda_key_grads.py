@@ -9,7 +9,7 @@ start state / end-state gradient, dX = T^T dv_new):
   o     += scale qg S            dqg = scale do S^T
   S_end += kg^T v_new            dkg = v_new dS^T;  b_last also scales S: sum_v S dS
   v_new  = T diag(beta) (v - K S):   dK = -beta dX S^T,  dbeta += -sum_d (dX S^T) K
-  A_qk, A_kk = diag(beta) A~:     decayed-score gradients, per 16x16 block as in _kda_intra
+  A_qk, A_kk = diag(beta) A~:     decayed-score gradients, per 16x16 block as in _kda_scores
 Shared memory, BK = 64, Dv blocks of 64, bf16: dot operands [16, 64] / [64, 64] tiles,
 under 40 KiB whatever Dk and Dv are.
 """
@@ -21,10 +21,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
-from pallas_kernels.linear_attention._kda_intra import flags
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, iota, masked_exp, mm, row_as_column, rows)
+    F32, SUB, flag_column, iota, masked_exp, mm, row_as_column, rows)
 
 
 def _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, cd, block_v):
@@ -124,11 +123,11 @@ def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_r
         s = pl.multiple_of(i * SUB, SUB)
         q_i, k_i, b_i = rows(q_ref, s, SUB), rows(k_ref, s, SUB), rows(b_ref, s, SUB)
         beta_i = beta_ref[pl.ds(s, SUB)].astype(F32)[:, None]
-        ci_i = flags(ci_ref, s)
+        ci_i = flag_column(ci_ref, s)
         dqg, dkg, dxs = _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, cd, block_v)
         dq_p, g, dk_key = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd)
         k_w = k_i * jnp.exp(b_i) * ci_i           # K
-        dk_end = dkg * masked_exp(b_last - b_i) * flags(il_ref, s)
+        dk_end = dkg * masked_exp(b_last - b_i) * flag_column(il_ref, s)
         dk_w = -beta_i * dxs * jnp.exp(b_i) * ci_i
         dq = scale * dqg * jnp.exp(b_i) * ci_i + dq_p
         dk = dk_end + dk_w + beta_i * g + dk_key

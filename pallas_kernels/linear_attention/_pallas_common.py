@@ -34,6 +34,11 @@ def rows(ref, start, n):
     return ref[pl.ds(start, n), :].astype(F32)
 
 
+def flag_column(ref, start, n=SUB):
+    """Per-token 0/1 flags [start, start + n) of a [T] ref as an fp32 [n, 1] column."""
+    return ref[pl.ds(start, n)].astype(F32)[:, None]
+
+
 def masked_exp(x):
     """exp(min(x, 0)): decays are only ever exponentiated as exp(x <= 0); the clamp keeps
     masked-out entries (exponents of the wrong sign) finite before they are zeroed."""
