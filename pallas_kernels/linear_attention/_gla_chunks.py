@@ -28,7 +28,8 @@ from pallas_kernels.linear_attention._pallas_common import (
 
 def _outputs_kernel(q_ref, b_ref, ci_ref, h_ref, a_ref, v_ref, o_ref, *, scale, cd):
     q, b = rows(q_ref, 0, C), rows(b_ref, 0, C)
-    o = mm(q * jnp.exp(b) * flag_column(ci_ref, 0, C), h_ref[...], cd) + mm(a_ref[...], v_ref[...], cd)
+    qg = q * jnp.exp(b) * flag_column(ci_ref, 0, C)
+    o = mm(qg, h_ref[...], cd) + mm(a_ref[...], v_ref[...], cd)
     o_ref[...] = (scale * o).astype(o_ref.dtype)
 
 

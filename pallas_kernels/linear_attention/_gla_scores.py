@@ -2,24 +2,26 @@
 
 A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay,
 s <= t in one segment) is built per 16-token sub-chunk, one program each: blocks below
-the diagonal factor the decay through the sub-chunk boundary (both factors <= 1, so one
-tensor-core matmul); diagonal blocks factor through the sub-chunk's first token where
-its decays allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly,
-one key at a time, so decays down to g = -20 per token stay finite. A is kept for the backward,
-which needs it for dv; dA = scale * do v^T needs no decay at all.
+the diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
+<= 1, so one tensor-core matmul); diagonal blocks factor through the sub-chunk's first
+token where its decays allow (_diagonal_blocks) and otherwise form each
+exp(b_t - b_s <= 0) exactly, one key at a time, so decays down to g = -20 per token
+stay finite. A is kept for the backward, which needs it for dv; dA = scale * do v^T
+needs no decay at all.
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
     F32, SUB, compiler_params, compute_dtype, iota, masked_exp, mm, rows)
+from pallas_kernels.linear_attention._score_rows import (
+    earlier_keys, left_of_diagonal, store_row_block)
 
 
 def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
@@ -52,18 +54,10 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, a_ref, *, cd):
     k_ref, b_ref and r_ref the whole chunk."""
     start = pl.multiple_of(pl.program_id(3) * SUB, SUB)
     q_i, b_i, r_i = q_ref[...].astype(F32), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
-    cols = iota(C, 1, (SUB, C))
-    # keys of earlier sub-chunks as one block, the decay split at the sub-chunk boundary;
-    # columns at or past `start` are masked (exponents clamped to <= 0)
-    b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
-    k_off = jnp.where((iota(C) < start)[:, None],
-                      rows(k_ref, 0, C) * masked_exp(b_edge - rows(b_ref, 0, C)), 0.0)
-    a_off = mm(q_i * masked_exp(b_i - b_edge), k_off, cd, trans_b=True)
-    a_off = jnp.where((cols < start) & (r_i[:, None] == r_ref[...][None, :]), a_off, 0.0)
-    # the row block: everything but the diagonal block (zero past it), then that block
-    in_diag = (cols >= start) & (cols < start + SUB)
-    plgpu.store(a_ref, a_off, mask=~in_diag)
-    a_ref[:, pl.ds(start, SUB)] = _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start)
+    keys, b_edge = earlier_keys(k_ref, b_ref, start)
+    left = mm(q_i * masked_exp(b_i - b_edge), keys, cd, trans_b=True)
+    left = jnp.where(left_of_diagonal(start) & (r_i[:, None] == r_ref[...][None, :]), left, 0.0)
+    store_row_block(a_ref, left, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start), start)
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):

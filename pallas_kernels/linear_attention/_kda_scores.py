@@ -5,23 +5,23 @@ With b the in-chunk cumulative log decay, the sub-chunk's rows of
                                                    T = (I + A_kk)^-1 amplifies rounding)
   A_qk[t, s] = q_t . (k_s exp(b_t - b_s))          s <= t, same run
 and its rows of qg = q exp(b) ci and kg = k exp(b_last - b) il (see _kda_intra). Keys of
-earlier sub-chunks are one block with the decay split at the sub-chunk boundary (every
-exponent <= 0, one tensor-core matmul each for A_kk and A_qk); the diagonal block
-factors through the sub-chunk's first token where its decays allow (_diagonal_blocks)
-and is otherwise formed exactly, one key at a time.
+earlier sub-chunks are one block (_score_rows: one tensor-core matmul each for A_kk and
+A_qk); the diagonal block factors through the sub-chunk's first token where its decays
+allow (_diagonal_blocks) and is otherwise formed exactly, one key at a time.
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
 from pallas_kernels.linear_attention._pallas_common import (
     F32, SUB, flag_column, iota, masked_exp, mm, rows)
+from pallas_kernels.linear_attention._score_rows import (
+    earlier_keys, left_of_diagonal, store_row_block)
 
 
 def _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start):
@@ -53,14 +53,6 @@ def _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start):
     return diag.choose(b_i, b_r, factored, exact, q_i, k_i, b_i)
 
 
-def _store_rows(ref, off, diagonal, start):
-    """The row block: everything but the diagonal block (zero past it), then that block."""
-    cols = iota(C, 1, (SUB, C))
-    in_diag = (cols >= start) & (cols < start + SUB)
-    plgpu.store(ref, off.astype(ref.dtype), mask=~in_diag)
-    ref[:, pl.ds(start, SUB)] = diagonal.astype(ref.dtype)
-
-
 def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref,
                    qg_ref, kg_ref, akk_ref, aqk_ref, *, cd):
     """q_ref, beta_ref, qg_ref, kg_ref hold the sub-chunk's rows; k, b and the flags the
@@ -72,21 +64,17 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref,
     b_last = rows(b_ref, C - 1, 1)
     kg_ref[...] = (k_i * masked_exp(b_last - b_i) * flag_column(il_ref, start)).astype(kg_ref.dtype)
 
-    # keys of earlier sub-chunks as one block, the decay split at the sub-chunk boundary;
-    # columns at or past `start` are masked (exponents clamped to <= 0)
-    b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
-    keys = jnp.where((iota(C) < start)[:, None],
-                     rows(k_ref, 0, C) * masked_exp(b_edge - rows(b_ref, 0, C)), 0.0)
+    keys, b_edge = earlier_keys(k_ref, b_ref, start)
     to_edge = masked_exp(b_i - b_edge)
     r_i = r_ref[pl.ds(start, SUB)]
-    earlier = (iota(C, 1, (SUB, C)) < start) & (r_i[:, None] == r_ref[...][None, :])
-    kk_off = jnp.where(earlier, beta_i * mm(k_i * to_edge, keys, cd, trans_b=True), 0.0)
-    qk_off = jnp.where(earlier, mm(q_i * to_edge, keys, cd, trans_b=True), 0.0)
+    earlier = left_of_diagonal(start) & (r_i[:, None] == r_ref[...][None, :])
+    kk_left = jnp.where(earlier, beta_i * mm(k_i * to_edge, keys, cd, trans_b=True), 0.0)
+    qk_left = jnp.where(earlier, mm(q_i * to_edge, keys, cd, trans_b=True), 0.0)
 
     kk_d, qk_d = _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start)
     same = r_i[:, None] == r_ref[pl.ds(start, SUB)][None, :]
-    _store_rows(akk_ref, kk_off, jnp.where(same, beta_i * kk_d, 0.0), start)
-    _store_rows(aqk_ref, qk_off, jnp.where(same, qk_d, 0.0), start)
+    store_row_block(akk_ref, kk_left, jnp.where(same, beta_i * kk_d, 0.0), start)
+    store_row_block(aqk_ref, qk_left, jnp.where(same, qk_d, 0.0), start)
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret):
