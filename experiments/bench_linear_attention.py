@@ -5,10 +5,11 @@
 
 Prints forward and forward+backward milliseconds (median of timed calls after warm-up),
 a correctness check against the reference, and (with --peers) the jla / fla figures that
-the given peers comparison script prints at the anchor shape.
+the given peers comparison script prints at each shape (but the 1M-token one).
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -209,7 +210,9 @@ def parse_tiling(spec):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--peers", metavar="PEERS_SCRIPT",
-                    help="a script printing the peers' figures: PEERS_SCRIPT linear_attention --shape B,T,H,D")
+                    help="a script printing the peers' figures: PEERS_SCRIPT linear_attention "
+                         "--shape B,T,H,D (run at every shape but the 1M-token one)")
+    ap.add_argument("--peers-timeout", type=int, default=600, help="seconds per peers run")
     ap.add_argument("--tiling", nargs="*", default=[parse_tiling("")], type=parse_tiling,
                     help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
     ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
@@ -243,8 +246,21 @@ def main():
         print(json.dumps(row), flush=True)
         del q, k, v, g
     if args.peers:
-        shape = ",".join(map(str, SHAPES[0]))
-        subprocess.run([sys.executable, args.peers, "linear_attention", "--shape", shape])
+        run_peers(args.peers, [s for s in args.shapes if s not in REFERENCE_SKIP],
+                  args.peers_timeout)
+
+
+def run_peers(script, shapes, timeout):
+    """The peers script once per shape, in its own process: without JAX's preallocation
+    there (the peers' PyTorch kernels share the GPU), and stopped after `timeout` seconds."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    for shape in shapes:
+        cmd = [sys.executable, script, "linear_attention", "--shape", ",".join(map(str, shape))]
+        try:
+            subprocess.run(cmd, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(json.dumps({"shape": list(shape), "peers": f"no result within {timeout} s"}),
+                  flush=True)
 
 
 if __name__ == "__main__":
