@@ -5,7 +5,8 @@
 First checks the kernels against the reference at a small size (relative errors of
 the output and of dq/dk/dv for both dk/dv methods and for masked dense attention, top-K
 set overlap for both selections), then times, per sequence length: indexer + top-K
-(sorting, and by threshold), attention forward (and a sweep of its tile settings),
+(sorting, and by threshold), the selection alone on one chunk of scores (by threshold
+with 1, 2 and 4 bits per counting pass, and sorting), attention forward (and a sweep of its tile settings),
 forward+backward with the key-major dk/dv pass and with atomics, the key sort and the
 key-major pass alone, masked dense attention (cuDNN under the selection mask, the other
 choice of by_density.py) forward and forward+backward, the reference's forward+backward
@@ -29,9 +30,11 @@ from pallas_kernels.sparse_attention.attention_backward_by_key import (
     pairs_by_key, sparse_attention_dkdv)
 from pallas_kernels.sparse_attention.attention_forward import sparse_attention_forward
 from pallas_kernels.sparse_attention.by_density import prefers_dense
+from pallas_kernels.sparse_attention.indexer_topk import CHUNK_SCORE_BYTES
 from pallas_kernels.sparse_attention.kernel_setup import use_interpret
 from pallas_kernels.sparse_attention.masked_dense import masked_dense_attention
 from pallas_kernels.sparse_attention.sparse_attention_vjp import kernel_layout
+from pallas_kernels.sparse_attention.threshold_top_k import BITS_PER_PASS, threshold_top_k
 
 _START = time.perf_counter()
 
@@ -167,6 +170,14 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
              (q, k, v, idx))]
     res["by_density_picks"] = ("masked_dense" if prefers_dense(q.shape, k.shape, k_sel, q.dtype)
                                else "pallas")
+    # the selection alone, on one query chunk of scores as topk_indices makes them
+    # (causal: -inf past the diagonal), per digit width of the threshold search
+    chunk = min(t, CHUNK_SCORE_BYTES // (4 * t))
+    pos = jnp.arange(t - chunk, t)[:, None] >= jnp.arange(t)[None, :]
+    scores = jnp.where(pos, jax.random.normal(ks[1], (chunk, t), jnp.float32), -jnp.inf)[None]
+    runs += [(f"select_threshold_{bits}bit", lambda s, bits=bits: threshold_top_k(s, k_sel, bits),
+              (scores,)) for bits in BITS_PER_PASS]
+    runs.append(("select_sort", lambda s: jax.lax.top_k(s, k_sel)[1], (scores,)))
     for rows, warps in ((64, 4), (128, 8), (32, 4)):
         if f"dkdv_rows{rows}_w{warps}" not in skip:
             runs.append((f"dkdv_rows{rows}_w{warps}", *dkdv_pass(q, k, v, idx, do, rows, warps)))

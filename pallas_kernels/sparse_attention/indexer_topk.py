@@ -21,7 +21,7 @@ from pallas_kernels.sparse_attention.kernel_setup import (
 from pallas_kernels.sparse_attention.threshold_top_k import threshold_top_k
 
 _BLOCK_K = 128
-_CHUNK_SCORE_BYTES = 1 << 30  # fp32 scores of one query chunk: at most 1 GiB
+CHUNK_SCORE_BYTES = 1 << 30  # fp32 scores of one query chunk: at most 1 GiB
 
 
 def _score_kernel(start_ref, q_ref, w_ref, seg_q_ref, k_ref, seg_k_ref, out_ref, *, block_k):
@@ -107,7 +107,7 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     block_k = _BLOCK_K if tk >= _BLOCK_K else max(16, tile_rows(tk))
     tp = -(-tk // block_k) * block_k
     kept = min(top_k, tk)
-    chunk = max(1, min(t, _CHUNK_SCORE_BYTES // (4 * b * tp)))
+    chunk = max(1, min(t, CHUNK_SCORE_BYTES // (4 * b * tp)))
     n_chunks = -(-t // chunk)
 
     hip = tile_rows(hi)  # zero-weight padding heads up to a matmul tile

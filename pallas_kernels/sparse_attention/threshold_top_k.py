@@ -3,8 +3,10 @@
 jax.lax.top_k with K = 2048 sorts each row (XLA's GPU top-k kernel covers small K
 only), and sorting [T, T] scores grows as T^2 log T: at T = 131072 the indexer's
 top-K took most of its 1.9 s (docs/performance.md). Selecting by threshold reads each
-row a fixed number of times instead: 32 counting passes find the K-th largest value
-bit by bit (on an order-preserving integer image of the fp32 scores), then one pass
+row a fixed number of times instead: counting passes find the K-th largest value a few
+bits at a time (on an order-preserving integer image of the fp32 scores: 32 passes of
+one bit, or 16 of two, or 8 of four, each of which counts 2^bits - 1 thresholds in one
+read of the rows), then one pass
 takes every score above it and, of the scores equal to it, those with the smallest
 indices (the tie rule of lax.top_k), and places them by a running count. The result is
 the same set as lax.top_k's (not its order); -1 fills rows with fewer than K finite
@@ -26,25 +28,37 @@ def _ordered_keys(scores):
     return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
 
 
-def _kth_largest_key(keys, k):
-    """Per row, the largest v with count(keys >= v) >= k: the k-th largest key."""
-    def bit(i, prefix):
-        candidate = prefix | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
-        enough = jnp.sum(keys >= candidate[..., None], axis=-1) >= k
-        return jnp.where(enough, candidate, prefix)
+def _kth_largest_key(keys, k, bits_per_pass):
+    """Per row, the largest v with count(keys >= v) >= k: the k-th largest key, found
+    `bits_per_pass` bits at a time from the top. The counts fall as the candidate digit
+    rises, so the digit is the number of candidates 1 .. 2^bits - 1 that still count k."""
+    digits = np.arange(1, 1 << bits_per_pass, dtype=np.uint32)
 
-    return jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:-1], jnp.uint32))
+    def step(i, prefix):
+        shift = (32 - (i + 1) * bits_per_pass).astype(jnp.uint32)
+        enough = [jnp.sum(keys >= (prefix | jnp.left_shift(d, shift))[..., None], axis=-1) >= k
+                  for d in digits]  # sibling reductions over the same rows: one read
+        digit = sum(e.astype(jnp.uint32) for e in enough)
+        return prefix | jnp.left_shift(digit, shift)
+
+    return jax.lax.fori_loop(0, 32 // bits_per_pass, step,
+                             jnp.zeros(keys.shape[:-1], jnp.uint32))
 
 
-def threshold_top_k(scores, k: int):
+BITS_PER_PASS = (1, 2, 4)
+
+
+def threshold_top_k(scores, k: int, bits_per_pass: int = 1):
     """Indices int32 [..., k] of the k largest fp32 scores of each row (ties: smaller
     index), as a set; entries that would pick a -inf score are -1."""
     *batch, n = scores.shape
     if not 0 < k <= n:
         raise ValueError(f"k must be in [1, {n}] for rows of {n} scores, got {k}")
+    if bits_per_pass not in BITS_PER_PASS:
+        raise ValueError(f"bits_per_pass must be one of {BITS_PER_PASS}, got {bits_per_pass}")
     rows = scores.reshape(-1, n).astype(jnp.float32)
     keys = _ordered_keys(rows)
-    kth = _kth_largest_key(keys, k)[:, None]
+    kth = _kth_largest_key(keys, k, bits_per_pass)[:, None]
     above, tied = keys > kth, keys == kth
     room = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
     take = (above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= room)))
