@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     working = None
     if not args.analytic_working_set:
       from hylora.layer_memory import measured_working_bytes
-      from hylora.memory_plan import tokens_per_device
+      from hylora.memory_sizes import tokens_per_device
       working = measured_working_bytes(cfg, tokens_per_device(cfg, mesh_shape))
     if args.small and not budget:
       # a budget between `full` and `none`, so that the plan has to choose

@@ -223,7 +223,8 @@ def small_config():
 def planned_policy(cfg, device):
   """The planner's tiered policy for one device of this kind (its memory limit)."""
   from hylora.layer_memory import measured_working_bytes
-  from hylora.memory_plan import plan_memory, tokens_per_device
+  from hylora.memory_plan import plan_memory
+  from hylora.memory_sizes import tokens_per_device
   budget = (device.memory_stats() or {}).get("bytes_limit", 141e9)
   working = measured_working_bytes(cfg, tokens_per_device(cfg, (1, 1)))
   plan = plan_memory(cfg, (1, 1), budget, working_bytes=working)

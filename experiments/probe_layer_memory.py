@@ -9,7 +9,7 @@ Each part (a mixer: linear / sparse, or an FFN: moe / dense) is compiled from ab
 shapes (nothing is allocated) as forward + input and LoRA gradients of
 [train.batch_size, seq, d_model] on one device, without remat: XLA's temporaries are
 the part's activations plus its backward transients. The planner counts only the
-save points (`hylora.memory_plan.layer_save_points`), so the ratio says how much the
+save points (`hylora.memory_sizes.layer_save_points`), so the ratio says how much the
 backward holds beyond them.
 """
 
@@ -30,7 +30,7 @@ FFN_POINTS = ("ffn_norm", "router", "mlp_gate_up", "mlp_down", "expert_input",
 def probe(cfg, part: str) -> dict:
   """XLA's compiled bytes for one part's forward + backward, and the planner's figure."""
   from hylora.layer_memory import compiled_part
-  from hylora.memory_plan import layer_save_points
+  from hylora.memory_sizes import layer_save_points
   from hylora.model.mixers import MIXERS
 
   b, seq = cfg.train.batch_size, cfg.train.seq_len

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from hylora.dry_run_setup import DRY_RUN_CAPACITY_FACTOR, dry_run_config
-from hylora.memory_plan import tokens_per_device
+from hylora.memory_sizes import tokens_per_device
 from hylora.overrides import apply_overrides
 from hylora.presets import get_preset
 from hylora.train import state as st

@@ -6,7 +6,8 @@ import pytest
 
 from hylora import layer_memory
 from hylora.config import MemoryConfig
-from hylora.memory_plan import estimate_policy, plan_memory, tokens_per_device
+from hylora.memory_plan import estimate_policy, plan_memory
+from hylora.memory_sizes import tokens_per_device
 from hylora.presets import tiny
 
 MESH = (1, 1)

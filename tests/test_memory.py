@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hylora import memory, remat
 from hylora.config import MemoryConfig, MeshConfig
 from hylora.errors import ConfigError
-from hylora.memory_plan import (estimate_policy, layer_save_points, plan_memory,
-                                replan_after_compile)
+from hylora.memory_plan import estimate_policy, plan_memory, replan_after_compile
+from hylora.memory_sizes import layer_save_points
 from hylora.model import IGNORE_INDEX
 from hylora.presets import get_preset
 from hylora.train import state as st

@@ -127,7 +127,7 @@ def tokens_per_device(batch: dict) -> int:
 def micro_batch_tokens(cfg: Config, mesh) -> int:
   """Tokens of one micro-batch on one device, as the memory planner counts them (the
   activation rules applied to a micro-batch's [rows, seq])."""
-  from hylora.memory_plan import tokens_per_device as planned
+  from hylora.memory_sizes import tokens_per_device as planned
   return planned(cfg, dict(mesh.shape))
 
 
