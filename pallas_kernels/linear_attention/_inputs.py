@@ -35,6 +35,21 @@ def validate(q, k, v, g, beta=None, initial_state=None, segment_ids=None):
     return B, T, H, Dk, Dv
 
 
+def check_head_dims(Dk, Dv):
+    """The Pallas kernels' head sizes: powers of two >= 16."""
+    for name, d in (("Dk (q.shape[-1])", Dk), ("Dv (v.shape[-1])", Dv)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"{name} = {d}: the Pallas kernels need a power of two >= 16")
+
+
+def check_tile(name, size, dim_name, dim):
+    """A kernel tile of `size` channels: a power of two >= 16 dividing the head size."""
+    if size < 16 or size & (size - 1) or dim % size:
+        raise ValueError(f"{name} = {size}: need a power of two >= 16 dividing "
+                         f"{dim_name} = {dim}")
+    return size
+
+
 def default_scale(scale, dk):
     return dk ** -0.5 if scale is None else scale
 

@@ -19,7 +19,8 @@ from pallas_kernels.linear_attention import _chunk_prep
 from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outputs
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
 from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
-from pallas_kernels.linear_attention._inputs import default_scale, validate
+from pallas_kernels.linear_attention._inputs import (
+    check_head_dims, check_tile, default_scale, validate)
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
@@ -85,19 +86,14 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, tiling: Tiling | None = None):
     """Chunked GLA on Pallas kernels; same contract as reference.gla_chunked."""
     B, T, H, Dk, Dv = validate(q, k, v, g, None, initial_state, segment_ids)
-    _check_head_dims(Dk, Dv)
+    check_head_dims(Dk, Dv)
     scale = default_scale(scale, Dk)
     qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
     masks = _chunk_prep.segment_masks(runs)
     h0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     t = (tiling or Tiling())._replace(interpret=interpret_mode())
-    t = t._replace(block_k=min(t.block_k, Dk), block_v=min(t.block_v, Dv))
+    t = t._replace(block_k=check_tile("block_k", min(t.block_k, Dk), "Dk", Dk),
+                   block_v=check_tile("block_v", min(t.block_v, Dv), "Dv", Dv))
     o, ht = _gla_core(qp, kp, vp, b, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)
-
-
-def _check_head_dims(Dk, Dv):
-    for name, d in (("Dk (q.shape[-1])", Dk), ("Dv (v.shape[-1])", Dv)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"{name} = {d}: the Pallas kernels need a power of two >= 16")

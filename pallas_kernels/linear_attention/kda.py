@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import residuals
 from pallas_kernels.linear_attention import _chunk_prep
-from pallas_kernels.linear_attention._inputs import default_scale, l2_normalize, pad_time, validate
+from pallas_kernels.linear_attention._inputs import (
+    check_head_dims, check_tile, default_scale, l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
 from pallas_kernels.linear_attention._kda_states import chunk_state_grads, chunk_states
@@ -96,7 +97,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     block_k: the value-channel tile of every kernel / the key-channel tile of the
     key-gradient kernel (defaults by Dk, Dv)."""
     B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids)
-    _check_head_dims(Dk, Dv)
+    check_head_dims(Dk, Dv)
     scale = default_scale(scale, Dk)
     if normalize_qk:  # plain JAX (autodiff) outside the kernels, back to the input dtype
         q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
@@ -107,21 +108,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     h0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     # BV = 32 at Dk = 256 keeps the sequential kernels' [Dk, BV] fp32 state small
-    bv = _tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
-    bk = _tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
+    bv = check_tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
+    bk = check_tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
     t = Tiling(block_v=bv, block_k=bk, interpret=interpret_mode())
     o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)
-
-
-def _tile(name, size, dim_name, dim):
-    if size < 16 or size & (size - 1) or dim % size:
-        raise ValueError(f"{name} = {size}: need a power of two >= 16 dividing "
-                         f"{dim_name} = {dim}")
-    return size
-
-
-def _check_head_dims(Dk, Dv):
-    for name, d in (("Dk (q.shape[-1])", Dk), ("Dv (v.shape[-1])", Dv)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"{name} = {d}: the Pallas kernels need a power of two >= 16")

@@ -4,6 +4,7 @@ import pytest
 
 from pallas_kernels.linear_attention import (
     chunked_gla, chunked_kda, gla_chunked, kda_chunked, kda_recurrent)
+from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention.tests._data import make_inputs
 
 
@@ -47,3 +48,9 @@ def test_bad_kda_tiles(x):
         chunked_kda(*args, block_k=24)
     with pytest.raises(ValueError, match="block_v = 32: need a power of two >= 16 dividing"):
         chunked_kda(*args, block_v=32)
+
+
+def test_bad_gla_tiles(x):
+    args = (x["q"], x["k"], x["v"], x["g"])  # Dk = Dv = 16
+    with pytest.raises(ValueError, match="block_k = 12: need a power of two"):
+        chunked_gla(*args, tiling=Tiling(block_k=12))
