@@ -23,7 +23,7 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, compiler_params, compute_dtype, flag_column, iota, masked_exp, mm, rows)
+    F32, SUB, chunk_call, compute_dtype, flag_column, iota, masked_exp, mm, rows)
 
 
 def _outputs_kernel(q_ref, b_ref, ci_ref, h_ref, a_ref, v_ref, o_ref, *, scale, cd):
@@ -116,14 +116,13 @@ def chunk_outputs(q, v, b, carry_in, h, a, *, scale, block_v, interpret, num_war
     B, Tp, H, Dk = q.shape
     Dv = v.shape[-1]
     g = Grid()
-    return pl.pallas_call(
+    return chunk_call(
         functools.partial(_outputs_kernel, scale=scale, cd=compute_dtype(q.dtype)),
-        grid=(B, H, Tp // C, g.size(Dv // block_v)),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
-        in_specs=[g.all_channels(Dk), g.all_channels(Dk), g.flags(),
-                  g.state_columns(Dk, block_v), g.scores(), g.chunk(block_v)],
-        out_specs=g.chunk(block_v), compiler_params=compiler_params(num_warps),
-        interpret=interpret, name="gla_chunk_outputs",
+        (B, H, Tp // C, g.size(Dv // block_v)),
+        [g.all_channels(Dk), g.all_channels(Dk), g.flags(), g.state_columns(Dk, block_v),
+         g.scores(), g.chunk(block_v)],
+        g.chunk(block_v), jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
+        num_warps=num_warps, interpret=interpret, name="gla_chunk_outputs",
     )(q, b, carry_in, h, a, v)
 
 
@@ -135,28 +134,27 @@ def chunk_grads(q, k, v, b, carry_in, in_last, h, ds, do, a, da, dat, *, scale, 
     Dv, NT = v.shape[-1], Tp // C
     cd = compute_dtype(q.dtype)
     g = Grid()
-    dv = pl.pallas_call(
+    dv = chunk_call(
         functools.partial(_value_grads_kernel, scale=scale, cd=cd),
-        grid=(B, H, NT, g.size(Dv // block_v)),
-        out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
-        in_specs=[g.all_channels(Dk), g.all_channels(Dk), g.flags(),
-                  g.state_columns(Dk, block_v), g.scores(), g.chunk(block_v)],
-        out_specs=g.chunk(block_v), compiler_params=compiler_params(num_warps),
-        interpret=interpret, name="gla_chunk_value_grads",
+        (B, H, NT, g.size(Dv // block_v)),
+        [g.all_channels(Dk), g.all_channels(Dk), g.flags(), g.state_columns(Dk, block_v),
+         g.scores(), g.chunk(block_v)],
+        g.chunk(block_v), jax.ShapeDtypeStruct(v.shape, v.dtype),
+        num_warps=num_warps, interpret=interpret, name="gla_chunk_value_grads",
     )(k, b, in_last, ds, a, do)
     # sum_v h * ds per chunk: the gradient of the start state's decay through the chunk,
     # one cheap XLA reduction instead of two state tiles per program
     hds = jnp.sum(h.astype(F32) * ds.astype(F32), axis=-1)
     keys = g.chunk(block_k)
-    dq, dk, db = pl.pallas_call(
+    dq, dk, db = chunk_call(
         functools.partial(_key_grads_kernel, scale=scale, cd=cd),
-        grid=(B, H, NT, g.size(Dk // block_k)),
-        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(q.shape, F32)),
-        in_specs=[keys, keys, g.all_channels(Dv), keys, g.flags(), g.flags(),
-                  g.state_rows(block_k, Dv), g.state_rows(block_k, Dv), g.key_row(block_k),
-                  g.all_channels(Dv), g.scores(), g.scores()],
-        out_specs=(keys, keys, keys), compiler_params=compiler_params(num_warps),
-        interpret=interpret, name="gla_chunk_key_grads",
+        (B, H, NT, g.size(Dk // block_k)),
+        [keys, keys, g.all_channels(Dv), keys, g.flags(), g.flags(), g.state_rows(block_k, Dv),
+         g.state_rows(block_k, Dv), g.key_row(block_k), g.all_channels(Dv), g.scores(),
+         g.scores()],
+        (keys, keys, keys),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(q.shape, F32)),
+        num_warps=num_warps, interpret=interpret, name="gla_chunk_key_grads",
     )(q, k, v, b, carry_in, in_last, h, ds, hds, do, da, dat)
     return dq, dk, dv, db

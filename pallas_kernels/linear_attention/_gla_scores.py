@@ -19,7 +19,7 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, compiler_params, compute_dtype, iota, masked_exp, mm, rows)
+    F32, SUB, chunk_call, chunk_program_id, compute_dtype, iota, masked_exp, mm, rows)
 from pallas_kernels.linear_attention._score_rows import (
     earlier_keys, left_of_diagonal, store_row_block)
 
@@ -50,9 +50,9 @@ def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, r_ref, a_ref, *, cd):
-    """The [16, C] row block of A of sub-chunk program_id(3): q_ref holds its 16 queries,
+    """The [16, C] row block of A of sub-chunk program j: q_ref holds its 16 queries,
     k_ref, b_ref and r_ref the whole chunk."""
-    start = pl.multiple_of(pl.program_id(3) * SUB, SUB)
+    start = pl.multiple_of(chunk_program_id() * SUB, SUB)
     q_i, b_i, r_i = q_ref[...].astype(F32), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
     keys, b_edge = earlier_keys(k_ref, b_ref, start)
     left = mm(q_i * masked_exp(b_i - b_edge), keys, cd, trans_b=True)
@@ -73,11 +73,10 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4):
     """The in-chunk scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal)."""
     B, Tp, H, Dk = q.shape
     g = Grid(N_SUB)
-    return pl.pallas_call(
+    return chunk_call(
         functools.partial(_scores_kernel, cd=compute_dtype(q.dtype)),
-        grid=(B, H, Tp // C, g.size(1)), out_shape=scores_shape(B, H, Tp),
-        in_specs=[g.sub_chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], out_specs=g.score_rows(),
-        compiler_params=compiler_params(num_warps), interpret=interpret,
+        (B, H, Tp // C, g.size(1)), [g.sub_chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()],
+        g.score_rows(), scores_shape(B, H, Tp), num_warps=num_warps, interpret=interpret,
         name="gla_chunk_scores",
     )(q, k, b, runs)
 
@@ -86,10 +85,9 @@ def chunk_score_grads(v, runs, do, *, scale, interpret, num_warps=4):
     """dA = scale * do v^T on causal same-segment pairs [B, H, NT, C, C], and dA transposed."""
     B, Tp, H, Dv = v.shape
     g = Grid()
-    return pl.pallas_call(
+    return chunk_call(
         functools.partial(_dscores_kernel, scale=scale, cd=compute_dtype(v.dtype)),
-        grid=(B, H, Tp // C, g.size(1)), out_shape=(scores_shape(B, H, Tp),) * 2,
-        in_specs=[g.chunk(Dv), g.flags(), g.chunk(Dv)], out_specs=(g.scores(), g.scores()),
-        compiler_params=compiler_params(num_warps), interpret=interpret,
-        name="gla_chunk_score_grads",
+        (B, H, Tp // C, g.size(1)), [g.chunk(Dv), g.flags(), g.chunk(Dv)],
+        (g.scores(), g.scores()), (scores_shape(B, H, Tp),) * 2, num_warps=num_warps,
+        interpret=interpret, name="gla_chunk_score_grads",
     )(v, runs, do)

@@ -3,14 +3,14 @@
 Arrays: tokens [B, Tp, H, D], beta [B, Tp, H], per-token int32 flags [B, Tp] (run ids,
 carry_in, in_last), per-chunk [C, C] matrices [B, H, n, C, C] and per-chunk states
 [B, H, n, Dk, Dv]. Parallel kernels run on a grid (b, h, chunk[, key block or
-16-token sub-chunk]); the sequential kernels on (b, h, Dv block), owning a whole
+16-token sub-chunk], launched with that last axis fastest); the sequential kernels on (b, h, Dv block), owning a whole
 sequence of one head.
 """
 import jax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._pallas_common import SUB, compiler_params
+from pallas_kernels.linear_attention._pallas_common import SUB, chunk_call, compiler_params
 
 N_SUB = C // SUB
 _sq = pl.squeezed
@@ -113,6 +113,9 @@ def seq_states(n, dk, bv):
 
 def call(kernel, grid, in_specs, out_specs, out_shape, *, interpret, name, num_warps=4,
          num_stages=1):
+    if len(grid) == 4:  # (b, h, chunk, j): the programs of one chunk side by side
+        return chunk_call(kernel, grid, in_specs, out_specs, out_shape, num_warps=num_warps,
+                          interpret=interpret, name=name, num_stages=num_stages)
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape,
                           compiler_params=compiler_params(num_warps, num_stages),

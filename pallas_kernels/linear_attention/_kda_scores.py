@@ -19,7 +19,7 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, flag_column, iota, masked_exp, mm, rows)
+    F32, SUB, chunk_program_id, flag_column, iota, masked_exp, mm, rows)
 from pallas_kernels.linear_attention._score_rows import (
     earlier_keys, left_of_diagonal, store_row_block)
 
@@ -57,7 +57,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref,
                    qg_ref, kg_ref, akk_ref, aqk_ref, *, cd):
     """q_ref, beta_ref, qg_ref, kg_ref hold the sub-chunk's rows; k, b and the flags the
     chunk's."""
-    start = pl.multiple_of(pl.program_id(3) * SUB, SUB)
+    start = pl.multiple_of(chunk_program_id() * SUB, SUB)
     q_i, k_i, b_i = q_ref[...].astype(F32), rows(k_ref, start, SUB), rows(b_ref, start, SUB)
     beta_i = beta_ref[...].astype(F32)[:, None]
     qg_ref[...] = (q_i * jnp.exp(b_i) * flag_column(ci_ref, start)).astype(qg_ref.dtype)

@@ -52,3 +52,27 @@ def iota(n, axis=0, shape=None):
 def row_as_column(x_row):
     """[1, D] -> [D, 1] (per-channel factor applied to the rows of a [D, Dv] state)."""
     return x_row.reshape(x_row.shape[1])[:, None]
+
+
+def chunk_program_id():
+    """Index j of a chunk_call program within its chunk (the last logical grid axis)."""
+    return pl.program_id(0)
+
+
+def chunk_call(kernel, grid, in_specs, out_specs, out_shape, *, num_warps, interpret, name,
+               num_stages=1):
+    """pallas_call on the logical grid (b, h, chunk, j); index maps take (b, h, c, j).
+
+    Launched as (j, chunk, b, h): CUDA runs the first axis fastest, so the programs of
+    one chunk (its sub-chunks or channel blocks) run side by side and share the chunk's
+    loads through L2 instead of each reading them from HBM (H200, (1, 32768, 32, 128):
+    GLA fwd+bwd 10.6 ms, 12.0 with j the slowest axis)."""
+    def launch_order(spec):
+        return pl.BlockSpec(spec.block_shape, lambda j, c, b, h, f=spec.index_map: f(b, h, c, j))
+
+    in_specs, out_specs = jax.tree.map(
+        launch_order, (in_specs, out_specs), is_leaf=lambda s: isinstance(s, pl.BlockSpec))
+    return pl.pallas_call(kernel, grid=(grid[3], grid[2], grid[0], grid[1]),
+                          in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          compiler_params=compiler_params(num_warps, num_stages),
+                          interpret=interpret, name=name)
