@@ -7,8 +7,9 @@ the output and of dq/dk/dv for both dk/dv methods and for masked dense attention
 set overlap for both selections), then times, per sequence length: indexer + top-K
 (sorting, and by threshold), the selection alone on one chunk of scores (by threshold
 with 1, 2 and 4 bits per counting pass, and sorting), attention forward (and a sweep of its tile settings),
-forward+backward with the key-major dk/dv pass and with atomics, the key sort and the
-key-major pass alone, masked dense attention (cuDNN under the selection mask, the other
+forward+backward with the key-major dk/dv pass and with atomics (one backward pass per
+range of KEYS_PER_RANGE keys, of 8192 keys, and one pass over all keys), the sort that
+splits the selection into key ranges, the key sort and the key-major pass alone, masked dense attention (cuDNN under the selection mask, the other
 choice of by_density.py) forward and forward+backward, the reference's forward+backward
 at the first length, and each compiled function's temporary memory. Dense cuDNN and the
 jla naive gather come from the peers comparison script. Prints one JSON object per
@@ -32,6 +33,7 @@ from pallas_kernels.sparse_attention.attention_forward import sparse_attention_f
 from pallas_kernels.sparse_attention.by_density import prefers_dense
 from pallas_kernels.sparse_attention.indexer_topk import CHUNK_SCORE_BYTES
 from pallas_kernels.sparse_attention.kernel_setup import use_interpret
+from pallas_kernels.sparse_attention.key_ranges import KEYS_PER_RANGE, split_by_range
 from pallas_kernels.sparse_attention.masked_dense import masked_dense_attention
 from pallas_kernels.sparse_attention.sparse_attention_vjp import kernel_layout
 from pallas_kernels.sparse_attention.threshold_top_k import BITS_PER_PASS, threshold_top_k
@@ -122,6 +124,8 @@ def check(t=1024, k_sel=256, heads=(64, 8), d=128):
                                       sparse_attention_reference(q, k, v, idx))
     methods = {"by_key": functools.partial(sparse_attention, dkdv="by_key"),
                "atomic": functools.partial(sparse_attention, dkdv="atomic"),
+               "atomic_4_ranges": functools.partial(sparse_attention, dkdv="atomic",
+                                                    keys_per_range=t // 4),
                "masked_dense": masked_dense_attention}
     for method, attn in methods.items():
         try:
@@ -161,6 +165,11 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
              jax.grad(loss_of(sparse_attention, idx, dkdv="by_key"), (0, 1, 2)), (q, k, v)),
             ("pallas_fwdbwd_atomic",
              jax.grad(loss_of(sparse_attention, idx, dkdv="atomic"), (0, 1, 2)), (q, k, v)),
+            ("pallas_fwdbwd_atomic_one_pass",
+             jax.grad(loss_of(sparse_attention, idx, keys_per_range=t), (0, 1, 2)), (q, k, v)),
+            ("pallas_fwdbwd_atomic_8k_ranges",
+             jax.grad(loss_of(sparse_attention, idx, keys_per_range=8192), (0, 1, 2)), (q, k, v)),
+            ("split_by_range", lambda i: split_by_range(i, t, KEYS_PER_RANGE), (idx,)),
             ("pairs_by_key", lambda i: pairs_by_key(i), (idx,)),
             # the selection as an argument (a traced value, as in the model), not a
             # constant that XLA would try to fold into the mask

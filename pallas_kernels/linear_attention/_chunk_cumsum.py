@@ -1,7 +1,8 @@
 """The in-chunk cumulative log decay b = cumsum(g) per 64-token chunk, as a Pallas kernel.
 
-XLA's cumulative sum over an inner axis of [B, T, H, D] costs ~6x the bytes it moves on
-the H200; one program per (chunk, head) scans its [C, D] block in registers instead. Its
+XLA's cumulative sum over an inner axis of [B, T, H, D] takes 1.04 ms on the H200 at
+(1, 32768, 32, 128) fp32; one two-warp program per (chunk, head) scanning its [C, D]
+block in registers takes 0.46, about what a copy of the same blocks takes (0.42). Its
 transpose, the reverse in-chunk sum of the cotangent, is the same kernel's other mode:
 sum(x) - cumsum(x) + x (Triton scans only forwards).
 """
@@ -29,7 +30,7 @@ def _scan(x, reverse):
     return pl.pallas_call(
         functools.partial(_scan_kernel, reverse=reverse), grid=(B, Tp // C, H),
         in_specs=[block], out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
-        compiler_params=compiler_params(4), interpret=interpret_mode(),
+        compiler_params=compiler_params(2), interpret=interpret_mode(),
         name="chunk_reverse_cumsum" if reverse else "chunk_cumsum",
     )(x)
 

@@ -7,8 +7,9 @@ list is padded with -1 to a whole number of key blocks.
 
 Backward: dq comes from the query-major pass; dk and dv from relaxed fp32 atomic adds
 in the same pass (dkdv="atomic", the default: 3.4x faster than the key-major pass on
-random selections at 32K) or from the key-major pass over the (query, key) pairs
-sorted by key (dkdv="by_key", no atomics).
+random selections at 32K; past `keys_per_range` keys, one pass per key range,
+key_ranges.py) or from the key-major pass over the (query, key) pairs sorted by key
+(dkdv="by_key", no atomics).
 """
 
 import functools
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.sparse_attention import input_checks
+from pallas_kernels.sparse_attention import input_checks, key_ranges
 from pallas_kernels.sparse_attention.attention_backward import sparse_attention_backward
 from pallas_kernels.sparse_attention.attention_backward_by_key import (
     pairs_by_key, sparse_attention_dkdv)
@@ -52,13 +53,13 @@ def kernel_layout(q, k, v, indices, max_block_k=_FORWARD_BLOCK_K):
             pad_axis(indices.astype(jnp.int32), 2, kp, -1), block_k)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _sparse_attention(q, k, v, indices, scale, dkdv):
-    return _forward(q, k, v, indices, scale, dkdv)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _sparse_attention(q, k, v, indices, scale, dkdv, keys_per_range):
+    return _forward(q, k, v, indices, scale, dkdv, keys_per_range)[0]
 
 
-def _forward(q, k, v, indices, scale, dkdv):
-    del dkdv
+def _forward(q, k, v, indices, scale, dkdv, keys_per_range):
+    del dkdv, keys_per_range
     qg, kh, vh, idx, block_k = kernel_layout(q, k, v, indices)
     o, lse = sparse_attention_forward(qg, kh, vh, idx, scale=scale, block_k=block_k,
                                       interpret=use_interpret())
@@ -67,11 +68,14 @@ def _forward(q, k, v, indices, scale, dkdv):
     return o, (q, k, v, indices, saved_o, lse)
 
 
-def _backward(scale, dkdv, saved, do):
+def _backward(scale, dkdv, keys_per_range, saved, do):
     q, k, v, indices, o, lse = saved
     b, t, hq, _ = q.shape
-    hk = k.shape[2]
+    hk, tk = k.shape[2], k.shape[1]
     interpret = use_interpret()
+    ranges = None
+    if dkdv == "atomic" and key_ranges.n_ranges(tk, keys_per_range) > 1:
+        indices, *ranges = key_ranges.split_by_range(indices, tk, keys_per_range)
     qg, kh, vh, idx, block_k = kernel_layout(q, k, v, indices, _BACKWARD_BLOCK_K)
     do = do.astype(q.dtype)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, T, HQ]
@@ -79,7 +83,9 @@ def _backward(scale, dkdv, saved, do):
                _group_heads(delta[..., None], hk)[..., 0])
     if dkdv == "atomic":
         dq, dk, dv = sparse_attention_backward(*dq_args, scale=scale, block_k=block_k,
-                                               interpret=interpret, atomic_dkdv=True)
+                                               interpret=interpret, atomic_dkdv=True,
+                                               ranges=ranges)
+        dq = dq.astype(q.dtype)
         dk = dk.transpose(0, 2, 1, 3).astype(k.dtype)
         dv = dv.transpose(0, 2, 1, 3).astype(v.dtype)
     else:
@@ -98,7 +104,8 @@ _sparse_attention.defvjp(_forward, _backward)
 _DKDV_METHODS = ("by_key", "atomic")
 
 
-def sparse_attention(q, k, v, indices, *, scale=None, dkdv="atomic"):
+def sparse_attention(q, k, v, indices, *, scale=None, dkdv="atomic",
+                     keys_per_range=key_ranges.KEYS_PER_RANGE):
     """Softmax attention of each query over its selected keys (Pallas kernels).
 
     Args:
@@ -110,6 +117,8 @@ def sparse_attention(q, k, v, indices, *, scale=None, dkdv="atomic"):
       dkdv: how the backward sums dk/dv over the queries that selected a key:
         "atomic" (relaxed fp32 atomics in the query-major pass) or "by_key" (pairs
         sorted by key, one pass per key).
+      keys_per_range: with "atomic", the backward runs one pass per range of this many
+        keys (each range's K, V, dk and dv rows stay in L2).
 
     Returns:
       o [B, T, HQ, D] in q's dtype; a query with no valid index outputs zeros.
@@ -131,5 +140,7 @@ def sparse_attention(q, k, v, indices, *, scale=None, dkdv="atomic"):
     if dkdv == "by_key" and k.shape[1] != t:
         raise ValueError(f"dkdv='by_key' needs one key per query (k {k.shape}, q {q.shape}); "
                          f"use 'atomic'")
+    if keys_per_range < 1:
+        raise ValueError(f"keys_per_range must be positive, got {keys_per_range}")
     scale = q.shape[3] ** -0.5 if scale is None else float(scale)
-    return _sparse_attention(q, k, v, indices, scale, dkdv)
+    return _sparse_attention(q, k, v, indices, scale, dkdv, int(keys_per_range))

@@ -48,9 +48,13 @@ def _kth_largest_key(keys, k, bits_per_pass):
 BITS_PER_PASS = (1, 2, 4)
 
 
-def threshold_top_k(scores, k: int, bits_per_pass: int = 1):
+def threshold_top_k(scores, k: int, bits_per_pass: int = 2):
     """Indices int32 [..., k] of the k largest fp32 scores of each row (ties: smaller
-    index), as a set; entries that would pick a -inf score are -1."""
+    index), as a set; entries that would pick a -inf score are -1.
+
+    bits_per_pass: digits of the K-th score found per counting pass (H200, one query
+    chunk of causal scores at T = 128K, K = 2048: 1 bit 12.3 ms, 2 bits 8.6, 4 bits
+    9.9; lax.top_k 18.2)."""
     *batch, n = scores.shape
     if not 0 < k <= n:
         raise ValueError(f"k must be in [1, {n}] for rows of {n} scores, got {k}")

@@ -8,6 +8,7 @@ import pytest
 from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, topk_indices)
 from pallas_kernels.sparse_attention.attention_backward_by_key import pairs_by_key
+from pallas_kernels.sparse_attention.key_ranges import split_by_range
 from pallas_kernels.sparse_attention.tests import helpers
 
 
@@ -45,11 +46,27 @@ def test_kernel_matches_gather_reference_on_random_indices_bf16():
     counts = jnp.bincount(jnp.where(idx >= 0, idx, 40).ravel(), length=41)[:40]
     assert int(counts.max()) > 16 and int(counts.min()) == 0
     want = helpers.vjp(sparse_attention_reference, q, k, v, idx, do)
-    for dkdv in ("by_key", "atomic"):
-        got = helpers.vjp(lambda *a: sparse_attention(*a, dkdv=dkdv), q, k, v, idx, do)
-        assert helpers.rel_err(got[0], want[0]) <= 5e-3, dkdv
+    # atomic with 8 keys per range: five backward passes, one per key range
+    for method in (dict(dkdv="by_key"), dict(dkdv="atomic"),
+                   dict(dkdv="atomic", keys_per_range=8)):
+        got = helpers.vjp(lambda *a: sparse_attention(*a, **method), q, k, v, idx, do)
+        assert helpers.rel_err(got[0], want[0]) <= 5e-3, method
         for g, w in zip(got[1:], want[1:]):
-            assert helpers.rel_err(g, w) <= 1e-2, dkdv
+            assert helpers.rel_err(g, w) <= 1e-2, method
+
+
+def test_split_by_range_gives_each_range_its_slice_of_the_sorted_selection():
+    idx = helpers.distinct_causal_indices(5, 2, 40, 12)
+    ordered, lo, hi = split_by_range(idx, 40, 16)
+    assert ordered.shape == idx.shape and lo.shape == hi.shape == (2, 40, 3)
+    for b in range(2):
+        for t in range(40):
+            chosen = sorted(int(i) for i in idx[b, t] if i >= 0)
+            row = [int(i) for i in ordered[b, t]]
+            assert row == chosen + [-1] * (12 - len(chosen))
+            for r in range(3):
+                part = row[int(lo[b, t, r]):int(hi[b, t, r])]
+                assert part == [i for i in chosen if 16 * r <= i < 16 * (r + 1)]
 
 
 @pytest.mark.parametrize("selection", ["sort", "threshold"])
@@ -77,6 +94,7 @@ def test_kernel_topk_pads_with_minus_one_when_top_k_exceeds_t():
      "share a dtype"),
     (dict(indices=jnp.zeros((8, 4), jnp.int32)), "indices must have shape"),
     (dict(dkdv="scatter"), "dkdv must be one of"),
+    (dict(keys_per_range=0), "keys_per_range must be positive"),
 ])
 def test_kernel_attention_rejects_bad_inputs(bad, message):
     args = dict(q=jnp.zeros((1, 8, 4, 16)), k=jnp.zeros((1, 8, 2, 16)),
