@@ -3,7 +3,7 @@
 A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay,
 s <= t in one segment) is built per 16-token sub-chunk, one program each: blocks below
 the diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
-<= 1, so one tensor-core matmul); diagonal blocks factor through the sub-chunk's first
+<= 1, so one tensor-core matmul per 16x16 block); diagonal blocks factor through the sub-chunk's first
 token where its decays allow (_diagonal_blocks) and otherwise form each
 exp(b_t - b_s <= 0) exactly, one key at a time, so decays down to g = -20 per token
 stay finite. A is kept for the backward, which needs it for dv; dA = scale * do v^T
@@ -21,7 +21,7 @@ from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
     F32, SUB, chunk_call, chunk_program_id, compute_dtype, iota, masked_exp, mm, rows)
 from pallas_kernels.linear_attention._score_rows import (
-    earlier_keys, left_of_diagonal, store_row_block)
+    edge_decay, store_diagonal, store_row_blocks)
 
 
 def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
@@ -54,10 +54,10 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, a_ref, *, cd):
     k_ref, b_ref and r_ref the whole chunk."""
     start = pl.multiple_of(chunk_program_id() * SUB, SUB)
     q_i, b_i, r_i = q_ref[...].astype(F32), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
-    keys, b_edge = earlier_keys(k_ref, b_ref, start)
-    left = mm(q_i * masked_exp(b_i - b_edge), keys, cd, trans_b=True)
-    left = jnp.where(left_of_diagonal(start) & (r_i[:, None] == r_ref[...][None, :]), left, 0.0)
-    store_row_block(a_ref, left, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start), start)
+    b_edge = edge_decay(b_ref, start)
+    store_row_blocks([(a_ref, q_i * masked_exp(b_i - b_edge), cd)], k_ref, b_ref, r_ref,
+                     start, b_edge)
+    store_diagonal(a_ref, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start), start)
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):

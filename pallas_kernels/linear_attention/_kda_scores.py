@@ -19,9 +19,9 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, chunk_program_id, flag_column, iota, masked_exp, mm, rows)
+    F32, SUB, chunk_program_id, flag_column, iota, masked_exp, rows)
 from pallas_kernels.linear_attention._score_rows import (
-    earlier_keys, left_of_diagonal, store_row_block)
+    edge_decay, store_diagonal, store_row_blocks)
 
 
 def _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start):
@@ -64,17 +64,16 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref,
     b_last = rows(b_ref, C - 1, 1)
     kg_ref[...] = (k_i * masked_exp(b_last - b_i) * flag_column(il_ref, start)).astype(kg_ref.dtype)
 
-    keys, b_edge = earlier_keys(k_ref, b_ref, start)
+    b_edge = edge_decay(b_ref, start)
     to_edge = masked_exp(b_i - b_edge)
-    r_i = r_ref[pl.ds(start, SUB)]
-    earlier = left_of_diagonal(start) & (r_i[:, None] == r_ref[...][None, :])
-    kk_left = jnp.where(earlier, beta_i * mm(k_i * to_edge, keys, cd, trans_b=True), 0.0)
-    qk_left = jnp.where(earlier, mm(q_i * to_edge, keys, cd, trans_b=True), 0.0)
+    store_row_blocks([(akk_ref, beta_i * k_i * to_edge, cd), (aqk_ref, q_i * to_edge, cd)],
+                     k_ref, b_ref, r_ref, start, b_edge)
 
     kk_d, qk_d = _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start)
+    r_i = r_ref[pl.ds(start, SUB)]
     same = r_i[:, None] == r_ref[pl.ds(start, SUB)][None, :]
-    store_row_block(akk_ref, kk_left, jnp.where(same, beta_i * kk_d, 0.0), start)
-    store_row_block(aqk_ref, qk_left, jnp.where(same, qk_d, 0.0), start)
+    store_diagonal(akk_ref, jnp.where(same, beta_i * kk_d, 0.0), start)
+    store_diagonal(aqk_ref, jnp.where(same, qk_d, 0.0), start)
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret):
