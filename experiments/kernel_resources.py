@@ -1,0 +1,214 @@
+"""Registers, spills and shared memory of the Pallas (Triton) kernels of the registered
+ops, compiled for Hopper on any machine: no GPU needed.
+
+    PYTHONPATH=src:. JAX_PLATFORMS=cpu python3 -m experiments.kernel_resources --ops 'linear_*'
+
+Each implementation of an op is lowered for CUDA (forward, and forward+backward where
+the op is differentiated) at the op's `bench` shapes from hylora.ops.checks (shapes
+only: nothing is allocated). Every Triton kernel in it is compiled for sm_90a with the
+`triton` package and assembled by its `ptxas -v`, which gives registers per thread and
+spill bytes; with the launch's warps and shared memory that gives the programs an SM
+holds at once (the H200's limits: 64K registers, 64 warps, 32 programs and 228 KiB of
+shared memory per SM).
+
+The GPU's XLA compiles with its own copy of Triton, so read the figures as an estimate
+for comparing variants of a kernel: against Nsight Compute on the H200 (2026-11-30),
+gla_chunk_key_grads matched (255 registers, 40 KiB shared, 2 programs per SM) and
+gla_chunk_score_grads did not (112 registers here, 87 there).
+
+Needs `pip install triton==3.6.0` (the GPU machine's Triton; not a project dependency).
+The lowering reaches into JAX's private Pallas Triton lowering, checked against jax
+0.11.2.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fnmatch
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+from hylora.ops import REGISTRY
+from hylora.ops.checks import CHECKS
+
+# Hopper (sm_90) per-SM limits
+_REGISTERS_PER_SM = 65536
+_REGISTER_GRANULE = 256  # registers are allocated per warp in blocks of 256
+_WARPS_PER_SM = 64
+_PROGRAMS_PER_SM = 32
+_SHARED_PER_SM = 233472  # 228 KiB
+_SHARED_RESERVED = 1024  # per program, by the driver
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    num_warps: int
+    num_stages: int
+    ttir: str  # the Triton IR Pallas hands to XLA, as text
+
+
+@contextlib.contextmanager
+def _lowering_for_cuda(kernels: list[Kernel]):
+    """Lets the Pallas Triton lowering run without a GPU (compute capability 9.0) and
+    records each kernel it emits."""
+    from jax._src.pallas.triton import lowering
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    modules = []
+    lower_module = lowering.lower_jaxpr_to_triton_module
+    custom_call = registration.mlir.custom_call
+
+    def recording_lower(*args, **kwargs):
+        result = lower_module(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    def recording_call(*args, backend_config=None, **kwargs):
+        target = kwargs.get("call_target_name", args[0] if args else None)
+        if target == "__gpu$xla.gpu.triton":
+            cfg = backend_config
+            kernels.append(Kernel(cfg["name"].value, cfg["num_warps"].value,
+                                  cfg["num_stages"].value, modules[-1]))
+        return custom_call(*args, backend_config=backend_config, **kwargs)
+
+    gpu = types.SimpleNamespace(compute_capability="9.0")
+    with mock.patch.object(registration, "gpu_info_lib",
+                           types.SimpleNamespace(get_gpu_info=lambda: gpu)), \
+            mock.patch.object(lowering, "lower_jaxpr_to_triton_module", recording_lower), \
+            mock.patch.object(registration.mlir, "custom_call", recording_call), \
+            mock.patch.object(jax, "default_backend", lambda: "gpu"):  # compiled, not interpreted
+        yield
+
+
+def _input_shapes(check, size):
+    """(args, kwargs) of the op's check at `size`, arrays as ShapeDtypeStructs."""
+    static = {}
+
+    def build(key):
+        args, kwargs = check.make_inputs(key, size)
+        arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+        static.update({k: v for k, v in kwargs.items() if k not in arrays})
+        return args, arrays
+
+    args, arrays = jax.eval_shape(build, jax.random.key(0))
+    return args, arrays, static
+
+
+def capture_kernels(op: str, impl: str, size: str = "bench") -> list[Kernel]:
+    """The Triton kernels one implementation of an op runs (forward, then backward),
+    each (name, Triton IR) once."""
+    check = CHECKS[op]
+    args, arrays, static = _input_shapes(check, size)
+    fn = functools.partial(REGISTRY.resolve(op, impl), **static)
+
+    def run(args, arrays):
+        if not check.grad_argnums:
+            return fn(*args, **arrays)
+        loss = lambda *a: sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(
+            fn(*a, **arrays)) if jnp.issubdtype(x.dtype, jnp.floating))
+        return jax.value_and_grad(loss, check.grad_argnums)(*args)  # the value keeps the forward
+
+    kernels: list[Kernel] = []
+    with _lowering_for_cuda(kernels):
+        jax.jit(run).trace(args, arrays).lower(lowering_platforms=("cuda",))
+    unique = {(k.name, k.ttir): k for k in kernels}
+    return list(unique.values())
+
+
+def parse_ptxas(report: str) -> dict:
+    """Registers per thread and spill/stack bytes from `ptxas -v` output."""
+    def number(pattern):
+        found = re.findall(pattern, report)
+        if not found:
+            raise ValueError(f"no {pattern!r} in the ptxas report:\n{report}")
+        return int(found[-1])
+
+    return {"registers": number(r"Used (\d+) registers"),
+            "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"),
+            "stack": number(r"(\d+) bytes stack frame")}
+
+
+def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Programs (CUDA blocks) of one kernel an SM runs at once."""
+    per_warp = -(-registers * 32 // _REGISTER_GRANULE) * _REGISTER_GRANULE
+    by_registers = _REGISTERS_PER_SM // (per_warp * num_warps)
+    by_shared = _SHARED_PER_SM // (shared_bytes + _SHARED_RESERVED)
+    return min(by_registers, by_shared, _WARPS_PER_SM // num_warps, _PROGRAMS_PER_SM)
+
+
+def compile_for_hopper(kernel: Kernel) -> dict:
+    """ptxas's registers and spills, Triton's shared memory, and the programs per SM."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError:
+        sys.exit("kernel_resources needs the triton package: pip install triton==3.6.0")
+    with tempfile.TemporaryDirectory() as tmp:
+        ttir = os.path.join(tmp, f"{kernel.name}.ttir")
+        with open(ttir, "w") as f:
+            f.write(kernel.ttir)
+        compiled = triton.compile(ttir, target=GPUTarget("cuda", 90, 32), options=dict(
+            num_warps=kernel.num_warps, num_stages=kernel.num_stages))
+        ptx = os.path.join(tmp, f"{kernel.name}.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "ptxas")
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    out = parse_ptxas(report) | {"shared": compiled.metadata.shared}
+    out["programs_per_sm"] = programs_per_sm(out["registers"], kernel.num_warps, out["shared"])
+    out["occupancy"] = out["programs_per_sm"] * kernel.num_warps / _WARPS_PER_SM
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", nargs="*", default=None, help="op name patterns (default: all)")
+    p.add_argument("--size", choices=("small", "bench"), default="bench")
+    p.add_argument("--out", default=None, help="a JSON file for the rows")
+    a = p.parse_args()
+    rows = []
+    print("| op | implementation | kernel | warps | stages | registers | spill bytes "
+          "(stores / loads) | shared KiB | programs per SM | occupancy |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for op in REGISTRY.names():
+        if op not in CHECKS or (a.ops and not any(fnmatch.fnmatch(op, pat) for pat in a.ops)):
+            continue
+        for impl in sorted(REGISTRY.entry(op).impls):  # the fast ones, not the reference
+            try:
+                kernels = capture_kernels(op, impl, a.size)
+            except Exception as e:  # an implementation that cannot lower here: say so
+                print(f"| {op} | {impl} | not lowered: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:120]} | | | | | | | |", flush=True)
+                continue
+            if not kernels:
+                print(f"| {op} | {impl} | no Triton kernels | | | | | | | |", flush=True)
+            for k in kernels:
+                r = compile_for_hopper(k)
+                rows.append({"op": op, "impl": impl, "kernel": k.name, "num_warps": k.num_warps,
+                             "num_stages": k.num_stages} | r)
+                print(f"| {op} | {impl} | {k.name} | {k.num_warps} | {k.num_stages} | "
+                      f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
+                      f"{r['shared'] / 1024:.0f} | {r['programs_per_sm']} | "
+                      f"{r['occupancy']:.1%} |", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
