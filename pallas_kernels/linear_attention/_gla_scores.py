@@ -3,10 +3,10 @@
 A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay,
 s <= t in one segment) is built per 16-token sub-chunk, one program each: blocks below
 the diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
-<= 1, so one tensor-core matmul per 16x16 block); diagonal blocks factor through the sub-chunk's first
-token where its decays allow (_diagonal_blocks) and otherwise form each
-exp(b_t - b_s <= 0) exactly, one key at a time, so decays down to g = -20 per token
-stay finite. A is kept for the backward, which needs it for dv; dA = scale * do v^T
+<= 1, so one tensor-core matmul per 16x16 block); diagonal blocks factor through the
+sub-chunk's first token where its decays allow (_diagonal_blocks) and otherwise form
+each exp(b_t - b_s <= 0) exactly, one key at a time, so decays down to g = -20 per
+token stay finite. A is kept for the backward, which needs it for dv; dA = scale * do v^T
 needs no decay at all.
 """
 import functools

@@ -3,8 +3,8 @@
 Arrays: tokens [B, Tp, H, D], beta [B, Tp, H], per-token int32 flags [B, Tp] (run ids,
 carry_in, in_last), per-chunk [C, C] matrices [B, H, n, C, C] and per-chunk states
 [B, H, n, Dk, Dv]. Parallel kernels run on a grid (b, h, chunk[, key block or
-16-token sub-chunk], launched with that last axis fastest); the sequential kernels on (b, h, Dv block), owning a whole
-sequence of one head.
+16-token sub-chunk], launched with that last axis fastest); the sequential kernels on
+(b, h, Dv block), owning a whole sequence of one head.
 """
 import jax
 from jax.experimental import pallas as pl

@@ -16,8 +16,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import SUB, masked_exp, mm, rows
 
-N_SUB = C // SUB
-
 
 def edge_decay(b_ref, start):
     """[1, D]: the cumulative decay at the token before the sub-chunk at `start` (row 0
@@ -49,7 +47,7 @@ def store_row_blocks(products, k_ref, b_ref, r_ref, start, b_edge):
 
     i = start // SUB
     jax.lax.fori_loop(0, i, earlier, 0)
-    jax.lax.fori_loop(i + 1, N_SUB, later, 0)
+    jax.lax.fori_loop(i + 1, C // SUB, later, 0)
 
 
 def store_diagonal(ref, block, start):

@@ -43,12 +43,12 @@ def _backward_kernel(q_ref, do_ref, lse_ref, delta_ref, idx_ref, lo_ref, hi_ref,
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
-    lo, hi = lo_ref[0], hi_ref[0]  # this program's entries [lo, hi) of the index list
+    first, end = lo_ref[0], hi_ref[0]  # this program's entries [first, end) of the list
 
     def body(i, dq):
         pos = i * block_k + jax.lax.iota(jnp.int32, block_k)
         idx = idx_ref[pl.ds(i * block_k, block_k)]
-        valid = (idx >= 0) & (pos >= lo) & (pos < hi)
+        valid = (idx >= 0) & (pos >= first) & (pos < end)
         safe = jnp.where(valid, idx, 0)
         k_rows = k_ref[safe, :]
         v_rows = v_ref[safe, :]
@@ -64,7 +64,7 @@ def _backward_kernel(q_ref, do_ref, lse_ref, delta_ref, idx_ref, lo_ref, hi_ref,
             _atomic_add_rows(dv_ref, idx, valid, dv_part, interpret)
         return dq + plgpu.dot(ds, k_rows).astype(jnp.float32)
 
-    dq = jax.lax.fori_loop(lo // block_k, (hi + block_k - 1) // block_k, body,
+    dq = jax.lax.fori_loop(first // block_k, (end + block_k - 1) // block_k, body,
                            jnp.zeros(q.shape, jnp.float32))
     dq_ref = out_refs[-3] if atomic_dkdv else out_refs[-1]
     if ranged:  # the query's other ranges add theirs
