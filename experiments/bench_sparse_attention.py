@@ -5,7 +5,7 @@
 First checks the kernels against the reference at a small size (relative errors of
 the output and of dq/dk/dv for both dk/dv methods and for masked dense attention, top-K
 set overlap for both selections), then times, per sequence length: indexer + top-K
-(sorting, and by threshold), the selection alone on one chunk of scores (by threshold
+(sorting, and by threshold; the score kernel with 1, 2 and 4 queries per program), the selection alone on one chunk of scores (by threshold
 with 1, 2 and 4 bits per counting pass, and sorting), attention forward (and a sweep of its tile settings),
 forward+backward with the key-major dk/dv pass and with atomics (one backward pass per
 range of KEYS_PER_RANGE keys, of 8192 keys, and one pass over all keys), the sort that
@@ -157,6 +157,12 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
     res = {"T": t, "K": k_sel, "HQ": 64, "HK": 8, "D": 128}
     do = jax.random.normal(ks[0], q.shape, q.dtype)
     runs = [("indexer_topk", lambda a, b, c: topk_indices(a, b, c, top_k=k_sel), (qi, ki, w)),
+            # the score kernel's tiling: queries per program (each key block loaded once
+            # for all of them) and warps
+            *[(f"indexer_topk_q{q}_w{nw}",
+               lambda a, b, c, q=q, nw=nw: topk_indices(a, b, c, top_k=k_sel,
+                                                        queries_per_program=q, num_warps=nw),
+               (qi, ki, w)) for q, nw in ((2, 4), (4, 8))],
             ("indexer_topk_sort",
              lambda a, b, c: topk_indices(a, b, c, top_k=k_sel, selection="sort"),
              (qi, ki, w)),

@@ -1,8 +1,9 @@
 """Lightning-indexer scores (Pallas kernel) and per-query top-K selection.
 
-The kernel fuses, for one query and a block of keys, the indexer matmul over all
-indexer heads ([HI, DI] x [DI, block_k]), the ReLU, the per-head weighting and the sum
-over heads, plus the causal and segment masks. Queries are processed in chunks: the
+The kernel fuses, for a few consecutive queries and a block of keys, the indexer matmul
+over all their indexer heads ([queries * HI, DI] x [DI, block_k]), the ReLU, the
+per-head weighting and each query's sum over its heads, plus the causal and segment
+masks. Queries are processed in chunks: the
 kernel writes the fp32 scores of one chunk ([chunk, T], never [T, T]) and the top-K are
 selected from them (ties: smaller index first) before the next chunk, by jax.lax.top_k
 or by threshold (threshold_top_k.py).
@@ -24,58 +25,73 @@ _BLOCK_K = 128
 CHUNK_SCORE_BYTES = 1 << 30  # fp32 scores of one query chunk: at most 1 GiB
 
 
-def _score_kernel(start_ref, q_ref, w_ref, seg_q_ref, k_ref, seg_k_ref, out_ref, *, block_k):
-    t = start_ref[0] + pl.program_id(1)  # global position of this query
-    q = q_ref[...]  # [HIp, DI]; padded heads have zero weight
-    w = w_ref[...].astype(jnp.float32)  # [HIp]
-    seg = seg_q_ref[0]
-    n_blocks = out_ref.shape[0] // block_k
-    n_causal = t // block_k + 1
+def _score_kernel(start_ref, q_ref, w_ref, seg_q_ref, k_ref, seg_k_ref, out_ref, *, block_k,
+                  heads):
+    """Scores of the program's queries (each `heads` rows of q_ref: its padded indexer
+    heads) against every key block up to the last query's."""
+    n_queries = out_ref.shape[0]
+    first = start_ref[0] + pl.program_id(1) * n_queries  # global position of query 0
+    q = q_ref[...]  # [n_queries * HIp, DI]; padded heads have zero weight
+    w = w_ref[...].astype(jnp.float32)  # [n_queries * HIp]
+    owner = jax.lax.iota(jnp.int32, q.shape[0]) // heads  # the query of each row
+    n_blocks = out_ref.shape[1] // block_k
+    n_causal = (first + n_queries - 1) // block_k + 1
 
     def score_block(j, _):
         cols = j * block_k + jax.lax.iota(jnp.int32, block_k)
         keys = k_ref[pl.ds(j * block_k, block_k), :]  # [block_k, DI]
-        dots = plgpu.dot(q, keys, trans_b=True).astype(jnp.float32)  # [HIp, block_k]
-        scores = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None], axis=0)
-        ok = (cols <= t) & (seg_k_ref[pl.ds(j * block_k, block_k)] == seg)
-        out_ref[pl.ds(j * block_k, block_k)] = jnp.where(ok, scores, -jnp.inf)
+        dots = plgpu.dot(q, keys, trans_b=True).astype(jnp.float32)  # [rows, block_k]
+        weighted = jnp.maximum(dots, 0.0) * w[:, None]
+        seg_k = seg_k_ref[pl.ds(j * block_k, block_k)]
+        for i in range(n_queries):  # each query's sum over its own heads
+            scores = (weighted if n_queries == 1 else
+                      jnp.where((owner == i)[:, None], weighted, 0.0)).sum(axis=0)
+            ok = (cols <= first + i) & (seg_k == seg_q_ref[i])
+            out_ref[i, pl.ds(j * block_k, block_k)] = jnp.where(ok, scores, -jnp.inf)
 
     def fill_future(j, _):
-        out_ref[pl.ds(j * block_k, block_k)] = jnp.full((block_k,), -jnp.inf, jnp.float32)
+        for i in range(n_queries):
+            out_ref[i, pl.ds(j * block_k, block_k)] = jnp.full((block_k,), -jnp.inf,
+                                                                jnp.float32)
 
     jax.lax.fori_loop(0, n_causal, score_block, None)
     jax.lax.fori_loop(n_causal, n_blocks, fill_future, None)
 
 
-def _chunk_scores(start, q_chunk, w_chunk, seg_chunk, k_idx, seg, *, block_k, interpret):
-    """Masked fp32 scores [B, chunk, Tp] of queries start .. start + chunk - 1."""
+def _chunk_scores(start, q_chunk, w_chunk, seg_chunk, k_idx, seg, *, block_k, queries,
+                  num_warps, interpret):
+    """Masked fp32 scores [B, chunk, Tp] of queries start .. start + chunk - 1, `queries`
+    of them per program (each key block loaded once for all of them)."""
     b, chunk, hip, di = q_chunk.shape
     tp = k_idx.shape[1]
-    kernel = functools.partial(_score_kernel, block_k=block_k)
+    rows = queries * hip
+    kernel = functools.partial(_score_kernel, block_k=block_k, heads=hip)
     return pl.pallas_call(
         kernel,
-        grid=(b, chunk),
+        grid=(b, chunk // queries),
         in_specs=[
             pl.BlockSpec((1,), lambda bi, qi: (0,)),
-            pl.BlockSpec((None, None, hip, di), lambda bi, qi: (bi, qi, 0, 0)),
-            pl.BlockSpec((None, None, hip), lambda bi, qi: (bi, qi, 0)),
-            pl.BlockSpec((None, 1), lambda bi, qi: (bi, qi)),
+            pl.BlockSpec((None, rows, di), lambda bi, qi: (bi, qi, 0)),
+            pl.BlockSpec((None, rows), lambda bi, qi: (bi, qi)),
+            pl.BlockSpec((None, queries), lambda bi, qi: (bi, qi)),
             pl.BlockSpec((None, tp, di), lambda bi, qi: (bi, 0, 0)),
             pl.BlockSpec((None, tp), lambda bi, qi: (bi, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, tp), lambda bi, qi: (bi, qi, 0)),
+        out_specs=pl.BlockSpec((None, queries, tp), lambda bi, qi: (bi, qi, 0)),
         out_shape=jax.ShapeDtypeStruct((b, chunk, tp), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="sparse_attention_indexer_scores",
-    )(start, q_chunk, w_chunk, seg_chunk, k_idx, seg)
+    )(start, q_chunk.reshape(b, chunk * hip, di), w_chunk.reshape(b, chunk * hip),
+      seg_chunk, k_idx, seg)
 
 
 SELECTIONS = ("sort", "threshold")
 
 
 def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=None,
-                 selection: str = "threshold"):
+                 selection: str = "threshold", queries_per_program: int = 1,
+                 num_warps: int = 4):
     """Per query, the top_k causal same-segment keys by indexer score, int32 [B, T, top_k].
 
     Same contract as topk_indices_reference: score
@@ -91,9 +107,14 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     threshold_top_k.py: a fixed number of passes over the rows instead of a sort, the
     same sets; on the H200 1.2-1.3x faster than the sort from T = 16K to 128K, with
     2.7 GB of temporaries instead of 6.4) or "sort" (jax.lax.top_k).
+
+    `queries_per_program` (a power of 2) and `num_warps` tile the score kernel: one
+    program scores that many consecutive queries, loading each key block once for all.
     """
     if selection not in SELECTIONS:
         raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+    if queries_per_program < 1 or queries_per_program & (queries_per_program - 1):
+        raise ValueError(f"queries_per_program must be a power of 2, got {queries_per_program}")
     input_checks.check_indexer_inputs(q_idx, k_idx, w, top_k, segment_ids,
                                       queries_are_a_range=query_offset is not None)
     check_head_dim("q_idx", q_idx.shape[3])
@@ -107,7 +128,9 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     block_k = _BLOCK_K if tk >= _BLOCK_K else max(16, tile_rows(tk))
     tp = -(-tk // block_k) * block_k
     kept = min(top_k, tk)
+    per_program = queries_per_program
     chunk = max(1, min(t, CHUNK_SCORE_BYTES // (4 * b * tp)))
+    chunk = -(-chunk // per_program) * per_program  # whole programs
     n_chunks = -(-t // chunk)
 
     hip = tile_rows(hi)  # zero-weight padding heads up to a matmul tile
@@ -124,7 +147,8 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
         start = c * chunk
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
         scores = _chunk_scores((offset + start)[None], sl(q_p), sl(w_p), sl(seg_q), k_p,
-                               seg_k, block_k=block_k, interpret=interpret)
+                               seg_k, block_k=block_k, queries=per_program,
+                               num_warps=num_warps, interpret=interpret)
         if selection == "threshold":
             return threshold_top_k(scores, kept)
         values, idx = jax.lax.top_k(scores, kept)
