@@ -4,7 +4,8 @@ XLA's cumulative sum over an inner axis of [B, T, H, D] takes 1.04 ms on the H20
 (1, 32768, 32, 128) fp32; one two-warp program per (chunk, head) scanning its [C, D]
 block in registers takes 0.46, about what a copy of the same blocks takes (0.42). Its
 transpose, the reverse in-chunk sum of the cotangent, is the same kernel's other mode:
-sum(x) - cumsum(x) + x (Triton scans only forwards).
+sum(x) - cumsum(x) + x (Triton scans only forwards), 0.49 ms with four warps (with two
+it would spill: experiments/kernel_resources.py).
 """
 import functools
 
@@ -30,7 +31,7 @@ def _scan(x, reverse):
     return pl.pallas_call(
         functools.partial(_scan_kernel, reverse=reverse), grid=(B, Tp // C, H),
         in_specs=[block], out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
-        compiler_params=compiler_params(2), interpret=interpret_mode(),
+        compiler_params=compiler_params(4 if reverse else 2), interpret=interpret_mode(),
         name="chunk_reverse_cumsum" if reverse else "chunk_cumsum",
     )(x)
 
