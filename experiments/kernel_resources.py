@@ -149,8 +149,25 @@ def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
     return min(by_registers, by_shared, _WARPS_PER_SM // num_warps, _PROGRAMS_PER_SM)
 
 
+def register_cap_for(programs: int, num_warps: int) -> int:
+    """The most registers per thread that still fit `programs` programs on an SM."""
+    per_warp = _REGISTERS_PER_SM // (programs * num_warps)
+    return min(255, per_warp // _REGISTER_GRANULE * _REGISTER_GRANULE // 32)
+
+
+def _ptxas(ptxas, ptx, path, max_registers=None):
+    """ptxas -v's report on the PTX (written to path), optionally capped with .maxnreg."""
+    if max_registers is not None:  # as a PTX directive: ptxas ignored --maxrregcount here
+        ptx = re.sub(r"(\.reqntid [^\n]*\n)", rf"\1.maxnreg {max_registers}\n", ptx, count=1)
+    with open(path, "w") as f:
+        f.write(ptx)
+    return subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                          capture_output=True, text=True, check=True).stderr
+
+
 def compile_for_hopper(kernel: Kernel) -> dict:
-    """ptxas's registers and spills, Triton's shared memory, and the programs per SM."""
+    """ptxas's registers and spills, Triton's shared memory, the programs per SM, and the
+    spill bytes if capped at the registers that would fit one program more per SM."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -162,16 +179,18 @@ def compile_for_hopper(kernel: Kernel) -> dict:
             f.write(kernel.ttir)
         compiled = triton.compile(ttir, target=GPUTarget("cuda", 90, 32), options=dict(
             num_warps=kernel.num_warps, num_stages=kernel.num_stages))
-        ptx = os.path.join(tmp, f"{kernel.name}.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                              "ptxas")
-        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr
-    out = parse_ptxas(report) | {"shared": compiled.metadata.shared}
-    out["programs_per_sm"] = programs_per_sm(out["registers"], kernel.num_warps, out["shared"])
-    out["occupancy"] = out["programs_per_sm"] * kernel.num_warps / _WARPS_PER_SM
+        ptx, path = compiled.asm["ptx"], os.path.join(tmp, f"{kernel.name}.ptx")
+        out = parse_ptxas(_ptxas(ptxas, ptx, path)) | {"shared": compiled.metadata.shared}
+        out["programs_per_sm"] = programs_per_sm(out["registers"], kernel.num_warps,
+                                                 out["shared"])
+        out["occupancy"] = out["programs_per_sm"] * kernel.num_warps / _WARPS_PER_SM
+        more = out["programs_per_sm"] + 1
+        cap = register_cap_for(more, kernel.num_warps)
+        if cap >= 24 and programs_per_sm(cap, kernel.num_warps, out["shared"]) == more:
+            capped = parse_ptxas(_ptxas(ptxas, ptx, path, cap))
+            out["next_step"] = {"registers": cap, "spill_bytes": capped["spill_stores"]}
     return out
 
 
@@ -183,8 +202,9 @@ def main():
     a = p.parse_args()
     rows = []
     print("| op | implementation | kernel | warps | stages | registers | spill bytes "
-          "(stores / loads) | shared KiB | programs per SM | occupancy |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "(stores / loads) | shared KiB | programs per SM | occupancy | one program more "
+          "per SM: register cap, spill bytes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for op in REGISTRY.names():
         if op not in CHECKS or (a.ops and not any(fnmatch.fnmatch(op, pat) for pat in a.ops)):
             continue
@@ -193,18 +213,20 @@ def main():
                 kernels = capture_kernels(op, impl, a.size)
             except Exception as e:  # an implementation that cannot lower here: say so
                 print(f"| {op} | {impl} | not lowered: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:120]} | | | | | | | |", flush=True)
+                      f"{str(e).splitlines()[0][:120]} | | | | | | | | |", flush=True)
                 continue
             if not kernels:
-                print(f"| {op} | {impl} | no Triton kernels | | | | | | | |", flush=True)
+                print(f"| {op} | {impl} | no Triton kernels | | | | | | | | |", flush=True)
             for k in kernels:
                 r = compile_for_hopper(k)
                 rows.append({"op": op, "impl": impl, "kernel": k.name, "num_warps": k.num_warps,
                              "num_stages": k.num_stages} | r)
+                step = r.get("next_step")
+                step = f"{step['registers']}, {step['spill_bytes']}" if step else "-"
                 print(f"| {op} | {impl} | {k.name} | {k.num_warps} | {k.num_stages} | "
                       f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
                       f"{r['shared'] / 1024:.0f} | {r['programs_per_sm']} | "
-                      f"{r['occupancy']:.1%} |", flush=True)
+                      f"{r['occupancy']:.1%} | {step} |", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

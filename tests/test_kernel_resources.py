@@ -33,6 +33,13 @@ def test_programs_per_sm(registers, warps, shared, programs):
     assert kr.programs_per_sm(registers, warps, shared) == programs
 
 
+@pytest.mark.parametrize("programs, warps, cap", [(3, 4, 168), (4, 4, 128), (2, 4, 255),
+                                                  (2, 8, 128)])
+def test_register_cap_fits_the_programs(programs, warps, cap):
+    assert kr.register_cap_for(programs, warps) == cap
+    assert kr.programs_per_sm(cap, warps, 0) >= programs
+
+
 def test_gla_lowers_for_cuda_without_a_gpu():
     kernels = {k.name: k for k in kr.capture_kernels("linear_attention.gla", "pallas", "small")}
     assert {"chunk_cumsum", "gla_states", "gla_chunk_scores", "gla_chunk_outputs",
