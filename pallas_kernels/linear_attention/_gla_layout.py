@@ -13,9 +13,7 @@ import jax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._pallas_common import F32, SUB
-
-N_SUB = C // SUB
+from pallas_kernels.linear_attention._pallas_common import F32, N_SUB, SUB
 _sq = pl.squeezed
 
 

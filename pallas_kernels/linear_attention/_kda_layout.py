@@ -10,9 +10,8 @@ import jax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._pallas_common import SUB, chunk_call, compiler_params
-
-N_SUB = C // SUB
+from pallas_kernels.linear_attention._pallas_common import (
+    N_SUB, SUB, chunk_call, compiler_params)
 _sq = pl.squeezed
 
 

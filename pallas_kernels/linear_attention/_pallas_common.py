@@ -4,7 +4,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.linear_attention._inputs import CHUNK
+
 SUB = 16  # sub-chunk length: per-channel decays are only ever exponentiated as exp(x <= 0)
+N_SUB = CHUNK // SUB  # sub-chunks per chunk
 F32 = jnp.float32
 
 

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._pallas_common import SUB, masked_exp, mm, rows
+from pallas_kernels.linear_attention._pallas_common import N_SUB, SUB, masked_exp, mm, rows
 
 
 def edge_decay(b_ref, start):
@@ -47,7 +46,7 @@ def store_row_blocks(products, k_ref, b_ref, r_ref, start, b_edge):
 
     i = start // SUB
     jax.lax.fori_loop(0, i, earlier, 0)
-    jax.lax.fori_loop(i + 1, C // SUB, later, 0)
+    jax.lax.fori_loop(i + 1, N_SUB, later, 0)
 
 
 def store_diagonal(ref, block, start):
