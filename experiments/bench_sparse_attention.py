@@ -162,7 +162,7 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
             *[(f"indexer_topk_q{q}_w{nw}",
                lambda a, b, c, q=q, nw=nw: topk_indices(a, b, c, top_k=k_sel,
                                                         queries_per_program=q, num_warps=nw),
-               (qi, ki, w)) for q, nw in ((2, 4), (4, 8))],
+               (qi, ki, w)) for q, nw in ((1, 4), (4, 8))],
             ("indexer_topk_sort",
              lambda a, b, c: topk_indices(a, b, c, top_k=k_sel, selection="sort"),
              (qi, ki, w)),

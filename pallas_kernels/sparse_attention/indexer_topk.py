@@ -90,7 +90,7 @@ SELECTIONS = ("sort", "threshold")
 
 
 def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=None,
-                 selection: str = "threshold", queries_per_program: int = 1,
+                 selection: str = "threshold", queries_per_program: int = 2,
                  num_warps: int = 4):
     """Per query, the top_k causal same-segment keys by indexer score, int32 [B, T, top_k].
 
@@ -109,7 +109,9 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     2.7 GB of temporaries instead of 6.4) or "sort" (jax.lax.top_k).
 
     `queries_per_program` (a power of 2) and `num_warps` tile the score kernel: one
-    program scores that many consecutive queries, loading each key block once for all.
+    program scores that many consecutive queries, loading each key block once for all
+    (on the H200 at T = 128K: 1 query 1210 ms, 2 queries 1088 ms, 4 queries and 8 warps
+    1673 ms).
     """
     if selection not in SELECTIONS:
         raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
