@@ -92,7 +92,8 @@ def kernel_breakdown(shape, tiling):
     h, _ = states(kp, vp, b)
     dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=scale, **sk))
     ds, _ = dstates(qp, b, vp)
-    scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **ck))
+    scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, num_stages=t.score_stages,
+                                                  **ck))
     a = scores(qp, kp, b)
     outputs = jax.jit(lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale,
                                                           block_v=t.block_v, **ck))
@@ -100,7 +101,7 @@ def kernel_breakdown(shape, tiling):
     da, dat = dscores(vp, vp)
     grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_grads(
         q, k, v, b, ci, il, h, ds, do, a, da, dat, scale=scale, block_k=t.block_k,
-        block_v=t.block_v, **gk))
+        block_v=t.block_v, num_stages=t.grad_stages, **gk))
     return {"shape": list(shape), "kernel_ms": {
         "prepare": round(timed(prep, q, k, v, g), 3),
         "states": round(timed(states, kp, vp, b), 3),

@@ -127,9 +127,10 @@ def chunk_outputs(q, v, b, carry_in, h, a, *, scale, block_v, interpret, num_war
 
 
 def chunk_grads(q, k, v, b, carry_in, in_last, h, ds, do, a, da, dat, *, scale, block_k,
-                block_v, interpret, num_warps=4):
+                block_v, interpret, num_warps=4, num_stages=3):
     """dq, dk, dv (input dtype) and db (fp32, w.r.t. the in-chunk cumulative decay), given
-    the start states h, the end-state gradients ds, the scores a and dA (da, its transpose dat)."""
+    the start states h, the end-state gradients ds, the scores a and dA (da, its transpose dat).
+    num_stages software-pipelines the key-gradient kernel's per-sub-chunk loads."""
     B, Tp, H, Dk = q.shape
     Dv, NT = v.shape[-1], Tp // C
     cd = compute_dtype(q.dtype)
@@ -156,5 +157,6 @@ def chunk_grads(q, k, v, b, carry_in, in_last, h, ds, do, a, da, dat, *, scale, 
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(q.shape, F32)),
         num_warps=num_warps, interpret=interpret, name="gla_chunk_key_grads",
+        num_stages=num_stages,
     )(q, k, v, b, carry_in, in_last, h, ds, hds, do, da, dat)
     return dq, dk, dv, db

@@ -69,15 +69,16 @@ def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
     dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
 
 
-def chunk_scores(q, k, b, runs, *, interpret, num_warps=4):
-    """The in-chunk scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal)."""
+def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2):
+    """The in-chunk scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal);
+    num_stages software-pipelines the loads of the loops over earlier sub-chunks."""
     B, Tp, H, Dk = q.shape
     g = Grid(N_SUB)
     return chunk_call(
         functools.partial(_scores_kernel, cd=compute_dtype(q.dtype)),
         (B, H, Tp // C, g.size(1)), [g.sub_chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()],
         g.score_rows(), scores_shape(B, H, Tp), num_warps=num_warps, interpret=interpret,
-        name="gla_chunk_scores",
+        name="gla_chunk_scores", num_stages=num_stages,
     )(q, k, b, runs)
 
 

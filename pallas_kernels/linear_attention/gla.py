@@ -33,7 +33,13 @@ class Tiling(NamedTuple):
     # warps of the parallel kernels; H200, (1, 32768, 32, 128): scores 2.9 ms (1 warp 7.0,
     # 4 warps 3.4), key and value gradients 5.6 ms (2 warps 7.2, 8 warps 8.3)
     chunk_warps: int = 2  # forward: scores, outputs
+    # loads in flight in the score kernel's loops: scores 1.9 ms (2.0 with 1, 1.8 with 3),
+    # fwd+bwd 9.4 (9.8 with 1, 9.5 with 3)
+    score_stages: int = 2
     grad_warps: int = 4  # backward: score gradients, value and key gradients
+    # loads in flight in the key-gradient kernel's sub-chunk loop; H200, first shape: key
+    # and value gradients 5.0 ms (5.4 with 1, 5.35 with 2)
+    grad_stages: int = 3
     interpret: bool = False
 
 
@@ -45,7 +51,8 @@ def _states(k, v, b, masks, h0, t: Tiling):
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t):
     h, ht = _states(k, v, b, masks, h0, t)
-    a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.chunk_warps)
+    a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.chunk_warps,
+                     num_stages=t.score_stages)
     o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v,
                       interpret=t.interpret, num_warps=t.chunk_warps)
     return (o, ht), a
@@ -75,7 +82,7 @@ def _gla_core_bwd(scale, t, res, cts):
                                 num_warps=t.grad_warps)
     dq, dk, dv, db = chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat, scale=scale,
                                  block_k=t.block_k, block_v=t.block_v, interpret=t.interpret,
-                                 num_warps=t.grad_warps)
+                                 num_warps=t.grad_warps, num_stages=t.grad_stages)
     return dq, dk, dv, db, dh0, None, None
 
 
