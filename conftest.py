@@ -2,8 +2,11 @@
 compilation cache shared by the test workers and the command-line runs they start; under
 -n, each worker on its own CPUs and the longest files first."""
 
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 # XLA:CPU's LLVM optimisation dominates most tests' compiles and changes no HLO
 # program: without it the suite took 790 s instead of 954 s on two cores (a few tests that
@@ -18,6 +21,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).parent / ".cache" / "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")
+# One scratch folder per test session for the command-line runs (tests/cli_runs.py):
+# made here by the session's main process, before any -n worker starts (they inherit the
+# variable and share the runs), and removed when that process ends.
+if "HYLORA_CLI_SCRATCH" not in os.environ:
+  os.environ["HYLORA_CLI_SCRATCH"] = tempfile.mkdtemp(prefix="hylora-cli-")
+  atexit.register(shutil.rmtree, os.environ["HYLORA_CLI_SCRATCH"], ignore_errors=True)
 
 
 def _keep_worker_to_its_cpus() -> None:

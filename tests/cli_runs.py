@@ -27,10 +27,10 @@ TINY = ["--model.layers=2", "--model.pattern=linear,sparse", "--model.dense_laye
 # the checkpoint and multi-host tests lands while the run is still training.
 STEPS = 16
 EVERY = 4
-_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-if _RUN_ID:  # pytest -n: the workers of one session share runs (and leave them in /tmp)
-  _SCRATCH = Path(tempfile.gettempdir()) / f"hylora-cli-{_RUN_ID}"
-  _SCRATCH.mkdir(exist_ok=True)
+# the session's scratch folder (conftest.py makes it, shared by the -n workers, and
+# removes it at the end); a folder of its own when imported outside pytest
+if "HYLORA_CLI_SCRATCH" in os.environ:
+  _SCRATCH = Path(os.environ["HYLORA_CLI_SCRATCH"])
 else:
   _SCRATCH = Path(tempfile.mkdtemp(prefix="hylora-cli-"))
   atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
