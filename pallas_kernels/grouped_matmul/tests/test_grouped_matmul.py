@@ -2,7 +2,8 @@
 
 On CPU the public functions run on XLA's ragged_dot; the custom-VJP logic used on the GPU
 is checked by building it on a stand-in kernel that, like the Mosaic kernel, leaves rows
-past sum(group_sizes) unwritten (here: NaN) and insists on block-aligned shapes.
+past sum(group_sizes) unwritten (here: NaN) and insists on block-aligned shapes. The
+Mosaic kernel itself runs under JAX's Mosaic GPU interpreter in test_mosaic_kernel.py.
 """
 
 import jax
