@@ -1,5 +1,6 @@
 """Test-wide set-up: 8 simulated CPU devices before JAX starts, deterministic flags, and a
-compilation cache shared by the test workers and the command-line runs they start; under
+compilation cache shared by the test workers and the command-line runs they start (and
+one scratch folder for those runs); under
 -n, each worker on its own CPUs and the longest files first."""
 
 import atexit
@@ -22,7 +23,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).parent / ".cache" / "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")
 # One scratch folder per test session for the command-line runs (tests/cli_runs.py):
-# made here by the session's main process, before any -n worker starts (they inherit the
+# made here by the test session's main process, before any -n worker starts (they inherit the
 # variable and share the runs), and removed when that process ends.
 if "HYLORA_CLI_SCRATCH" not in os.environ:
   os.environ["HYLORA_CLI_SCRATCH"] = tempfile.mkdtemp(prefix="hylora-cli-")

@@ -27,7 +27,7 @@ TINY = ["--model.layers=2", "--model.pattern=linear,sparse", "--model.dense_laye
 # the checkpoint and multi-host tests lands while the run is still training.
 STEPS = 16
 EVERY = 4
-# the session's scratch folder (conftest.py makes it, shared by the -n workers, and
+# the test session's scratch folder (conftest.py makes it, shared by the -n workers, and
 # removes it at the end); a folder of its own when imported outside pytest
 if "HYLORA_CLI_SCRATCH" in os.environ:
   _SCRATCH = Path(os.environ["HYLORA_CLI_SCRATCH"])
