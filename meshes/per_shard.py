@@ -12,6 +12,10 @@ tokens live on several devices and a per-row kernel cannot run on one shard; the
 is left to XLA (correct, and replicated) and a warning says so once. The attention
 kernels split such sequences themselves (`meshes.sequence_parallel`: state passing for
 linear recurrences, gathered keys for sparse attention and its indexer).
+
+XLA:CPU partitions its own top-K (a `TopK` custom call) the same way: `split_over_tokens`
+runs a function of each token alone (the MoE router's expert selection) on every
+device's tokens, whether the rules split the batch, the sequence or both.
 """
 
 from __future__ import annotations
@@ -87,5 +91,24 @@ def split_over_batch(fn):
     # check_vma off: kernel outputs carry no varying-axes type for the checker to compare
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(rows for _ in split),
                          out_specs=rows, check_vma=False)(*(leaves[i] for i in split))
+
+  return per_shard
+
+
+def split_over_tokens(fn):
+  """fn(*arrays [B, T, ...]) applied per device to its tokens: every array argument is
+  split along its batch and sequence dimensions as the activation rules split them, so
+  fn must treat each token alone. Returns arrays of the same [B, T, ...] layout."""
+
+  @functools.wraps(fn)
+  def per_shard(*arrays):
+    found = _activation_spec(arrays[0])
+    if found is None:
+      return fn(*arrays)
+    mesh, spec = found
+    tokens = P(spec[0], spec[1])
+    # check_vma off: a custom call's outputs carry no varying-axes type to compare
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(tokens for _ in arrays),
+                         out_specs=tokens, check_vma=False)(*arrays)
 
   return per_shard

@@ -76,3 +76,24 @@ def test_registered_pallas_gla_runs_per_shard_and_matches_one_device(mesh):
   got = run(*(_rows(mesh, a) for a in (q, k, v, g)))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert "shard_map" in str(jax.make_jaxpr(run)(q, k, v, g))
+
+
+@pytest.mark.parametrize("batch", [8, 4])  # batch over both axes; batch and sequence split
+def test_router_top_k_runs_on_each_devices_tokens(mesh, batch):
+  # XLA:CPU partitions its TopK by gathering the whole batch's scores onto every device;
+  # the router's selection must stay on each device's tokens (batch, sequence or both).
+  from hylora.model.ffn.router import _top_k_experts
+  seq, experts, k = 16, 32, 4
+  scores = np.random.default_rng(2).normal(size=(batch * seq, experts)).astype(np.float32)
+  spec = P(("fsdp", "expert")) if batch == 8 else P(("expert", "fsdp"))
+  flat = jax.device_put(scores, NamedSharding(mesh, spec))
+
+  def select(s):
+    with activation_mesh(mesh):
+      return _top_k_experts(s, k, seq)
+
+  compiled = jax.jit(select).lower(flat).compile().as_text()
+  assert "all-gather" not in compiled, "the top-K gathered the batch"
+  got = np.asarray(jax.jit(select)(flat))
+  want = np.asarray(jax.lax.top_k(scores, k)[1])
+  np.testing.assert_array_equal(got, want)

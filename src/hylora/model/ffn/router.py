@@ -12,6 +12,7 @@ from hylora.model.init import ParamInit, weight_std
 from hylora import axes as ax
 from hylora import remat
 from hylora.config import MoEConfig
+from meshes.per_shard import split_over_tokens
 
 
 class RouterBias(nnx.Variable):
@@ -37,7 +38,7 @@ class Router(nnx.Module):
     else:
       scores = jax.nn.sigmoid(logits)
     selection = scores + jax.lax.stop_gradient(self.bias[...])
-    _, experts = jax.lax.top_k(selection, cfg.top_k)
+    experts = _top_k_experts(selection, cfg.top_k, seq_len)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if cfg.normalize_top_k:
       weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -54,6 +55,19 @@ class Router(nnx.Module):
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     return weights, experts.astype(jnp.int32), {"moe_aux_loss": aux_loss, "moe_z_loss": z_loss,
                                                 "expert_load": load}
+
+
+def _top_k_experts(selection: jax.Array, k: int, seq_len: int | None) -> jax.Array:
+  """The k largest of each token's [N, E] selection scores, per device on its own tokens.
+  Left to the partitioner, XLA:CPU (the dry run's compiler) gathers the whole batch's
+  scores onto every device for its TopK (f32 [2M, 896], 7.5 GB at the 2p8t plan) where
+  XLA:GPU keeps them local; explicit, both compile the same program."""
+  n, e = selection.shape
+  if seq_len is None or n % seq_len:
+    return jax.lax.top_k(selection, k)[1]
+  rows = selection.reshape(n // seq_len, seq_len, e)  # [B, T, E], as the tokens were laid out
+  experts = split_over_tokens(lambda s: jax.lax.top_k(s, k)[1])(rows)
+  return experts.reshape(n, k)
 
 
 def sequence_balance_loss(experts: jax.Array, probs: jax.Array, num_experts: int,
