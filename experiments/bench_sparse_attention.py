@@ -5,16 +5,17 @@
 First checks the kernels against the reference at a small size (relative errors of
 the output and of dq/dk/dv for both dk/dv methods and for masked dense attention, top-K
 set overlap for both selections), then times, per sequence length: indexer + top-K
-(sorting, and by threshold; the score kernel with 1, 2 and 4 queries per program), the selection alone on one chunk of scores (by threshold
-with 1, 2 and 4 bits per counting pass, and sorting), attention forward (and a sweep of its tile settings),
-forward+backward with the key-major dk/dv pass and with atomics (one backward pass per
-range of KEYS_PER_RANGE keys, of 8192 keys, and one pass over all keys), the sort that
-splits the selection into key ranges, the key sort and the key-major pass alone, masked dense attention (cuDNN under the selection mask, the other
-choice of by_density.py) forward and forward+backward, the reference's forward+backward
-at the first length, and each compiled function's temporary memory. Dense cuDNN and the
-jla naive gather come from the peers comparison script. Prints one JSON object per
-measurement; --skip leaves out measurements by name, --budget-s stops starting new
-lengths past it.
+(sorting, and by threshold; the score kernel with 1, 2 and 4 queries per program), the
+selection alone on one chunk of scores (by threshold with 1, 2 and 4 bits per counting
+pass, and sorting), attention forward (and a sweep of its tile settings), forward +
+backward with the key-major dk/dv pass and with atomics (one backward pass per range of
+KEYS_PER_RANGE keys, of 8192 keys, and one pass over all keys), the sort that splits the
+selection into key ranges, the key sort and the key-major pass alone, masked dense
+attention (cuDNN under the selection mask, the other choice of by_density.py) forward
+and forward+backward, the reference's forward+backward at the first length, and each
+compiled function's temporary memory. Dense cuDNN and the jla naive gather come from the
+peers comparison script. Prints one JSON object per measurement; --skip leaves out
+measurements by name, --budget-s stops starting new lengths past it.
 """
 import argparse
 import functools

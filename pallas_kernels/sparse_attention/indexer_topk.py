@@ -130,9 +130,8 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     block_k = _BLOCK_K if tk >= _BLOCK_K else max(16, tile_rows(tk))
     tp = -(-tk // block_k) * block_k
     kept = min(top_k, tk)
-    per_program = queries_per_program
     chunk = max(1, min(t, CHUNK_SCORE_BYTES // (4 * b * tp)))
-    chunk = -(-chunk // per_program) * per_program  # whole programs
+    chunk = -(-chunk // queries_per_program) * queries_per_program  # whole programs
     n_chunks = -(-t // chunk)
 
     hip = tile_rows(hi)  # zero-weight padding heads up to a matmul tile
@@ -149,7 +148,7 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
         start = c * chunk
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
         scores = _chunk_scores((offset + start)[None], sl(q_p), sl(w_p), sl(seg_q), k_p,
-                               seg_k, block_k=block_k, queries=per_program,
+                               seg_k, block_k=block_k, queries=queries_per_program,
                                num_warps=num_warps, interpret=interpret)
         if selection == "threshold":
             return threshold_top_k(scores, kept)
