@@ -73,24 +73,24 @@ def kernel_breakdown(shape, tiling):
     from pallas_kernels.linear_attention import _chunk_prep
     from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outputs
     from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
-    from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
     from pallas_kernels.linear_attention._pallas_common import interpret_mode
+    from pallas_kernels.linear_attention.gla import state_walk_kind, state_walks
     interp = interpret_mode()  # a CPU smoke run interprets the kernels
     B, T, H, D = shape
     q, k, v, g = inputs(*shape)
-    t = tiling
+    t = tiling._replace(interpret=interp)
+    t = t._replace(state_walk=state_walk_kind(t, (q.dtype, k.dtype, v.dtype), D, D))
+    chunk_states, chunk_state_grads = state_walks(t)
     prep = jax.jit(lambda q, k, v, g: _chunk_prep.prepare(q, k, v, g, None, B, T))
     qp, kp, vp, b, runs = prep(q, k, v, g)
     ci, il = _chunk_prep.segment_masks(runs)
     h0 = jnp.zeros((B, H, D, D), jnp.float32)
     scale = D ** -0.5
-    sk = dict(block_k=t.block_k, block_v=t.block_v, interpret=interp, num_warps=t.state_warps,
-              num_stages=t.state_stages)
     ck = dict(interpret=interp, num_warps=t.chunk_warps)
     gk = dict(interpret=interp, num_warps=t.grad_warps)
-    states = jax.jit(lambda k, v, b: chunk_states(k, v, b, il, ci, h0, **sk))
+    states = jax.jit(lambda k, v, b: chunk_states(k, v, b, il, ci, h0))
     h, _ = states(kp, vp, b)
-    dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=scale, **sk))
+    dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=scale))
     ds, _ = dstates(qp, b, vp)
     scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, num_stages=t.score_stages,
                                                   **ck))
@@ -101,8 +101,8 @@ def kernel_breakdown(shape, tiling):
     da, dat = dscores(vp, vp)
     grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_grads(
         q, k, v, b, ci, il, h, ds, do, a, da, dat, scale=scale, block_k=t.block_k,
-        block_v=t.block_v, num_stages=t.grad_stages, **gk))
-    return {"shape": list(shape), "kernel_ms": {
+        block_v=min(t.grad_block_v, D), num_stages=t.grad_stages, **gk))
+    return {"shape": list(shape), "state_walk": t.state_walk, "kernel_ms": {
         "prepare": round(timed(prep, q, k, v, g), 3),
         "states": round(timed(states, kp, vp, b), 3),
         "scores": round(timed(scores, qp, kp, b), 3),
@@ -203,9 +203,11 @@ def bench_kda(shapes, skip_reference, breakdown=False):
 
 
 def parse_tiling(spec):
-    """"block_k=64,state_stages=3" -> ("[block_k=64,state_stages=3]", Tiling(...)); "" -> defaults."""
+    """"block_k=64,state_walk=triton" -> ("[block_k=64,state_walk=triton]", Tiling(...));
+    "" -> defaults."""
     fields = dict(kv.split("=") for kv in spec.split(",") if kv)
-    return (f"[{spec}]" if spec else ""), Tiling(**{k: int(v) for k, v in fields.items()})
+    return (f"[{spec}]" if spec else ""), Tiling(**{
+        k: int(v) if v.isdigit() else v for k, v in fields.items()})
 
 
 def main():

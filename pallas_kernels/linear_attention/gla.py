@@ -1,6 +1,7 @@
 """chunked_gla: Pallas chunked gated linear attention with a Pallas backward (custom_vjp).
 
-Forward: a thin sequential kernel computes every chunk's start state (_gla_states),
+Forward: a thin sequential kernel computes every chunk's start state (_gla_states, or
+_gla_states_mosaic on Hopper),
 parallel kernels each chunk's in-chunk scores A (_gla_scores) and, per block of value
 channels, its output (_gla_chunks). Backward: the start states are recomputed (the
 inputs and A are the residuals: A costs as much memory as one [B, T, H, 64] fp32
@@ -15,10 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import _chunk_prep
+from pallas_kernels.linear_attention import _chunk_prep, _gla_states, _gla_states_mosaic
 from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outputs
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
-from pallas_kernels.linear_attention._gla_states import chunk_state_grads, chunk_states
 from pallas_kernels.linear_attention._inputs import (
     check_head_dims, check_tile, default_scale, validate)
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
@@ -40,13 +40,64 @@ class Tiling(NamedTuple):
     # loads in flight in the key-gradient kernel's sub-chunk loop; H200, first shape: key
     # and value gradients 5.0 ms (5.4 with 1, 5.35 with 2)
     grad_stages: int = 3
+    # value channels per program of the value-gradient kernel: whole 128-wide heads read
+    # the chunk's keys and decays once; H200, first shape: key and value gradients 4.8 ms
+    # (5.2 with 64; the forward outputs kernel keeps block_v: 1.9 ms with 128, 1.2 with 64)
+    grad_block_v: int = 128
+    # the two sequential kernels (chunk states, state gradients): "mosaic" (Hopper: TMA
+    # and warpgroup matmuls; H200, (1, 32768, 32, 128): states 0.72 ms vs 1.11) or
+    # "triton"; "auto" takes "mosaic" where it runs (state_walk_kind)
+    state_walk: str = "auto"
     interpret: bool = False
+
+
+def _on_hopper():
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def state_walk_kind(t: Tiling, dtypes, Dk, Dv):
+    """The state kernels' implementation: the Mosaic GPU walk needs q, k, v in one 16-bit
+    dtype and 64-wide state tiles, and compiles for Hopper only (interpreted on CPU when
+    asked for)."""
+    if t.state_walk != "auto" and t.state_walk not in _STATE_WALKS:
+        raise ValueError(f"Tiling.state_walk = {t.state_walk!r}: expected 'auto' or one of "
+                         f"{sorted(_STATE_WALKS)}")
+    dtype = set(dtypes).pop() if len(set(dtypes)) == 1 else None
+    fits = (dtype in (jnp.bfloat16, jnp.float16) and Dk % _gla_states_mosaic.BLOCK == 0
+            and Dv % _gla_states_mosaic.BLOCK == 0)
+    if t.state_walk == "mosaic" and not fits:
+        raise ValueError(f"Tiling.state_walk = 'mosaic' needs q, k, v in one 16-bit dtype and "
+                         f"head sizes that are multiples of {_gla_states_mosaic.BLOCK}; got "
+                         f"{[str(d) for d in dtypes]}, Dk = {Dk}, Dv = {Dv}")
+    if t.state_walk == "auto":
+        return "mosaic" if fits and not t.interpret and _on_hopper() else "triton"
+    return t.state_walk
+
+
+def _triton_walks(t: Tiling):
+    kw = dict(block_k=t.block_k, block_v=t.block_v, interpret=t.interpret,
+              num_warps=t.state_warps, num_stages=t.state_stages)
+    return (functools.partial(_gla_states.chunk_states, **kw),
+            functools.partial(_gla_states.chunk_state_grads, **kw))
+
+
+def _mosaic_walks(t: Tiling):
+    return (functools.partial(_gla_states_mosaic.chunk_states, interpret=t.interpret),
+            functools.partial(_gla_states_mosaic.chunk_state_grads, interpret=t.interpret))
+
+
+_STATE_WALKS = {"triton": _triton_walks, "mosaic": _mosaic_walks}
+
+
+def state_walks(t: Tiling):
+    """(chunk_states, chunk_state_grads) of t.state_walk ("auto" resolved), settings bound."""
+    return _STATE_WALKS[t.state_walk](t)
 
 
 def _states(k, v, b, masks, h0, t: Tiling):
     carry_in, in_last = masks
-    return chunk_states(k, v, b, in_last, carry_in, h0, block_k=t.block_k, block_v=t.block_v,
-                        interpret=t.interpret, num_warps=t.state_warps, num_stages=t.state_stages)
+    return state_walks(t)[0](k, v, b, in_last, carry_in, h0)
 
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t):
@@ -75,14 +126,13 @@ def _gla_core_bwd(scale, t, res, cts):
     do, dht = cts
     do = do.astype(v.dtype)
     h, _ = _states(k, v, b, masks, h0, t)
-    ds, dh0 = chunk_state_grads(q, b, masks[0], do, dht, scale=scale, block_k=t.block_k,
-                                block_v=t.block_v, interpret=t.interpret,
-                                num_warps=t.state_warps, num_stages=t.state_stages)
+    ds, dh0 = state_walks(t)[1](q, b, masks[0], do, dht, scale=scale)
     da, dat = chunk_score_grads(v, runs, do, scale=scale, interpret=t.interpret,
                                 num_warps=t.grad_warps)
     dq, dk, dv, db = chunk_grads(q, k, v, b, *masks, h, ds, do, a, da, dat, scale=scale,
-                                 block_k=t.block_k, block_v=t.block_v, interpret=t.interpret,
-                                 num_warps=t.grad_warps, num_stages=t.grad_stages)
+                                 block_k=t.block_k, block_v=t.grad_block_v,
+                                 interpret=t.interpret, num_warps=t.grad_warps,
+                                 num_stages=t.grad_stages)
     return dq, dk, dv, db, dh0, None, None
 
 
@@ -101,6 +151,8 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
           else initial_state.astype(jnp.float32))
     t = (tiling or Tiling())._replace(interpret=interpret_mode())
     t = t._replace(block_k=check_tile("block_k", min(t.block_k, Dk), "Dk", Dk),
-                   block_v=check_tile("block_v", min(t.block_v, Dv), "Dv", Dv))
+                   block_v=check_tile("block_v", min(t.block_v, Dv), "Dv", Dv),
+                   grad_block_v=check_tile("grad_block_v", min(t.grad_block_v, Dv), "Dv", Dv))
+    t = t._replace(state_walk=state_walk_kind(t, (q.dtype, k.dtype, v.dtype), Dk, Dv))
     o, ht = _gla_core(qp, kp, vp, b, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)

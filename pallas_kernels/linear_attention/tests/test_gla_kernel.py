@@ -24,7 +24,8 @@ def _check(x, out_tol, grad_tol, **kernel_kw):
 
 def test_fp32_exact_with_resets_initial_state_strong_decay_and_split_dv():
     # T=80 pads to 128; 16-wide state tiles exercise the tiled sequential kernels
-    _check(make_inputs(seed=5, T=80, Dk=32, Dv=32), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16))
+    _check(make_inputs(seed=5, T=80, Dk=32, Dv=32), 1e-4, 1e-4,
+           tiling=Tiling(block_k=16, block_v=16, grad_block_v=16))
 
 
 def _mixed_decay_inputs(seed):
@@ -43,7 +44,7 @@ def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
 
 def test_fp32_exact_over_key_and_value_blocks():
     # two 16-channel blocks of keys and of values: every parallel kernel's block grid
-    _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16))
+    _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16, grad_block_v=16))
 
 
 def test_bf16_inputs_within_tolerance():

@@ -1,0 +1,47 @@
+"""The Mosaic GPU state walks (_gla_states_mosaic) on CPU, under JAX's Mosaic GPU
+interpreter (TMA copies, barriers, warpgroup matmuls): against the Triton walks on the
+same inputs (2 x 2 state tiles, segment resets inside and at chunk edges, an initial
+state), and chunked_gla through them against the token-by-token oracle."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.linear_attention import _chunk_prep, _gla_states, _gla_states_mosaic
+from pallas_kernels.linear_attention.gla import Tiling, chunked_gla
+from pallas_kernels.linear_attention.tests._data import make_inputs, rel_rms
+from pallas_kernels.linear_attention.tests.test_gla_kernel import _check
+
+D = 2 * _gla_states_mosaic.BLOCK
+
+
+def test_walks_match_the_triton_walks():
+    x = make_inputs(seed=21, T=200, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
+                    segment_rate=0.02)
+    x["segment_ids"] = x["segment_ids"].at[:, 128:].add(1)  # a reset on a chunk's first token
+    B, T = x["segment_ids"].shape
+    q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
+    carry_in, in_last = _chunk_prep.segment_masks(runs)
+    h0, do = x["initial_state"], jax.random.normal(jax.random.key(3), v.shape, v.dtype)
+    kw = dict(block_k=64, block_v=64, interpret=True)
+    h_ref, final_ref = _gla_states.chunk_states(k, v, b, in_last, carry_in, h0, **kw)
+    h, final = _gla_states_mosaic.chunk_states(k, v, b, in_last, carry_in, h0, interpret=True)
+    assert h.dtype == h_ref.dtype and final.dtype == jnp.float32
+    assert rel_rms(h_ref, h) < 1e-4 and rel_rms(final_ref, final) < 1e-5
+    ds_ref, dh0_ref = _gla_states.chunk_state_grads(q, b, carry_in, do, h0, scale=0.3, **kw)
+    ds, dh0 = _gla_states_mosaic.chunk_state_grads(q, b, carry_in, do, h0, scale=0.3,
+                                                   interpret=True)
+    # the Mosaic walk rounds scale * q_dec to bf16 (the Triton one q_dec, then scales)
+    assert rel_rms(ds_ref, ds) < 3e-3 and rel_rms(dh0_ref, dh0) < 3e-3
+
+
+def test_chunked_gla_through_the_mosaic_walks_matches_the_oracle():
+    x = make_inputs(seed=22, T=150, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16, min_log_decay=-5.0)
+    _check(x, 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic"))
+
+
+def test_mosaic_walk_refuses_what_it_cannot_take():
+    x = make_inputs(seed=23, T=64, H=1, Dk=32, Dv=32, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="mosaic"))
+    with pytest.raises(ValueError, match="state_walk = 'cuda'"):
+        chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="cuda"))
