@@ -8,6 +8,7 @@ a correctness check against the reference, and (with --peers) the jla / fla figu
 the given peers comparison script prints at each shape (but the 1M-token one).
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -115,12 +116,12 @@ def kernel_breakdown(shape, tiling):
 def kda_kernel_breakdown(shape):
     """Milliseconds of each KDA kernel alone (forward: intra = scores + solve, states,
     output; backward adds the recomputed intra with the inverse, dv_local, state_grads,
-    wy_grads, key_grads)."""
+    wy_grads, key_grads); the state kernels in every implementation that runs here."""
     from pallas_kernels.linear_attention import _chunk_prep
     from pallas_kernels.linear_attention._kda_intra import chunk_intra
     from pallas_kernels.linear_attention._kda_scores import chunk_scores
     from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
-    from pallas_kernels.linear_attention._kda_states import chunk_state_grads, chunk_states
+    from pallas_kernels.linear_attention.kda import available_state_walks
     from pallas_kernels.linear_attention._kda_value_side import (
         chunk_dv_local, chunk_output, chunk_wy_grads)
     from pallas_kernels.linear_attention._pallas_common import interpret_mode
@@ -138,6 +139,8 @@ def kda_kernel_breakdown(shape):
                                               interpret=interp), static_argnames="e")
     qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
     scores = jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp))
+    walks = available_state_walks(interp)
+    chunk_states, chunk_state_grads = walks["triton"]
     states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
     h, vn, _ = states(w, u0, kg, b)
     output = jax.jit(lambda qg, aqk, h, vn: chunk_output(qg, aqk, h, vn, scale=scale,
@@ -151,14 +154,19 @@ def kda_kernel_breakdown(shape):
     _, dx, da, _ = wy(inv, dvn, vn, vp, beta)
     key = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
         q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), **kw))
-    return {"op": "kda", "shape": list(shape), "kernel_ms": {
+    walk_ms = {}
+    for name, (walk_states, walk_grads) in walks.items():
+        walk_ms[f"states_{name}"] = round(timed(jax.jit(
+            lambda w, u0, kg, b: walk_states(w, u0, kg, b, ci, h0, **kw)), w, u0, kg, b), 3)
+        walk_ms[f"state_grads_{name}"] = round(timed(jax.jit(
+            lambda qg, kg, w, b, dvl, do: walk_grads(qg, kg, w, b, ci, dvl, do, h0, scale=scale,
+                                                     **kw)), qg, kg, w, b, dvl, vp), 3)
+    return {"op": "kda", "shape": list(shape), "kernel_ms": walk_ms | {
         "intra": round(timed(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
         "intra_with_inverse": round(timed(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
         "of_which_scores": round(timed(scores, qp, kp, b, beta), 3),
-        "states": round(timed(states, w, u0, kg, b), 3),
         "output": round(timed(output, qg, aqk, h, vn), 3),
         "dv_local": round(timed(dv_local, aqk, vp, vn), 3),
-        "state_grads": round(timed(dstates, qg, kg, w, b, dvl, vp), 3),
         "wy_grads": round(timed(wy, inv, dvn, vn, vp, beta), 3),
         "key_grads": round(timed(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)}}
 
@@ -190,12 +198,13 @@ def bench_kda(shapes, skip_reference, breakdown=False):
     for shape in shapes:
         row = {"op": "kda", "shape": list(shape)}
         x = kda_inputs(shape)
-        impls = [("pallas", chunked_kda)]
+        impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
+                 for walk in ("auto", "triton", "mosaic")]
         if not skip_reference and shape not in REFERENCE_SKIP:
             impls.append(("reference", kda_chunked))
         for name, fn in impls:
             fwd, fwdbwd = fns(fn)
-            n = 10 if name == "pallas" else 3
+            n = 10 if name.startswith("pallas") else 3
             row[f"{name}_fwd_ms"] = round(timed(fwd, *x, n=n), 3)
             row[f"{name}_fwdbwd_ms"] = round(timed(fwdbwd, *x, n=n), 3)
         print(json.dumps(row), flush=True)

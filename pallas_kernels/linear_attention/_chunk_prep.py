@@ -30,3 +30,10 @@ def prepare(q, k, v, g, segment_ids, B, T):
     q, k, v = (pad_time(x, Tp) for x in (q, k, v))
     b = chunk_cumsum(pad_time(g, Tp))
     return q, k, v, b, runs
+
+
+def state_factors(b, carry_in):
+    """keep exp(b_last) per chunk [B, NT, H, Dk] fp32: the factor that carries a state
+    across each chunk (0 when a segment starts inside it)."""
+    keep = carry_in[:, CHUNK - 1::CHUNK].astype(jnp.float32)
+    return keep[:, :, None, None] * jnp.exp(b[:, CHUNK - 1::CHUNK])

@@ -21,6 +21,7 @@ from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outpu
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
 from pallas_kernels.linear_attention._inputs import (
     check_head_dims, check_tile, default_scale, validate)
+from pallas_kernels.linear_attention._mosaic_common import choose_walk, sixteen_bit
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
@@ -51,28 +52,15 @@ class Tiling(NamedTuple):
     interpret: bool = False
 
 
-def _on_hopper():
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
-
-
 def state_walk_kind(t: Tiling, dtypes, Dk, Dv):
     """The state kernels' implementation: the Mosaic GPU walk needs q, k, v in one 16-bit
     dtype and 64-wide state tiles, and compiles for Hopper only (interpreted on CPU when
     asked for)."""
-    if t.state_walk != "auto" and t.state_walk not in _STATE_WALKS:
-        raise ValueError(f"Tiling.state_walk = {t.state_walk!r}: expected 'auto' or one of "
-                         f"{sorted(_STATE_WALKS)}")
-    dtype = set(dtypes).pop() if len(set(dtypes)) == 1 else None
-    fits = (dtype in (jnp.bfloat16, jnp.float16) and Dk % _gla_states_mosaic.BLOCK == 0
-            and Dv % _gla_states_mosaic.BLOCK == 0)
-    if t.state_walk == "mosaic" and not fits:
-        raise ValueError(f"Tiling.state_walk = 'mosaic' needs q, k, v in one 16-bit dtype and "
-                         f"head sizes that are multiples of {_gla_states_mosaic.BLOCK}; got "
-                         f"{[str(d) for d in dtypes]}, Dk = {Dk}, Dv = {Dv}")
-    if t.state_walk == "auto":
-        return "mosaic" if fits and not t.interpret and _on_hopper() else "triton"
-    return t.state_walk
+    block = _gla_states_mosaic.BLOCK
+    return choose_walk(
+        t.state_walk, _STATE_WALKS, sixteen_bit(dtypes) and Dk % block == 0 and Dv % block == 0,
+        t.interpret, f"q, k, v in one 16-bit dtype and head sizes that are multiples of "
+        f"{block}; got {[str(d) for d in dtypes]}, Dk = {Dk}, Dv = {Dv}")
 
 
 def _triton_walks(t: Tiling):

@@ -5,6 +5,7 @@ Forward, per 64-token chunk (see _kda_intra for the chunk form):
   kda_chunk_scores (parallel over sub-chunks)  A_kk, A_qk, qg, kg
   kda_chunk_solve (parallel) T = (I + A_kk)^-1, w, u0
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
+               (_kda_states, or _kda_states_mosaic on Hopper)
   kda_output   (parallel)   o = scale (qg S + A_qk v_new)
 Backward: the forward's in-chunk quantities and chunk states are its residuals, then
   kda_dv_local (parallel)   dv_local = scale A_qk^T do, dP = scale do v_new^T
@@ -19,23 +20,54 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import _chunk_prep
+from pallas_kernels.linear_attention import _chunk_prep, _kda_states, _kda_states_mosaic
 from pallas_kernels.linear_attention._inputs import (
     check_head_dims, check_tile, default_scale, l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
-from pallas_kernels.linear_attention._kda_states import chunk_state_grads, chunk_states
 from pallas_kernels.linear_attention._kda_value_side import (
     chunk_dv_local, chunk_output, chunk_wy_grads)
+from pallas_kernels.linear_attention._mosaic_common import choose_walk, on_hopper, sixteen_bit
 from pallas_kernels.linear_attention._pallas_common import compute_dtype, interpret_mode
+
+# (chunk_states, chunk_state_grads) per state-walk implementation
+_STATE_WALKS = {
+    "triton": (_kda_states.chunk_states, _kda_states.chunk_state_grads),
+    "mosaic": (_kda_states_mosaic.chunk_states, _kda_states_mosaic.chunk_state_grads),
+}
 
 
 class Tiling(NamedTuple):
     """Static launch settings: value-channel block (all kernels), key-channel block
-    (kda_key_grads) and interpret mode."""
+    (kda_key_grads), the forward and backward state kernels' implementations (keys of
+    _STATE_WALKS) and interpret mode."""
     block_v: int
     block_k: int
+    state_walks: tuple[str, str]
     interpret: bool
+
+
+def available_state_walks(interpret):
+    """{implementation: (chunk_states, chunk_state_grads)} of the walks that run here: the
+    Mosaic GPU ones on Hopper, or interpreted."""
+    return {k: v for k, v in _STATE_WALKS.items()
+            if k != "mosaic" or interpret or on_hopper()}
+
+
+def state_walk_kinds(choice, dtypes, Dk, block_v, interpret):
+    """(forward, backward) implementations of the state kernels for `choice`. The Mosaic
+    GPU walk keeps the whole [Dk, BV] state in one warpgroup's registers: it needs q, k, v
+    in one 16-bit dtype, Dk of 64 or 128 and 32-multiple value blocks. "auto" takes it for
+    the backward only: H200, (2, 8192, 64, 128), state gradients 1.37 ms (Triton 1.87),
+    states 1.02 (Triton 0.72: the forward's two dependent products per chunk leave the
+    single warpgroup waiting)."""
+    fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _kda_states_mosaic.MAX_DK
+            and block_v % 32 == 0)
+    kind = choose_walk(choice, _STATE_WALKS, fits, interpret,
+                       f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and a value block that "
+                       f"is a multiple of 32; got {[str(d) for d in dtypes]}, Dk = {Dk}, "
+                       f"block_v = {block_v}")
+    return ("triton", kind) if choice == "auto" else (kind, kind)
 
 
 def _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, for_backward):
@@ -43,8 +75,9 @@ def _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, for_backward):
     intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=cd, emit_inverse=for_backward,
                         interpret=t.interpret)
     qg, kg, w, u0, aqk = intra[:5]
-    h, vn, ht = chunk_states(w, u0, kg, b, masks[0], h0, block_v=t.block_v, cd=cd,
-                             interpret=t.interpret)
+    h, vn, ht = _STATE_WALKS[t.state_walks[0]][0](w, u0, kg, b, masks[0], h0,
+                                                  block_v=t.block_v, cd=cd,
+                                                  interpret=t.interpret)
     return intra, h, vn, ht
 
 
@@ -79,7 +112,8 @@ def _kda_core_bwd(scale, t, res, cts):
     cd = compute_dtype(q.dtype)
     kw = dict(block_v=t.block_v, cd=cd, interpret=t.interpret)
     dvl, dp = chunk_dv_local(aqk, do, vn, runs, scale=scale, **kw)
-    dh, dvn, dh0 = chunk_state_grads(qg, kg, w, b, masks[0], dvl, do, dht, scale=scale, **kw)
+    dh, dvn, dh0 = _STATE_WALKS[t.state_walks[1]][1](qg, kg, w, b, masks[0], dvl, do, dht,
+                                                     scale=scale, **kw)
     dv, dx, da, dbeta_v = chunk_wy_grads(inverse, dvn, vn, v, beta, runs, **kw)
     dq, dk, db, dbeta_k = chunk_key_grads(q, k, b, beta, *masks, h, dh, do, vn, dx, dp, da,
                                           scale=scale, block_k=t.block_k, **kw)
@@ -90,12 +124,14 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-                output_final_state=False, normalize_qk=True, block_v=None, block_k=None):
+                output_final_state=False, normalize_qk=True, block_v=None, block_k=None,
+                state_walk="auto"):
     """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0). Returns
     (o [B, T, H, Dv] in v's dtype, fp32 final state [B, H, Dk, Dv] or None). block_v /
     block_k: the value-channel tile of every kernel / the key-channel tile of the
-    key-gradient kernel (defaults by Dk, Dv)."""
+    key-gradient kernel (defaults by Dk, Dv). state_walk: the sequential kernels'
+    implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds)."""
     B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids)
     check_head_dims(Dk, Dv)
     scale = default_scale(scale, Dk)
@@ -110,6 +146,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     # BV = 32 at Dk = 256 keeps the sequential kernels' [Dk, BV] fp32 state small
     bv = check_tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
     bk = check_tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
-    t = Tiling(block_v=bv, block_k=bk, interpret=interpret_mode())
+    interpret = interpret_mode()
+    walks = state_walk_kinds(state_walk, (q.dtype, k.dtype, v.dtype), Dk, bv, interpret)
+    t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret)
     o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)
