@@ -73,7 +73,9 @@ def kernel_breakdown(shape, tiling):
     value-gradient and key-gradient kernels together."""
     from pallas_kernels.linear_attention import _chunk_prep
     from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outputs
+    from pallas_kernels.linear_attention._gla_forward_mosaic import gla_forward
     from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
+    from pallas_kernels.linear_attention._mosaic_common import on_hopper
     from pallas_kernels.linear_attention._pallas_common import interpret_mode
     from pallas_kernels.linear_attention.gla import state_walk_kind, state_walks
     interp = interpret_mode()  # a CPU smoke run interprets the kernels
@@ -103,14 +105,23 @@ def kernel_breakdown(shape, tiling):
     grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_grads(
         q, k, v, b, ci, il, h, ds, do, a, da, dat, scale=scale, block_k=t.block_k,
         block_v=min(t.grad_block_v, D), num_stages=t.grad_stages, **gk))
-    return {"shape": list(shape), "state_walk": t.state_walk, "kernel_ms": {
+    kernel_ms = {
         "prepare": round(timed(prep, q, k, v, g), 3),
         "states": round(timed(states, kp, vp, b), 3),
         "scores": round(timed(scores, qp, kp, b), 3),
         "outputs": round(timed(outputs, qp, vp, b, h, a), 3),
         "state_grads": round(timed(dstates, qp, b, vp), 3),
         "score_grads": round(timed(dscores, vp, vp), 3),
-        "grads": round(timed(grads, qp, kp, vp, b, h, ds, vp), 3)}}
+        "grads": round(timed(grads, qp, kp, vp, b, h, ds, vp), 3)}
+    if interp or on_hopper():  # the fused forward's two kernels (Tiling.forward="fused")
+        decayed = jax.jit(lambda q, k, b: chunk_scores(
+            q, k, b, runs, num_stages=t.score_stages, decayed_with=(ci, il), **ck))
+        a_d, qg, kg = decayed(qp, kp, b)
+        fused = jax.jit(lambda qg, kg, v, a, b: gla_forward(qg, kg, v, a, b, ci, h0, scale=scale,
+                                                            interpret=interp))
+        kernel_ms["fused.scores_with_decayed_rows"] = round(timed(decayed, qp, kp, b), 3)
+        kernel_ms["fused.state_outputs"] = round(timed(fused, qg, kg, vp, a_d, b), 3)
+    return {"shape": list(shape), "state_walk": t.state_walk, "kernel_ms": kernel_ms}
 
 
 def kda_kernel_breakdown(shape):

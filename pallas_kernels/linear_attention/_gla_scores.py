@@ -19,7 +19,8 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, chunk_call, chunk_program_id, compute_dtype, iota, masked_exp, mm, rows)
+    F32, SUB, chunk_call, chunk_program_id, compute_dtype, flag_column, iota, masked_exp, mm,
+    rows)
 from pallas_kernels.linear_attention._score_rows import (
     edge_decay, store_diagonal, store_row_blocks)
 
@@ -49,11 +50,21 @@ def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
     return diag.choose(b_i, b_r, factored, exact, q_i, b_i)
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, r_ref, a_ref, *, cd):
+def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
     """The [16, C] row block of A of sub-chunk program j: q_ref holds its 16 queries,
-    k_ref, b_ref and r_ref the whole chunk."""
+    k_ref, b_ref and r_ref the whole chunk. With `decayed`, also the sub-chunk's rows of
+    qg = q exp(b) carry_in and kg = k exp(b_last - b) in_last (compute dtype: the
+    operands of the fused forward's products)."""
     start = pl.multiple_of(chunk_program_id() * SUB, SUB)
     q_i, b_i, r_i = q_ref[...].astype(F32), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
+    if decayed:
+        ci_ref, il_ref, a_ref, qg_ref, kg_ref = refs
+        qg_ref[...] = (q_i * jnp.exp(b_i) * flag_column(ci_ref, start)).astype(qg_ref.dtype)
+        kg = (rows(k_ref, start, SUB) * masked_exp(rows(b_ref, C - 1, 1) - b_i)
+              * flag_column(il_ref, start))
+        kg_ref[...] = kg.astype(kg_ref.dtype)
+    else:
+        a_ref, = refs
     b_edge = edge_decay(b_ref, start)
     store_row_blocks([(a_ref, q_i * masked_exp(b_i - b_edge), cd)], k_ref, b_ref, r_ref,
                      start, b_edge)
@@ -69,17 +80,27 @@ def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
     dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
 
 
-def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2):
+def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None):
     """The in-chunk scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal);
-    num_stages software-pipelines the loads of the loops over earlier sub-chunks."""
+    num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
+    decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
+    compute dtype (see _scores_kernel)."""
     B, Tp, H, Dk = q.shape
     g = Grid(N_SUB)
+    cd = compute_dtype(q.dtype)
+    specs, out_specs, outs = [g.sub_chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], \
+        g.score_rows(), scores_shape(B, H, Tp)
+    flags = ()
+    if decayed_with is not None:
+        flags = tuple(decayed_with)
+        specs += [g.flags(), g.flags()]
+        out_specs = (out_specs, g.sub_chunk(Dk), g.sub_chunk(Dk))
+        outs = (outs, jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
     return chunk_call(
-        functools.partial(_scores_kernel, cd=compute_dtype(q.dtype)),
-        (B, H, Tp // C, g.size(1)), [g.sub_chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()],
-        g.score_rows(), scores_shape(B, H, Tp), num_warps=num_warps, interpret=interpret,
-        name="gla_chunk_scores", num_stages=num_stages,
-    )(q, k, b, runs)
+        functools.partial(_scores_kernel, cd=cd, decayed=decayed_with is not None),
+        (B, H, Tp // C, g.size(1)), specs, out_specs, outs, num_warps=num_warps,
+        interpret=interpret, name="gla_chunk_scores", num_stages=num_stages,
+    )(q, k, b, runs, *flags)
 
 
 def chunk_score_grads(v, runs, do, *, scale, interpret, num_warps=4):

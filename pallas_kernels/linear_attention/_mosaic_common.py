@@ -72,11 +72,13 @@ def matmul(a, b, shape, interpret, init=None):
     return pl.run_state(update)(plgpu.ACC.init(init))
 
 
-def kernel(body, out_type, grid, grid_names, scratch, name, interpret):
+def kernel(body, out_type, grid, grid_names, scratch, name, interpret, **warpgroups):
     """plgpu.kernel with the lane-level lowering (shared memory keeps exactly the given
-    transforms), fast exp, and the Mosaic GPU interpreter when asked for."""
+    transforms), fast exp, and the Mosaic GPU interpreter when asked for; `warpgroups`:
+    num_threads and thread_name for warp-specialised kernels."""
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                   approx_math=True)
     return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=grid_names,
                         scratch_types=scratch, compiler_params=params, kernel_name=name,
-                        interpret=plgpu.InterpretGPUParams() if interpret else None)
+                        interpret=plgpu.InterpretGPUParams() if interpret else None,
+                        **warpgroups)

@@ -2,8 +2,9 @@
 
 Forward: a thin sequential kernel computes every chunk's start state (_gla_states, or
 _gla_states_mosaic on Hopper: Tiling.state_walk), parallel kernels each chunk's in-chunk
-scores A (_gla_scores) and, per block of value channels, its output (_gla_chunks).
-Backward: the start states are recomputed (the inputs and A are the residuals: A costs
+scores A (_gla_scores) and, per block of value channels, its output (_gla_chunks); or,
+with Tiling.forward = "fused", the scores kernel and one Mosaic GPU kernel that walks the
+states and computes the outputs (_gla_forward_mosaic). Backward: the start states are recomputed (the inputs and A are the residuals: A costs
 as much memory as one [B, T, H, 64] fp32 tensor), a reverse sequential kernel gives each
 chunk's end-state gradient, parallel kernels the score gradients dA, dv per value block,
 and dq, dk and the decay gradient per block of key channels.
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import _chunk_prep, _gla_states, _gla_states_mosaic
+from pallas_kernels.linear_attention import (
+    _chunk_prep, _gla_forward_mosaic, _gla_states, _gla_states_mosaic)
 from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outputs
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
 from pallas_kernels.linear_attention._inputs import (
@@ -48,6 +50,9 @@ class Tiling(NamedTuple):
     # and warpgroup matmuls; H200, (1, 32768, 32, 128): states 0.72 ms vs 1.11) or
     # "triton"; "auto" takes "mosaic" where it runs (state_walk_kind)
     state_walk: str = "auto"
+    # "split" or "fused" (_FORWARDS); the fused forward (Mosaic GPU, Hopper) is checked
+    # against the split one but not yet timed: it is not the default
+    forward: str = "split"
     interpret: bool = False
 
 
@@ -87,13 +92,44 @@ def _states(k, v, b, masks, h0, t: Tiling):
     return state_walks(t)[0](k, v, b, in_last, carry_in, h0)
 
 
-def _forward(q, k, v, b, h0, runs, masks, scale, t):
+def _split_forward(q, k, v, b, h0, runs, masks, scale, t):
     h, ht = _states(k, v, b, masks, h0, t)
     a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.chunk_warps,
                      num_stages=t.score_stages)
     o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v,
                       interpret=t.interpret, num_warps=t.chunk_warps)
     return (o, ht), a
+
+
+def _fused_forward(q, k, v, b, h0, runs, masks, scale, t):
+    a, qg, kg = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.chunk_warps,
+                             num_stages=t.score_stages, decayed_with=masks)
+    out = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
+                                          interpret=t.interpret)
+    return out, a
+
+
+# Tiling.forward: "split" (state kernel, then the outputs kernel) or "fused" (the
+# scores kernel also emits the decayed q and k rows; one Mosaic GPU kernel walks the
+# states and computes the outputs, no per-chunk states in memory)
+_FORWARDS = {"split": _split_forward, "fused": _fused_forward}
+
+
+def _forward(q, k, v, b, h0, runs, masks, scale, t):
+    return _FORWARDS[t.forward](q, k, v, b, h0, runs, masks, scale, t)
+
+
+def check_forward(t: Tiling, dtypes, Dk, Dv):
+    """Tiling.forward names a forward that can run here."""
+    if t.forward not in _FORWARDS:
+        raise ValueError(f"Tiling.forward = {t.forward!r}: expected one of {sorted(_FORWARDS)}")
+    fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK
+            and Dv % _gla_forward_mosaic.BLOCK_V == 0)
+    if t.forward == "fused" and not fits:
+        raise ValueError(f"Tiling.forward = 'fused' needs q, k, v in one 16-bit dtype, Dk of 64 "
+                         f"or 128 and Dv a multiple of {_gla_forward_mosaic.BLOCK_V}; got "
+                         f"{[str(d) for d in dtypes]}, Dk = {Dk}, Dv = {Dv}")
+    return t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -140,6 +176,7 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
     t = t._replace(block_k=check_tile("block_k", min(t.block_k, Dk), "Dk", Dk),
                    block_v=check_tile("block_v", min(t.block_v, Dv), "Dv", Dv),
                    grad_block_v=check_tile("grad_block_v", min(t.grad_block_v, Dv), "Dv", Dv))
-    t = t._replace(state_walk=state_walk_kind(t, (q.dtype, k.dtype, v.dtype), Dk, Dv))
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    t = check_forward(t._replace(state_walk=state_walk_kind(t, dtypes, Dk, Dv)), dtypes, Dk, Dv)
     o, ht = _gla_core(qp, kp, vp, b, h0, runs, masks, float(scale), t)
     return o[:, :T], (ht if output_final_state else None)

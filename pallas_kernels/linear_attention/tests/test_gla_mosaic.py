@@ -1,7 +1,9 @@
-"""The Mosaic GPU state walks (_gla_states_mosaic) on CPU, under JAX's Mosaic GPU
-interpreter (TMA copies, barriers, warpgroup matmuls): against the Triton walks on the
-same inputs (2 x 2 state tiles, segment resets inside and at chunk edges, an initial
-state), and chunked_gla through them against the token-by-token oracle."""
+"""The Mosaic GPU kernels of chunked_gla on CPU, under JAX's Mosaic GPU interpreter (TMA
+copies, barriers, warpgroup matmuls, two warpgroups): the state walks
+(_gla_states_mosaic) against the Triton walks on the same inputs (2 x 2 state tiles,
+segment resets inside and at chunk edges, an initial state), the fused forward
+(_gla_forward_mosaic) against the split forward, and chunked_gla through them against
+the token-by-token oracle."""
 import jax
 import jax.numpy as jnp
 import pytest
@@ -45,3 +47,23 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
         chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="mosaic"))
     with pytest.raises(ValueError, match="state_walk = .cuda.: expected"):
         chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="cuda"))
+    with pytest.raises(ValueError, match="forward = 'fused' needs"):
+        chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(forward="fused"))
+
+
+def test_fused_forward_matches_the_split_forward():
+    # the fused forward (scores kernel with qg, kg + one two-warpgroup Mosaic GPU kernel)
+    # against the split one on the same inputs: 4 chunks, resets, an initial state
+    x = make_inputs(seed=24, T=200, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
+                    segment_rate=0.02)
+    args = (x["q"], x["k"], x["v"], x["g"])
+    kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"],
+              output_final_state=True)
+    o_ref, s_ref = chunked_gla(*args, **kw, tiling=Tiling(state_walk="mosaic"))
+    o, s = chunked_gla(*args, **kw, tiling=Tiling(state_walk="mosaic", forward="fused"))
+    assert o.dtype == o_ref.dtype and rel_rms(o_ref, o) < 1e-4 and rel_rms(s_ref, s) < 1e-5
+
+
+def test_chunked_gla_with_the_fused_forward_matches_the_oracle():
+    x = make_inputs(seed=25, T=100, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16, min_log_decay=-5.0)
+    _check(x, 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic", forward="fused"))
