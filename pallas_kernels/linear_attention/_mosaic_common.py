@@ -21,14 +21,25 @@ def sixteen_bit(dtypes):
     return len(set(dtypes)) == 1 and dtypes[0] in (jnp.bfloat16, jnp.float16)
 
 
+def require_mosaic(what, fits, interpret, requirement):
+    """A clear error where a Mosaic GPU kernel was asked for and cannot run: inputs it does
+    not take (`requirement` says which), or a GPU other than Hopper (it compiles for sm_90
+    only; on CPU it runs under the interpreter)."""
+    if not fits:
+        raise ValueError(f"{what} needs {requirement}")
+    if not interpret and not on_hopper():
+        raise ValueError(f"{what} runs on a Hopper GPU (sm_90) or interpreted on CPU; this "
+                         f"device is {jax.devices()[0].device_kind}")
+
+
 def choose_walk(choice, walks, fits, interpret, requirement):
     """The state-walk implementation for `choice` ("auto" or a key of `walks`): "auto"
     takes "mosaic" where it fits and compiles (Hopper), else "triton"; asking for
-    "mosaic" where it does not fit is an error naming `requirement`."""
+    "mosaic" where it cannot run is an error (require_mosaic)."""
     if choice != "auto" and choice not in walks:
         raise ValueError(f"state_walk = {choice!r}: expected 'auto' or one of {sorted(walks)}")
-    if choice == "mosaic" and not fits:
-        raise ValueError(f"state_walk = 'mosaic' needs {requirement}")
+    if choice == "mosaic":
+        require_mosaic("state_walk = 'mosaic'", fits, interpret, requirement)
     if choice == "auto":
         return "mosaic" if fits and not interpret and on_hopper() else "triton"
     return choice

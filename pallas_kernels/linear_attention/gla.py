@@ -22,7 +22,8 @@ from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outpu
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
 from pallas_kernels.linear_attention._inputs import (
     check_head_dims, check_tile, default_scale, validate)
-from pallas_kernels.linear_attention._mosaic_common import choose_walk, sixteen_bit
+from pallas_kernels.linear_attention._mosaic_common import (
+    choose_walk, require_mosaic, sixteen_bit)
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
@@ -123,12 +124,13 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
     """Tiling.forward names a forward that can run here."""
     if t.forward not in _FORWARDS:
         raise ValueError(f"Tiling.forward = {t.forward!r}: expected one of {sorted(_FORWARDS)}")
-    fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK
-            and Dv % _gla_forward_mosaic.BLOCK_V == 0)
-    if t.forward == "fused" and not fits:
-        raise ValueError(f"Tiling.forward = 'fused' needs q, k, v in one 16-bit dtype, Dk of 64 "
-                         f"or 128 and Dv a multiple of {_gla_forward_mosaic.BLOCK_V}; got "
-                         f"{[str(d) for d in dtypes]}, Dk = {Dk}, Dv = {Dv}")
+    if t.forward == "fused":
+        fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK
+                and Dv % _gla_forward_mosaic.BLOCK_V == 0)
+        require_mosaic("Tiling.forward = 'fused'", fits, t.interpret,
+                       f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and Dv a multiple of "
+                       f"{_gla_forward_mosaic.BLOCK_V}; got {[str(d) for d in dtypes]}, "
+                       f"Dk = {Dk}, Dv = {Dv}")
     return t
 
 

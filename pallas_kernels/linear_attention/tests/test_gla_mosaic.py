@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.linear_attention import _chunk_prep, _gla_states, _gla_states_mosaic
+from pallas_kernels.linear_attention._mosaic_common import require_mosaic
 from pallas_kernels.linear_attention.gla import Tiling, chunked_gla
 from pallas_kernels.linear_attention.tests._data import make_inputs, rel_rms
 from pallas_kernels.linear_attention.tests.test_gla_kernel import _check
@@ -49,6 +50,9 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
         chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="cuda"))
     with pytest.raises(ValueError, match="forward = 'fused' needs"):
         chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(forward="fused"))
+    # compiled (not interpreted) anywhere but on Hopper: here, the CPU
+    with pytest.raises(ValueError, match="runs on a Hopper GPU"):
+        require_mosaic("state_walk = 'mosaic'", True, False, "")
 
 
 def test_fused_forward_matches_the_split_forward():
