@@ -23,27 +23,11 @@ from pallas_kernels.linear_attention._chunk_prep import state_factors
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._mosaic_common import (
     F32, ROW, kernel, load, matmul, per_row, smem)
-from pallas_kernels.linear_attention._mosaic_walk import publish
+from pallas_kernels.linear_attention._mosaic_walk import next_slot, prefetch, publish
 
 BLOCK_V = 64
 STAGES = 2  # TMA slots per warpgroup (three would pass the 227 KiB of shared memory)
 MAX_DK = 128  # the [Dk, BV] fp32 state stays in warpgroup 0's registers
-
-
-def _prefetch(fetch, stages, n_chunks):
-    for i in range(min(stages - 1, n_chunks)):
-        fetch(i, i)
-
-
-def _next_slot(fetch, i, stages, n_chunks):
-    """The slot of chunk i, once its loads have landed; starts the loads stages - 1 ahead."""
-    plgpu.commit_smem()  # this warpgroup is done reading the slot refilled next
-
-    @pl.when(i + stages - 1 < n_chunks)
-    def _():
-        fetch(i + stages - 1, lax.rem(i + stages - 1, stages))
-
-    return lax.rem(i, stages)
 
 
 def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOCK_V,
@@ -70,10 +54,10 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOC
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v0_s.at[slot], bar)
                 plgpu.copy_gmem_to_smem(d_ref.at[bi, i, h], d_s.at[slot], bar)
 
-            _prefetch(fetch, stages, n_chunks)
+            prefetch(fetch, stages, n_chunks)
 
             def step(i, S):
-                slot = _next_slot(fetch, i, stages, n_chunks)
+                slot = next_slot(fetch, i, stages, n_chunks)
                 plgpu.barrier_wait(bars0.at[slot])
 
                 @pl.when(i >= 1)
@@ -99,10 +83,10 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOC
                 plgpu.copy_gmem_to_smem(a_ref.at[bi, h, i], a_s.at[slot], bar)
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v1_s.at[slot], bar)
 
-            _prefetch(fetch, stages, n_chunks)
+            prefetch(fetch, stages, n_chunks)
 
             def step(i, carry):
-                slot = _next_slot(fetch, i, stages, n_chunks)
+                slot = next_slot(fetch, i, stages, n_chunks)
                 plgpu.barrier_wait(bars1.at[slot])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last output is out
                 a16_s[...] = load(a_s.at[slot]).astype(cd)

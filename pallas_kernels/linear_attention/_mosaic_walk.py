@@ -26,6 +26,24 @@ def publish(value, buf, dst):
     plgpu.copy_smem_to_gmem(buf, dst)
 
 
+def prefetch(fetch, stages, n_chunks):
+    """fetch(i, slot) for the first stages - 1 chunks, before the loop over chunks."""
+    for i in range(min(stages - 1, n_chunks)):
+        fetch(i, i)
+
+
+def next_slot(fetch, i, stages, n_chunks):
+    """The slot of chunk i (its loads still to be waited for); starts the loads of chunk
+    i + stages - 1 into the slot chunk i - 1 has freed."""
+    plgpu.commit_smem()  # this warpgroup is done reading the slot refilled next
+
+    @pl.when(i + stages - 1 < n_chunks)
+    def _():
+        fetch(i + stages - 1, lax.rem(i + stages - 1, stages))
+
+    return lax.rem(i, stages)
+
+
 def _slot_buffer(kind, arr, stages, bk, bv):
     if kind == "chunk_keys":
         return plgpu.SMEM((stages, bk), F32)
@@ -68,17 +86,10 @@ def chunk_walk(inputs, h0, out_types, step, *, block_k, block_v, stages, reverse
                        "flags": lambda: ref.at[bi, tok]}[kind]()
                 plgpu.copy_gmem_to_smem(src, buf.at[slot], bars.at[slot])
 
-        for i in range(min(stages - 1, n_chunks)):
-            fetch(i, i)
+        prefetch(fetch, stages, n_chunks)
 
         def chunk_step(i, S):
-            slot = lax.rem(i, stages)
-            plgpu.commit_smem()  # this warpgroup is done reading the slot refilled next
-
-            @pl.when(i + stages - 1 < n_chunks)
-            def _():
-                fetch(i + stages - 1, lax.rem(i + stages - 1, stages))
-
+            slot = next_slot(fetch, i, stages, n_chunks)
             plgpu.barrier_wait(bars.at[slot])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores are out
             return step([s.at[slot] for s in slots], work, outs, (bi, h, kcols, vcols),
