@@ -56,23 +56,29 @@ def rel_rms(a, b):
     return float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(a ** 2)))
 
 
-def correctness(shape=(1, 4096, 4, 128)):
+def correctness(tilings, shape=(1, 4096, 4, 128)):
+    """Each setting's output and gradients against the fp32 plain-JAX chunked version."""
     q, k, v, g = inputs(*shape, seed=1)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
     o_ref = jax.jit(lambda *a: gla_chunked(*a)[0])(*f32, g)
-    o = jax.jit(lambda *a: chunked_gla(*a)[0])(q, k, v, g)
     g_ref = jax.jit(jax.grad(loss(gla_chunked), (0, 1, 2, 3)))(*f32, g)
-    g_pal = jax.jit(jax.grad(loss(chunked_gla), (0, 1, 2, 3)))(q, k, v, g)
-    errs = {"o": rel_rms(o_ref, o)} | {f"d{n}": rel_rms(a, b) for n, a, b in zip("qkvg", g_ref, g_pal)}
-    print(json.dumps({"correctness_vs_fp32_reference": list(shape), "rel_rms": errs}), flush=True)
+    for name, tiling in tilings:
+        kernel = functools.partial(chunked_gla, tiling=tiling)
+        o = jax.jit(lambda *a: kernel(*a)[0])(q, k, v, g)
+        g_pal = jax.jit(jax.grad(loss(kernel), (0, 1, 2, 3)))(q, k, v, g)
+        errs = {"o": rel_rms(o_ref, o)} | {
+            f"d{n}": rel_rms(a, b) for n, a, b in zip("qkvg", g_ref, g_pal)}
+        print(json.dumps({"correctness_vs_fp32_reference": list(shape), "setting": name,
+                          "rel_rms": errs}), flush=True)
 
 
 def kernel_breakdown(shape, tiling):
-    """Milliseconds of each kernel (and the plain-JAX preparation) alone; "grads" is the
-    value-gradient and key-gradient kernels together."""
+    """Milliseconds of each kernel (and the plain-JAX preparation) alone; on Hopper (or
+    interpreted) also the fused forward's two kernels."""
     from pallas_kernels.linear_attention import _chunk_prep
-    from pallas_kernels.linear_attention._gla_chunks import chunk_grads, chunk_outputs
+    from pallas_kernels.linear_attention._gla_chunks import (
+        chunk_key_grads, chunk_outputs, chunk_value_grads, state_decay_grads)
     from pallas_kernels.linear_attention._gla_forward_mosaic import gla_forward
     from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
     from pallas_kernels.linear_attention._mosaic_common import on_hopper
@@ -102,9 +108,12 @@ def kernel_breakdown(shape, tiling):
                                                           block_v=t.block_v, **ck))
     dscores = jax.jit(lambda v, do: chunk_score_grads(v, runs, do, scale=scale, **gk))
     da, dat = dscores(vp, vp)
-    grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_grads(
-        q, k, v, b, ci, il, h, ds, do, a, da, dat, scale=scale, block_k=t.block_k,
-        block_v=min(t.grad_block_v, D), num_stages=t.grad_stages, **gk))
+    value_grads = jax.jit(lambda k, b, ds, do: chunk_value_grads(
+        k, b, il, ds, a, do, scale=scale, block_v=min(t.grad_block_v, D), **gk))
+    hds = jax.jit(state_decay_grads)(h, ds)
+    key_grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_key_grads(
+        q, k, v, b, ci, il, h, ds, hds, do, da, dat, scale=scale, block_k=t.block_k,
+        num_stages=t.grad_stages, **gk))
     kernel_ms = {
         "prepare": round(timed(prep, q, k, v, g), 3),
         "states": round(timed(states, kp, vp, b), 3),
@@ -112,7 +121,8 @@ def kernel_breakdown(shape, tiling):
         "outputs": round(timed(outputs, qp, vp, b, h, a), 3),
         "state_grads": round(timed(dstates, qp, b, vp), 3),
         "score_grads": round(timed(dscores, vp, vp), 3),
-        "grads": round(timed(grads, qp, kp, vp, b, h, ds, vp), 3)}
+        "value_grads": round(timed(value_grads, kp, b, ds, vp), 3),
+        "key_grads": round(timed(key_grads, qp, kp, vp, b, h, ds, vp), 3)}
     if interp or on_hopper():  # the fused forward's two kernels (Tiling.forward="fused")
         decayed = jax.jit(lambda q, k, b: chunk_scores(
             q, k, b, runs, num_stages=t.score_stages, decayed_with=(ci, il), **ck))
@@ -250,7 +260,7 @@ def main():
     print(jax.devices(), flush=True)
     if args.op == "kda":
         return bench_kda(args.shapes, args.skip_reference, args.breakdown)
-    correctness()
+    correctness(args.tiling)
     if args.breakdown:
         for _, tiling in args.tiling:
             print(json.dumps(kernel_breakdown(args.shapes[0], tiling)), flush=True)

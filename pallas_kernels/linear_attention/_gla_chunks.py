@@ -126,30 +126,39 @@ def chunk_outputs(q, v, b, carry_in, h, a, *, scale, block_v, interpret, num_war
     )(q, b, carry_in, h, a, v)
 
 
-def chunk_grads(q, k, v, b, carry_in, in_last, h, ds, do, a, da, dat, *, scale, block_k,
-                block_v, interpret, num_warps=4, num_stages=3):
-    """dq, dk, dv (input dtype) and db (fp32, w.r.t. the in-chunk cumulative decay), given
-    the start states h, the end-state gradients ds, the scores a and dA (da, its transpose dat).
-    num_stages software-pipelines the key-gradient kernel's per-sub-chunk loads."""
-    B, Tp, H, Dk = q.shape
-    Dv, NT = v.shape[-1], Tp // C
-    cd = compute_dtype(q.dtype)
+def chunk_value_grads(k, b, in_last, ds, a, do, *, scale, block_v, interpret, num_warps=4):
+    """dv (v's dtype) from the end-state gradients ds and the scores a."""
+    B, Tp, H, Dk = k.shape
+    Dv = do.shape[-1]
     g = Grid()
-    dv = chunk_call(
-        functools.partial(_value_grads_kernel, scale=scale, cd=cd),
-        (B, H, NT, g.size(Dv // block_v)),
+    return chunk_call(
+        functools.partial(_value_grads_kernel, scale=scale, cd=compute_dtype(k.dtype)),
+        (B, H, Tp // C, g.size(Dv // block_v)),
         [g.all_channels(Dk), g.all_channels(Dk), g.flags(), g.state_columns(Dk, block_v),
          g.scores(), g.chunk(block_v)],
-        g.chunk(block_v), jax.ShapeDtypeStruct(v.shape, v.dtype),
+        g.chunk(block_v), jax.ShapeDtypeStruct(do.shape, do.dtype),
         num_warps=num_warps, interpret=interpret, name="gla_chunk_value_grads",
     )(k, b, in_last, ds, a, do)
-    # sum_v h * ds per chunk: the gradient of the start state's decay through the chunk,
-    # one cheap XLA reduction instead of two state tiles per program
-    hds = jnp.sum(h.astype(F32) * ds.astype(F32), axis=-1)
+
+
+def state_decay_grads(h, ds):
+    """sum_v h * ds per chunk [B, H, NT, Dk]: the gradient of the start state's decay
+    through the chunk, one cheap XLA reduction instead of two state tiles per program."""
+    return jnp.sum(h.astype(F32) * ds.astype(F32), axis=-1)
+
+
+def chunk_key_grads(q, k, v, b, carry_in, in_last, h, ds, hds, do, da, dat, *, scale,
+                    block_k, interpret, num_warps=4, num_stages=3):
+    """dq, dk (input dtype) and db (fp32, w.r.t. the in-chunk cumulative decay), given the
+    start states h, the end-state gradients ds, hds = state_decay_grads(h, ds) and dA (da,
+    its transpose dat). num_stages software-pipelines the per-sub-chunk loads."""
+    B, Tp, H, Dk = q.shape
+    Dv = v.shape[-1]
+    g = Grid()
     keys = g.chunk(block_k)
-    dq, dk, db = chunk_call(
-        functools.partial(_key_grads_kernel, scale=scale, cd=cd),
-        (B, H, NT, g.size(Dk // block_k)),
+    return chunk_call(
+        functools.partial(_key_grads_kernel, scale=scale, cd=compute_dtype(q.dtype)),
+        (B, H, Tp // C, g.size(Dk // block_k)),
         [keys, keys, g.all_channels(Dv), keys, g.flags(), g.flags(), g.state_rows(block_k, Dv),
          g.state_rows(block_k, Dv), g.key_row(block_k), g.all_channels(Dv), g.scores(),
          g.scores()],
@@ -159,4 +168,3 @@ def chunk_grads(q, k, v, b, carry_in, in_last, h, ds, do, a, da, dat, *, scale, 
         num_warps=num_warps, interpret=interpret, name="gla_chunk_key_grads",
         num_stages=num_stages,
     )(q, k, v, b, carry_in, in_last, h, ds, hds, do, da, dat)
-    return dq, dk, dv, db
