@@ -78,7 +78,7 @@ def kernel_breakdown(shape, tiling):
     interpreted) also the fused forward's two kernels."""
     from pallas_kernels.linear_attention import _chunk_prep
     from pallas_kernels.linear_attention._gla_chunks import (
-        chunk_key_grads, chunk_outputs, chunk_value_grads, state_decay_grads)
+        chunk_key_grads, chunk_outputs, chunk_value_grads)
     from pallas_kernels.linear_attention._gla_forward_mosaic import gla_forward
     from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
     from pallas_kernels.linear_attention._mosaic_common import on_hopper
@@ -110,9 +110,8 @@ def kernel_breakdown(shape, tiling):
     da, dat = dscores(vp, vp)
     value_grads = jax.jit(lambda k, b, ds, do: chunk_value_grads(
         k, b, il, ds, a, do, scale=scale, block_v=min(t.grad_block_v, D), **gk))
-    hds = jax.jit(state_decay_grads)(h, ds)
     key_grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_key_grads(
-        q, k, v, b, ci, il, h, ds, hds, do, da, dat, scale=scale, block_k=t.block_k,
+        q, k, v, b, ci, il, h, ds, do, da, dat, scale=scale, block_k=t.block_k,
         num_stages=t.grad_stages, **gk))
     kernel_ms = {
         "prepare": round(timed(prep, q, k, v, g), 3),

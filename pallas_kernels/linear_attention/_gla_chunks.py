@@ -40,14 +40,16 @@ def _value_grads_kernel(k_ref, b_ref, il_ref, ds_ref, a_ref, do_ref, dv_ref, *, 
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, hds_ref,
+def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref,
                       do_ref, da_ref, dat_ref, dq_ref, dk_ref, db_ref, *, scale, cd):
     """One `fori_loop` step per sub-chunk (measured: one program per sub-chunk instead is
     slower here). Score gradients are read from da_ref / dat_ref, so the exact diagonal
     blocks take one column load per step and no cross-thread reductions."""
     t_idx = iota(C)
     sub_rows = iota(SUB, 0, (SUB, 1))
-    S, dS = h_ref[...], ds_ref[...]  # matmul operands only: kept in the compute dtype
+    S, dS = h_ref[...], ds_ref[...]  # matmul operands: kept in the compute dtype
+    # sum_v S dS: the gradient of the start state's decay through the chunk
+    hds = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1)
     q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
     b_last = rows(b_ref, C - 1, 1)
     keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
@@ -79,7 +81,7 @@ def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref,
         return extra
 
     # b_last scales the surviving start state and every key's decay to the chunk end
-    jax.lax.fori_loop(0, N_SUB, sub_chunk, keep * hds_ref[...][None, :] * jnp.exp(b_last))
+    jax.lax.fori_loop(0, N_SUB, sub_chunk, keep * hds[None, :] * jnp.exp(b_last))
 
 
 def _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start, dq_i, dk_i):
@@ -141,17 +143,11 @@ def chunk_value_grads(k, b, in_last, ds, a, do, *, scale, block_v, interpret, nu
     )(k, b, in_last, ds, a, do)
 
 
-def state_decay_grads(h, ds):
-    """sum_v h * ds per chunk [B, H, NT, Dk]: the gradient of the start state's decay
-    through the chunk, one cheap XLA reduction instead of two state tiles per program."""
-    return jnp.sum(h.astype(F32) * ds.astype(F32), axis=-1)
-
-
-def chunk_key_grads(q, k, v, b, carry_in, in_last, h, ds, hds, do, da, dat, *, scale,
-                    block_k, interpret, num_warps=4, num_stages=3):
+def chunk_key_grads(q, k, v, b, carry_in, in_last, h, ds, do, da, dat, *, scale, block_k,
+                    interpret, num_warps=4, num_stages=3):
     """dq, dk (input dtype) and db (fp32, w.r.t. the in-chunk cumulative decay), given the
-    start states h, the end-state gradients ds, hds = state_decay_grads(h, ds) and dA (da,
-    its transpose dat). num_stages software-pipelines the per-sub-chunk loads."""
+    start states h, the end-state gradients ds and dA (da, its transpose dat). num_stages
+    software-pipelines the per-sub-chunk loads."""
     B, Tp, H, Dk = q.shape
     Dv = v.shape[-1]
     g = Grid()
@@ -160,11 +156,10 @@ def chunk_key_grads(q, k, v, b, carry_in, in_last, h, ds, hds, do, da, dat, *, s
         functools.partial(_key_grads_kernel, scale=scale, cd=compute_dtype(q.dtype)),
         (B, H, Tp // C, g.size(Dk // block_k)),
         [keys, keys, g.all_channels(Dv), keys, g.flags(), g.flags(), g.state_rows(block_k, Dv),
-         g.state_rows(block_k, Dv), g.key_row(block_k), g.all_channels(Dv), g.scores(),
-         g.scores()],
+         g.state_rows(block_k, Dv), g.all_channels(Dv), g.scores(), g.scores()],
         (keys, keys, keys),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(q.shape, F32)),
         num_warps=num_warps, interpret=interpret, name="gla_chunk_key_grads",
         num_stages=num_stages,
-    )(q, k, v, b, carry_in, in_last, h, ds, hds, do, da, dat)
+    )(q, k, v, b, carry_in, in_last, h, ds, do, da, dat)

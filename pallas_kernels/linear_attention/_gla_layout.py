@@ -1,8 +1,8 @@
 """Block specs shared by the parallel GLA kernels (_gla_scores, _gla_chunks).
 
 Arrays: tokens [B, Tp, H, D], per-token int32 flags [B, Tp] (run ids, carry_in,
-in_last), per-chunk [C, C] score matrices [B, H, n, C, C], per-chunk states
-[B, H, n, Dk, Dv] and per-chunk key rows [B, H, n, Dk]. Every parallel kernel runs on
+in_last), per-chunk [C, C] score matrices [B, H, n, C, C] and per-chunk states
+[B, H, n, Dk, Dv]. Every parallel kernel runs on
 the grid (b, h, chunk, j) with j = channel block * n_sub + sub-chunk: a kernel splits
 the channels it can (key or value channels; a single block where it splits none) and,
 with n_sub = N_SUB, the chunk into its independent 16-token sub-chunks, one program
@@ -66,10 +66,6 @@ class Grid:
         """A block of the chunk state's key rows (all dv value columns)."""
         return pl.BlockSpec((_sq, _sq, _sq, block, dv),
                             lambda b, h, c, j: (b, h, c, self._block(j), 0))
-
-    def key_row(self, block):
-        """A block of a per-chunk [Dk] row."""
-        return pl.BlockSpec((_sq, _sq, _sq, block), lambda b, h, c, j: (b, h, c, self._block(j)))
 
 
 def scores_shape(B, H, Tp):

@@ -19,7 +19,7 @@ from pallas_kernels import residuals
 from pallas_kernels.linear_attention import (
     _chunk_prep, _gla_forward_mosaic, _gla_states, _gla_states_mosaic)
 from pallas_kernels.linear_attention._gla_chunks import (
-    chunk_key_grads, chunk_outputs, chunk_value_grads, state_decay_grads)
+    chunk_key_grads, chunk_outputs, chunk_value_grads)
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
 from pallas_kernels.linear_attention._inputs import (
     check_head_dims, check_tile, default_scale, validate)
@@ -158,8 +158,8 @@ def _gla_core_bwd(scale, t, res, cts):
                            interpret=t.interpret, num_warps=t.grad_warps)
     da, dat = chunk_score_grads(v, runs, do, scale=scale, interpret=t.interpret,
                                 num_warps=t.grad_warps)
-    dq, dk, db = chunk_key_grads(q, k, v, b, *masks, h, ds, state_decay_grads(h, ds), do, da,
-                                 dat, scale=scale, block_k=t.block_k, interpret=t.interpret,
+    dq, dk, db = chunk_key_grads(q, k, v, b, *masks, h, ds, do, da, dat,
+                                 scale=scale, block_k=t.block_k, interpret=t.interpret,
                                  num_warps=t.grad_warps, num_stages=t.grad_stages)
     return dq, dk, dv, db, dh0, None, None
 
