@@ -2,12 +2,12 @@
 
 Arrays: tokens [B, Tp, H, D], per-token int32 flags [B, Tp] (run ids, carry_in,
 in_last), per-chunk [C, C] score matrices [B, H, n, C, C] and per-chunk states
-[B, H, n, Dk, Dv]. Every parallel kernel runs on
-the grid (b, h, chunk, j) with j = channel block * n_sub + sub-chunk: a kernel splits
-the channels it can (key or value channels; a single block where it splits none) and,
-with n_sub = N_SUB, the chunk into its independent 16-token sub-chunks, one program
-each (more, smaller programs keep more warps resident than a loop over sub-chunks);
-_pallas_common.chunk_call launches the grid with j fastest.
+[B, H, n, Dk, Dv]. Every parallel kernel runs on the grid (b, h, chunk, j) with
+j = channel block * n_sub + sub-chunk: a kernel splits the channels it can (key or value
+channels; a single block where it splits none) and, with n_sub = N_SUB, the chunk into
+its independent 16-token sub-chunks, one program each (more, smaller programs keep more
+warps resident than a loop over sub-chunks); _pallas_common.chunk_call launches the grid
+with j fastest.
 """
 import jax
 from jax.experimental import pallas as pl
