@@ -101,8 +101,8 @@ def kernel_breakdown(shape, tiling):
     h, _ = states(kp, vp, b)
     dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=scale))
     ds, _ = dstates(qp, b, vp)
-    scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, num_stages=t.score_stages,
-                                                  **ck))
+    sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
+    scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
     a = scores(qp, kp, b)
     outputs = jax.jit(lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale,
                                                           block_v=t.block_v, **ck))
@@ -124,7 +124,7 @@ def kernel_breakdown(shape, tiling):
         "key_grads": round(timed(key_grads, qp, kp, vp, b, h, ds, vp), 3)}
     if interp or on_hopper():  # the fused forward's two kernels (Tiling.forward="fused")
         decayed = jax.jit(lambda q, k, b: chunk_scores(
-            q, k, b, runs, num_stages=t.score_stages, decayed_with=(ci, il), **ck))
+            q, k, b, runs, decayed_with=(ci, il), **sk))
         fused = jax.jit(lambda qg, kg, v, a, b: gla_forward(qg, kg, v, a, b, ci, h0, scale=scale,
                                                             interpret=interp))
         try:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid
 from pallas_kernels.linear_attention._inputs import CHUNK as C
@@ -42,46 +43,78 @@ def _value_grads_kernel(k_ref, b_ref, il_ref, ds_ref, a_ref, do_ref, dv_ref, *, 
 
 def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref,
                       do_ref, da_ref, dat_ref, dq_ref, dk_ref, db_ref, *, scale, cd):
-    """One `fori_loop` step per sub-chunk (measured: one program per sub-chunk instead is
-    slower here). Score gradients are read from da_ref / dat_ref, so the exact diagonal
-    blocks take one column load per step and no cross-thread reductions."""
-    t_idx = iota(C)
-    sub_rows = iota(SUB, 0, (SUB, 1))
+    """dq, dk and db of one key block: whole-chunk matmuls when the block's decays are
+    bounded (_chunk_factors), else one `fori_loop` step per sub-chunk."""
     S, dS = h_ref[...], ds_ref[...]  # matmul operands: kept in the compute dtype
     # sum_v S dS: the gradient of the start state's decay through the chunk
     hds = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1)
-    q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
+    b = rows(b_ref, 0, C)
     b_last = rows(b_ref, C - 1, 1)
     keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
-
-    def sub_chunk(i, extra):
-        start = pl.multiple_of(i * SUB, SUB)
-        q_i, k_i, b_i = (rows(x, start, SUB) for x in (q_ref, k_ref, b_ref))
-        v_i, do_i = rows(v_ref, start, SUB), rows(do_ref, start, SUB)
-        # state paths: o <- start state (queries), end state <- k, v (keys)
-        dq_i = scale * mm(do_i, S, cd, trans_b=True) * jnp.exp(b_i) * flag_column(ci_ref, start)
-        dk_i = mm(v_i, dS, cd, trans_b=True) * masked_exp(b_last - b_i) * flag_column(il_ref, start)
-        extra += jnp.sum(k_i * dk_i, axis=0, keepdims=True)
-        # this sub-chunk's queries against earlier keys (none for the first: all masked)
-        b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
-        k_off = jnp.where((t_idx < start)[:, None], k * masked_exp(b_edge - b), 0.0)
-        dq_i += mm(da_ref[pl.ds(start, SUB), :], k_off, cd) * masked_exp(b_i - b_edge)
-        # this sub-chunk's keys against later queries (none for the last)
-        b_edge = rows(b_ref, start + SUB - 1, 1)
-        q_off = jnp.where((t_idx >= start + SUB)[:, None], q * masked_exp(b - b_edge), 0.0)
-        dk_i += mm(dat_ref[pl.ds(start, SUB), :], q_off, cd) * masked_exp(b_edge - b_i)
-
-        dq_i, dk_i = _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start,
-                                 dq_i, dk_i)
-        dq_ref[pl.ds(start, SUB), :] = dq_i.astype(dq_ref.dtype)
-        dk_ref[pl.ds(start, SUB), :] = dk_i.astype(dk_ref.dtype)
-        # extra is complete once the last sub-chunk has added its keys (above)
-        last_row = (sub_rows == SUB - 1) & (i == N_SUB - 1)
-        db_ref[pl.ds(start, SUB), :] = q_i * dq_i - k_i * dk_i + jnp.where(last_row, extra, 0.0)
-        return extra
-
     # b_last scales the surviving start state and every key's decay to the chunk end
-    jax.lax.fori_loop(0, N_SUB, sub_chunk, keep * hds[None, :] * jnp.exp(b_last))
+    extra = keep * hds[None, :] * jnp.exp(b_last)
+    m, bounded = factors.midpoint(b)
+    refs = (q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, do_ref, da_ref, dat_ref, dq_ref,
+            dk_ref, db_ref)
+
+    def whole_chunk():
+        # dq first, then dk: only one of them is live at a time (register pressure)
+        down, up = factors.factors(b, m)
+        k = rows(k_ref, 0, C)
+        # state path (o <- start state) and score path (dA against the keys)
+        dq = (scale * mm(do_ref[...], S, cd, trans_b=True) * (down * jnp.exp(m))
+              * flag_column(ci_ref, 0, C) + diag.f32_mm(da_ref[...], k * up) * down)
+        dq_ref[...] = dq.astype(dq_ref.dtype)
+        q = rows(q_ref, 0, C)
+        db = q * dq
+        # state path (end state <- k, v) and score path (dA transposed against the queries)
+        dk = mm(v_ref[...], dS, cd, trans_b=True) * (up * jnp.exp(b_last - m)) * flag_column(
+            il_ref, 0, C)
+        last = extra + jnp.sum(k * dk, axis=0, keepdims=True)
+        dk += diag.f32_mm(dat_ref[...], q * down) * up
+        dk_ref[...] = dk.astype(dk_ref.dtype)
+        db_ref[...] = db - k * dk + jnp.where(iota(C, 0, (C, 1)) == C - 1, last, 0.0)
+
+    def by_sub_chunks():
+        chunk = dict(q=rows(q_ref, 0, C), k=rows(k_ref, 0, C), b=b, b_last=b_last, S=S, dS=dS)
+        jax.lax.fori_loop(0, N_SUB, functools.partial(
+            _sub_chunk_grads, *refs, **chunk, scale=scale, cd=cd), extra)
+
+    jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
+
+
+def _sub_chunk_grads(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, do_ref, da_ref, dat_ref,
+                     dq_ref, dk_ref, db_ref, i, extra, *, q, k, b, b_last, S, dS, scale, cd):
+    """Sub-chunk i's rows of dq, dk, db (any decay). Score gradients are read from da_ref
+    / dat_ref, so the exact diagonal blocks take one column load per step and no
+    cross-thread reductions. extra: the last row's extra decay gradient, completed by
+    every sub-chunk's keys. q, k, b: the whole chunk's (fp32)."""
+    t_idx = iota(C)
+    sub_rows = iota(SUB, 0, (SUB, 1))
+    start = pl.multiple_of(i * SUB, SUB)
+    q_i, k_i, b_i = (rows(x, start, SUB) for x in (q_ref, k_ref, b_ref))
+    v_i, do_i = rows(v_ref, start, SUB), rows(do_ref, start, SUB)
+    # state paths: o <- start state (queries), end state <- k, v (keys)
+    dq_i = scale * mm(do_i, S, cd, trans_b=True) * jnp.exp(b_i) * flag_column(ci_ref, start)
+    dk_i = mm(v_i, dS, cd, trans_b=True) * masked_exp(b_last - b_i) * flag_column(il_ref, start)
+    extra += jnp.sum(k_i * dk_i, axis=0, keepdims=True)
+    # this sub-chunk's queries against earlier keys (none for the first: all masked)
+    b_edge = rows(b_ref, jnp.maximum(start - 1, 0), 1)
+    k_off = jnp.where((t_idx < start)[:, None], k * masked_exp(b_edge - b), 0.0)
+    dq_i += mm(da_ref[pl.ds(start, SUB), :], k_off, cd) * masked_exp(b_i - b_edge)
+    # this sub-chunk's keys against later queries (none for the last)
+    b_edge = rows(b_ref, start + SUB - 1, 1)
+    q_off = jnp.where((t_idx >= start + SUB)[:, None], q * masked_exp(b - b_edge), 0.0)
+    dk_i += mm(dat_ref[pl.ds(start, SUB), :], q_off, cd) * masked_exp(b_edge - b_i)
+
+    dq_i, dk_i = _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start,
+                             dq_i, dk_i)
+    dq_ref[pl.ds(start, SUB), :] = dq_i.astype(dq_ref.dtype)
+    dk_ref[pl.ds(start, SUB), :] = dk_i.astype(dk_ref.dtype)
+    # extra is complete once the last sub-chunk has added its keys (above)
+    last_row = (sub_rows == SUB - 1) & (i == N_SUB - 1)
+    db_ref[pl.ds(start, SUB), :] = q_i * dq_i - k_i * dk_i + jnp.where(last_row, extra, 0.0)
+    return extra
 
 
 def _diag_grads(q_i, k_i, b_i, q_ref, k_ref, b_ref, da_ref, dat_ref, start, dq_i, dk_i):

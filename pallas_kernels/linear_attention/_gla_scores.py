@@ -1,13 +1,13 @@
-"""The in-chunk GLA scores and their gradient, chunk by chunk in parallel.
+"""The in-chunk GLA scores A (kept for the backward's dv) and their gradient, per chunk.
 
 A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay,
-s <= t in one segment) is built per 16-token sub-chunk, one program each: blocks below
-the diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
+s <= t in one segment), one program per chunk. A bounded chunk (_chunk_factors) takes
+one [64, D] x [D, 64] matmul. Others are built per 16-token sub-chunk: blocks below the
+diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
 <= 1, so one tensor-core matmul per 16x16 block); diagonal blocks factor through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and otherwise form
 each exp(b_t - b_s <= 0) exactly, one key at a time, so decays down to g = -20 per
-token stay finite. A is kept for the backward, which needs it for dv; dA = scale * do v^T
-needs no decay at all.
+token stay finite. dA = scale * do v^T needs no decay at all.
 """
 import functools
 
@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, chunk_call, chunk_program_id, compute_dtype, flag_column, iota, masked_exp, mm,
-    rows)
+    F32, SUB, chunk_call, compute_dtype, flag_column, iota, masked_exp, mm, rows)
 from pallas_kernels.linear_attention._score_rows import (
     edge_decay, store_diagonal, store_row_blocks)
 
@@ -50,25 +50,45 @@ def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
     return diag.choose(b_i, b_r, factored, exact, q_i, b_i)
 
 
+def _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, start, cd):
+    """Rows [start, start + 16) of A from 16x16 blocks: any decay."""
+    q_i, b_i, r_i = rows(q_ref, start, SUB), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
+    b_edge = edge_decay(b_ref, start)
+    store_row_blocks([(a_ref, q_i * masked_exp(b_i - b_edge), cd)], k_ref, b_ref, r_ref,
+                     start, b_edge, out_row=start)
+    store_diagonal(a_ref, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start), start,
+                   out_row=start)
+
+
 def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
-    """The [16, C] row block of A of sub-chunk program j: q_ref holds its 16 queries,
-    k_ref, b_ref and r_ref the whole chunk. With `decayed`, also the sub-chunk's rows of
-    qg = q exp(b) carry_in and kg = k exp(b_last - b) in_last (compute dtype: the
-    operands of the fused forward's products)."""
-    start = pl.multiple_of(chunk_program_id() * SUB, SUB)
-    q_i, b_i, r_i = q_ref[...].astype(F32), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
+    """The chunk's [C, C] scores: one matmul when the chunk is bounded (_chunk_factors),
+    else one row block per sub-chunk. With `decayed`, also qg = q exp(b) carry_in and
+    kg = k exp(b_last - b) in_last (compute dtype: the operands of the fused forward's
+    products)."""
+    b, r = rows(b_ref, 0, C), r_ref[...]
     if decayed:
         ci_ref, il_ref, a_ref, qg_ref, kg_ref = refs
-        qg_ref[...] = (q_i * jnp.exp(b_i) * flag_column(ci_ref, start)).astype(qg_ref.dtype)
-        kg = (rows(k_ref, start, SUB) * masked_exp(rows(b_ref, C - 1, 1) - b_i)
-              * flag_column(il_ref, start))
+        qg = rows(q_ref, 0, C) * jnp.exp(b) * flag_column(ci_ref, 0, C)
+        qg_ref[...] = qg.astype(qg_ref.dtype)
+        kg = rows(k_ref, 0, C) * masked_exp(rows(b_ref, C - 1, 1) - b) * flag_column(il_ref, 0, C)
         kg_ref[...] = kg.astype(kg_ref.dtype)
     else:
         a_ref, = refs
-    b_edge = edge_decay(b_ref, start)
-    store_row_blocks([(a_ref, q_i * masked_exp(b_i - b_edge), cd)], k_ref, b_ref, r_ref,
-                     start, b_edge)
-    store_diagonal(a_ref, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start), start)
+    m, bounded = factors.midpoint(b)
+
+    def whole_chunk():
+        down, up = factors.factors(b, m)
+        a = diag.f32_mm(rows(q_ref, 0, C) * down, rows(k_ref, 0, C) * up, trans_b=True)
+        t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
+        a_ref[...] = jnp.where((s <= t) & (r[:, None] == r[None, :]), a, 0.0)
+
+    def by_sub_chunks():
+        def row_block(i, carry):
+            _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, pl.multiple_of(i * SUB, SUB), cd)
+            return carry
+        jax.lax.fori_loop(0, N_SUB, row_block, 0)
+
+    jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
@@ -86,15 +106,15 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
     compute dtype (see _scores_kernel)."""
     B, Tp, H, Dk = q.shape
-    g = Grid(N_SUB)
+    g = Grid()
     cd = compute_dtype(q.dtype)
-    specs, out_specs, outs = [g.sub_chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], \
-        g.score_rows(), scores_shape(B, H, Tp)
+    specs, out_specs, outs = [g.chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], \
+        g.scores(), scores_shape(B, H, Tp)
     flags = ()
     if decayed_with is not None:
         flags = tuple(decayed_with)
         specs += [g.flags(), g.flags()]
-        out_specs = (out_specs, g.sub_chunk(Dk), g.sub_chunk(Dk))
+        out_specs = (out_specs, g.chunk(Dk), g.chunk(Dk))
         outs = (outs, jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
     return chunk_call(
         functools.partial(_scores_kernel, cd=cd, decayed=decayed_with is not None),

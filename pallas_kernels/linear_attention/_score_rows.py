@@ -22,12 +22,19 @@ def edge_decay(b_ref, start):
     return rows(b_ref, jnp.maximum(start - 1, 0), 1)
 
 
-def store_row_blocks(products, k_ref, b_ref, r_ref, start, b_edge):
+def _rows_of(out_row):
+    """The ref's rows that hold the sub-chunk's row block: all of a [16, C] ref, or the 16
+    from out_row of a [C, C] one."""
+    return slice(None) if out_row is None else pl.ds(out_row, SUB)
+
+
+def store_row_blocks(products, k_ref, b_ref, r_ref, start, b_edge, out_row=None):
     """Writes the [16, C] row blocks of the sub-chunk at `start`, all but the diagonal
     block: each (ref, x, cd) of `products` gets x (its 16 rows, decayed to b_edge)
     against each earlier sub-chunk's keys decayed from b_edge, in same-segment pairs,
-    and zeros right of the diagonal."""
+    and zeros right of the diagonal (in rows out_row.. of the refs; see _rows_of)."""
     r_i = r_ref[pl.ds(start, SUB)]
+    out = _rows_of(out_row)
 
     def earlier(j, carry):
         s = pl.multiple_of(j * SUB, SUB)
@@ -35,13 +42,13 @@ def store_row_blocks(products, k_ref, b_ref, r_ref, start, b_edge):
         same = r_i[:, None] == r_ref[pl.ds(s, SUB)][None, :]
         for ref, x, cd in products:
             block = jnp.where(same, mm(x, keys, cd, trans_b=True), 0.0)
-            ref[:, pl.ds(s, SUB)] = block.astype(ref.dtype)
+            ref[out, pl.ds(s, SUB)] = block.astype(ref.dtype)
         return carry
 
     def later(j, carry):
         s = pl.multiple_of(j * SUB, SUB)
         for ref, _, _ in products:
-            ref[:, pl.ds(s, SUB)] = jnp.zeros((SUB, SUB), ref.dtype)
+            ref[out, pl.ds(s, SUB)] = jnp.zeros((SUB, SUB), ref.dtype)
         return carry
 
     i = start // SUB
@@ -49,7 +56,7 @@ def store_row_blocks(products, k_ref, b_ref, r_ref, start, b_edge):
     jax.lax.fori_loop(i + 1, N_SUB, later, 0)
 
 
-def store_diagonal(ref, block, start):
-    ref[:, pl.ds(start, SUB)] = block.astype(ref.dtype)
+def store_diagonal(ref, block, start, out_row=None):
+    ref[_rows_of(out_row), pl.ds(start, SUB)] = block.astype(ref.dtype)
 
 

@@ -37,7 +37,9 @@ class Tiling(NamedTuple):
     state_stages: int = 3  # H200, (1, 32768, 32, 128): fwd+bwd 10.2 ms, 10.8 with 2
     # warps of the parallel kernels; H200, (1, 32768, 32, 128): scores 2.9 ms (1 warp 7.0,
     # 4 warps 3.4), key and value gradients 5.6 ms (2 warps 7.2, 8 warps 8.3)
-    chunk_warps: int = 2  # forward: scores, outputs
+    chunk_warps: int = 2  # forward outputs
+    # the scores kernel, one program per chunk: 0.73 ms (2 warps 1.03, 8 warps 1.07)
+    score_warps: int = 4
     # loads in flight in the score kernel's loops: scores 1.9 ms (2.0 with 1, 1.8 with 3),
     # fwd+bwd 9.4 (9.8 with 1, 9.5 with 3)
     score_stages: int = 2
@@ -98,7 +100,7 @@ def _states(k, v, b, masks, h0, t: Tiling):
 
 def _split_forward(q, k, v, b, h0, runs, masks, scale, t):
     h, ht = _states(k, v, b, masks, h0, t)
-    a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.chunk_warps,
+    a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
                      num_stages=t.score_stages)
     o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v,
                       interpret=t.interpret, num_warps=t.chunk_warps)
@@ -106,7 +108,7 @@ def _split_forward(q, k, v, b, h0, runs, masks, scale, t):
 
 
 def _fused_forward(q, k, v, b, h0, runs, masks, scale, t):
-    a, qg, kg = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.chunk_warps,
+    a, qg, kg = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
                              num_stages=t.score_stages, decayed_with=masks)
     out = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
                                           interpret=t.interpret)

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
+from pallas_kernels.linear_attention._inputs import CHUNK
 
 
 def make_inputs(seed, B=1, T=80, H=2, Dk=16, Dv=16, dtype=jnp.float32, min_log_decay=-20.0,
@@ -27,6 +28,15 @@ def with_strong_decay(x, tokens, channels=None, log_decay=-20.0):
     assert 15 * 2.0 < diag.FACTOR_LIMIT < 3 * -log_decay
     mask = tokens[:, None] if channels is None else tokens[:, None] & channels[None, :]
     return dict(x, g=jnp.where(mask[None, :, None, :], log_decay, x["g"]))
+
+
+def bounded_chunks(g):
+    """[B, n, H]: whether each chunk of g [B, T, H, D] may factor its decays whole
+    (_chunk_factors; T a multiple of the chunk)."""
+    B, T, H, D = g.shape
+    b = jnp.cumsum(g.astype(jnp.float32).reshape(B, T // CHUNK, CHUNK, H, D), axis=2)
+    span = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1)
+    return span <= 2 * diag.FACTOR_LIMIT
 
 
 def rel_rms(ref, x):

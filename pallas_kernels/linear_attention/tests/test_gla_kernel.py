@@ -1,10 +1,12 @@
 """The Pallas GLA kernels (interpret mode on CPU) against the fp32 token-by-token oracle."""
 import jax
 import jax.numpy as jnp
+import pytest
 
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention.gla import Tiling
-from pallas_kernels.linear_attention.tests._data import fast_jit, loss_fn, make_inputs, rel_rms, with_strong_decay
+from pallas_kernels.linear_attention.tests._data import (
+    bounded_chunks, fast_jit, loss_fn, make_inputs, rel_rms, with_strong_decay)
 
 
 def _check(x, out_tol, grad_tol, **kernel_kw):
@@ -32,7 +34,9 @@ def _mixed_decay_inputs(seed):
     # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
     # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 (all four of its
     # sub-chunks) and on channels 16.. only sends those sub-chunks down the exact path:
-    # in key blocks of 16, one block factors while the other is exact
+    # in key blocks of 16, one block factors while the other is exact. Chunks 0 and 2 are
+    # bounded (whole-chunk matmuls, _chunk_factors), chunk 1 is not, but its first key
+    # block of 16 is
     x = make_inputs(seed=seed, T=150, Dk=32, Dv=32, min_log_decay=-2.0)
     t = jnp.arange(150)
     return with_strong_decay(x, (t >= 66) & (t < 128) & (t % 4 == 0), jnp.arange(32) >= 16)
@@ -47,5 +51,10 @@ def test_fp32_exact_over_key_and_value_blocks():
     _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16, grad_block_v=16))
 
 
-def test_bf16_inputs_within_tolerance():
-    _check(make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=-5.0), 5e-3, 1e-2)
+@pytest.mark.parametrize("min_log_decay, bounded", [(-5.0, False), (-2.0, True)])
+def test_bf16_inputs_within_tolerance(min_log_decay, bounded):
+    # one chunk: sub-chunk blocks (its widest channel decays by 86 > 2 * FACTOR_LIMIT) or
+    # the whole-chunk matmuls (_chunk_factors)
+    x = make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=min_log_decay)
+    assert bool(bounded_chunks(x["g"]).all()) == bounded
+    _check(x, 5e-3, 1e-2)
