@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C, N_SUB
@@ -26,15 +27,15 @@ from pallas_kernels.linear_attention._pallas_common import (
     F32, SUB, flag_column, iota, masked_exp, mm, row_as_column, rows)
 
 
-def _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, cd, block_v):
-    """do S^T, v_new dS^T and dX S^T for the 16 rows at s ([16, BK] each)."""
+def _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, n, cd, block_v):
+    """do S^T, v_new dS^T and dX S^T for the n rows at s ([n, BK] each)."""
     dqg = dkg = dxs = 0.0
     for j in range(do_ref.shape[-1] // block_v):
         cols = pl.ds(j * block_v, block_v)
         S, dS = h_ref[:, cols], dh_ref[:, cols]
-        dqg += mm(do_ref[pl.ds(s, SUB), cols], S, cd, trans_b=True)
-        dkg += mm(vn_ref[pl.ds(s, SUB), cols], dS, cd, trans_b=True)
-        dxs += mm(dx_ref[pl.ds(s, SUB), cols], S, cd, trans_b=True)
+        dqg += mm(do_ref[pl.ds(s, n), cols], S, cd, trans_b=True)
+        dkg += mm(vn_ref[pl.ds(s, n), cols], dS, cd, trans_b=True)
+        dxs += mm(dx_ref[pl.ds(s, n), cols], S, cd, trans_b=True)
     return dqg, dkg, dxs
 
 
@@ -108,52 +109,106 @@ def _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk):
     return diag.choose(b_i, b_r, factored, exact, dq, g, dk)
 
 
+def _chunk_operands(q_ref, k_ref, b_ref, beta_ref, m):
+    """A bounded chunk's decayed operands (_chunk_factors), all 64 rows: keys k exp(m - b)
+    and, as queries, q exp(b - m) and beta k exp(b - m)."""
+    b, k = rows(b_ref, 0, C), rows(k_ref, 0, C)
+    down, up = factors.factors(b, m)
+    beta = beta_ref[...].astype(F32)[:, None]
+    return k * up, rows(q_ref, 0, C) * down, beta * k * down
+
+
+def _factored_score_grads(b_ref, dp_ref, da_ref, operands, m, s, n):
+    """_score_grads for rows [s, s + n) of a bounded chunk: one fp32-operand matmul per
+    path against the whole chunk."""
+    key, q_down, bk_down = operands
+    down, up = factors.factors(rows(b_ref, s, n), m)
+    dp_rows, da_rows = dp_ref[pl.ds(s, n), :].astype(F32), da_ref[pl.ds(s, n), :].astype(F32)
+    dp_cols, da_cols = dp_ref[:, pl.ds(s, n)].astype(F32), da_ref[:, pl.ds(s, n)].astype(F32)
+    dq = diag.f32_mm(dp_rows, key) * down
+    g = diag.f32_mm(da_rows, key) * down
+    dk = (diag.f32_mm(dp_cols, q_down, trans_a=True)
+          + diag.f32_mm(da_cols, bk_down, trans_a=True)) * up
+    return dq, g, dk
+
+
+def _write_rows(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
+                dx_ref, dq_ref, dk_ref, db_ref, dbeta_ref, s, n, score_grads, db_last,
+                closes, *, scale, cd, block_v):
+    """Rows [s, s + n): the state paths added to the score-gradient terms (dq_p, g,
+    dk_key); writes dq, dk, db, dbeta and returns db_last with these rows' keys added.
+    closes: these rows end the chunk, so their last row carries db_last."""
+    q_i, k_i, b_i = rows(q_ref, s, n), rows(k_ref, s, n), rows(b_ref, s, n)
+    b_last = rows(b_ref, C - 1, 1)
+    beta_i = beta_ref[pl.ds(s, n)].astype(F32)[:, None]
+    ci_i = flag_column(ci_ref, s, n)
+    dqg, dkg, dxs = _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, n, cd, block_v)
+    dq_p, g, dk_key = score_grads
+    k_w = k_i * jnp.exp(b_i) * ci_i           # K
+    dk_end = dkg * masked_exp(b_last - b_i) * flag_column(il_ref, s, n)
+    dk_w = -beta_i * dxs * jnp.exp(b_i) * ci_i
+    dq = scale * dqg * jnp.exp(b_i) * ci_i + dq_p
+    dk = dk_end + dk_w + beta_i * g + dk_key
+    db = q_i * dq + k_i * (dk_w + beta_i * g - dk_end - dk_key)
+    db_last += jnp.sum(k_i * dk_end, axis=0, keepdims=True)
+    db += jnp.where((iota(n, 0, (n, 1)) == n - 1) & closes, db_last, 0.0)
+    dbeta = jnp.sum(k_i * g, axis=1) - jnp.sum(dxs * k_w, axis=1)
+    dq_ref[pl.ds(s, n), :] = dq.astype(dq_ref.dtype)
+    dk_ref[pl.ds(s, n), :] = dk.astype(dk_ref.dtype)
+    db_ref[pl.ds(s, n), :] = db
+    dbeta_ref[pl.ds(s, n)] = dbeta
+    return db_last
+
+
 def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref,
                       vn_ref, dx_ref, dp_ref, da_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *,
-                      scale, cd, block_v):
-    """One loop step per 16-token sub-chunk: unrolled, the kernel's code outgrew the
-    instruction cache (the GLA kernels' 'no instruction' stalls, docs/performance.md)."""
+                      scale, cd, block_v, bounded_rows):
+    """One loop step per `bounded_rows` rows of a bounded chunk, per 16-token sub-chunk of
+    others: unrolled, the kernel's code outgrew the instruction cache (the GLA kernels'
+    'no instruction' stalls, docs/performance.md)."""
     b_last = rows(b_ref, C - 1, 1)
-    last_row = iota(SUB, 0, (SUB, 1)) == SUB - 1
     keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
     # b_last scales the surviving start state and every kg row
     db_last = keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
+    m, bounded = factors.midpoint(rows(b_ref, 0, C))
+    refs = (q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
+            dx_ref, dq_ref, dk_ref, db_ref, dbeta_ref)
+    kw = dict(scale=scale, cd=cd, block_v=block_v)
 
-    def sub_chunk(i, db_last):
-        s = pl.multiple_of(i * SUB, SUB)
-        q_i, k_i, b_i = rows(q_ref, s, SUB), rows(k_ref, s, SUB), rows(b_ref, s, SUB)
-        beta_i = beta_ref[pl.ds(s, SUB)].astype(F32)[:, None]
-        ci_i = flag_column(ci_ref, s)
-        dqg, dkg, dxs = _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, cd, block_v)
-        dq_p, g, dk_key = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd)
-        k_w = k_i * jnp.exp(b_i) * ci_i           # K
-        dk_end = dkg * masked_exp(b_last - b_i) * flag_column(il_ref, s)
-        dk_w = -beta_i * dxs * jnp.exp(b_i) * ci_i
-        dq = scale * dqg * jnp.exp(b_i) * ci_i + dq_p
-        dk = dk_end + dk_w + beta_i * g + dk_key
-        db = q_i * dq + k_i * (dk_w + beta_i * g - dk_end - dk_key)
-        db_last += jnp.sum(k_i * dk_end, axis=0, keepdims=True)
-        # complete after the last sub-chunk's keys: the chunk's last row carries it
-        db += jnp.where(last_row & (i == N_SUB - 1), db_last, 0.0)
-        dbeta = jnp.sum(k_i * g, axis=1) - jnp.sum(dxs * k_w, axis=1)
-        dq_ref[pl.ds(s, SUB), :] = dq.astype(dq_ref.dtype)
-        dk_ref[pl.ds(s, SUB), :] = dk.astype(dk_ref.dtype)
-        db_ref[pl.ds(s, SUB), :] = db
-        dbeta_ref[pl.ds(s, SUB)] = dbeta
-        return db_last
+    def whole_chunk():
+        operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, m)
+        n = bounded_rows
 
-    jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
+        def step(i, db_last):
+            s = pl.multiple_of(i * n, n)
+            grads = _factored_score_grads(b_ref, dp_ref, da_ref, operands, m, s, n)
+            return _write_rows(*refs, s, n, grads, db_last, i == C // n - 1, **kw)
+
+        jax.lax.fori_loop(0, C // n, step, db_last)
+
+    def by_sub_chunks():
+        def sub_chunk(i, db_last):
+            s = pl.multiple_of(i * SUB, SUB)
+            grads = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd)
+            return _write_rows(*refs, s, SUB, grads, db_last, i == N_SUB - 1, **kw)
+
+        jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
+
+    jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
 
 
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale,
-                    block_k, block_v, cd, interpret):
-    """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H])."""
+                    block_k, block_v, cd, interpret, bounded_rows=SUB):
+    """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
+    bounded_rows: rows per loop step in bounded chunks; H200, (2, 8192, 64, 128): KDA
+    fwd+bwd 11.8 ms with 16, 13.8 with 32, 15.3 with 64 (more live tiles, spills)."""
     B, Tp, H, Dk = q.shape
     Dv = do.shape[-1]
     nk = Dk // block_k
     keys, vals = L.kblock_rows(block_k), L.kblock_values(Dv)
     state, square, flag = L.kblock_state(block_k, Dv), L.kblock_square(), L.kblock_flags()
-    kernel = functools.partial(_key_grads_kernel, scale=scale, cd=cd, block_v=block_v)
+    kernel = functools.partial(_key_grads_kernel, scale=scale, cd=cd, block_v=block_v,
+                               bounded_rows=bounded_rows)
     dq, dk, db, dbeta = L.call(
         kernel, (B, H, Tp // C, nk),
         [keys, keys, keys, L.kblock_beta(), flag, flag, state, state, vals, vals, vals, square,

@@ -58,16 +58,17 @@ def state_walk_kinds(choice, dtypes, Dk, block_v, interpret):
     """(forward, backward) implementations of the state kernels for `choice`. The Mosaic
     GPU walk keeps the whole [Dk, BV] state in one warpgroup's registers: it needs q, k, v
     in one 16-bit dtype, Dk of 64 or 128 and 32-multiple value blocks. "auto" takes it for
-    the backward only: H200, (2, 8192, 64, 128), state gradients 1.37 ms (Triton 1.87),
-    states 1.02 (Triton 0.72: the forward's two dependent products per chunk leave the
-    single warpgroup waiting)."""
+    both walks where it fits. Alone, the forward walk is slower than Triton's (H200, (2,
+    8192, 64, 128): states 1.02 ms vs 0.72; the backward 1.37 vs 1.87), but end to end
+    both on Mosaic GPU measured best: fwd+bwd 11.80 ms vs 12.14 with the Triton forward
+    walk, and 11.70 vs 12.33 at (1, 32768, 32, 128)."""
     fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _kda_states_mosaic.MAX_DK
             and block_v % 32 == 0)
     kind = choose_walk(choice, _STATE_WALKS, fits, interpret,
                        f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and a value block that "
                        f"is a multiple of 32; got {[str(d) for d in dtypes]}, Dk = {Dk}, "
                        f"block_v = {block_v}")
-    return ("triton", kind) if choice == "auto" else (kind, kind)
+    return kind, kind
 
 
 def _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, for_backward):
