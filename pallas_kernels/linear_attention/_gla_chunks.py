@@ -7,9 +7,11 @@ channels it can, so programs stay small (few registers, many resident warps):
                two dense [64, .] matmuls;
   value grads  dv = (k exp(b_last - b) il) dS + scale A^T do per (chunk, value block);
   key grads    dq, dk and the decay gradient db per (chunk, block of key channels): one
-               `fori_loop` step per 16-token sub-chunk; every path into them combines
-               channels of one key block only, so a block decides alone whether its
-               diagonal blocks factor (_diagonal_blocks).
+               `fori_loop` step per 16 rows; every path into them combines channels of
+               one key block only, so a block decides alone whether its decays factor
+               over the whole chunk (_chunk_factors: each step one matmul per path
+               against the whole chunk) or by sub-chunk blocks (whose diagonal blocks
+               factor or not, _diagonal_blocks).
 ci (carry_in) zeroes the start state's path for tokens past a segment reset inside the
 chunk, il (in_last) the end state's path for tokens of earlier segments.
 """

@@ -10,8 +10,8 @@ in_last flags (see _chunk_prep.segment_masks) and beta the per-token write stren
 so that, with S the chunk's start state, v_new = u0 - w S, o = scale (qg S + A_qk v_new)
 and the next state is keep exp(b_last) S + kg^T v_new.
 
-Two kernels: the scores A_kk, A_qk and qg, kg, one program per 16-token sub-chunk
-(_kda_scores); then, one program per chunk, T by blockwise forward substitution
+Two kernels: the scores A_kk, A_qk and qg, kg, one program per chunk (_kda_scores);
+then, one program per chunk, T by blockwise forward substitution
 (16-step substitutions for the four diagonal blocks, exact fp32 16x16 matmuls below)
 and w, u0 from T's 16x16 blocks. Live tiles are [16, D] (D = 256: 16 KiB fp32) plus ten
 16x16 blocks of T, so shared memory stays far below the limit at any D <= 256.

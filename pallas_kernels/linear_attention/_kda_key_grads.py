@@ -2,8 +2,10 @@
 part of dbeta, one program per (batch, head, chunk, block of BK key channels).
 
 Every path into q, k, b is separable over key channels, so a program only needs its
-channel block: [16, BK] row tiles of one sub-chunk at a time, [BK, BV] state tiles and
-the chunk's [64, 64] score gradients dP (of A_qk) and dA (of A_kk), read from memory.
+channel block: [16, BK] row tiles of 16 rows at a time, [BK, BV] state tiles and the
+chunk's [64, 64] score gradients dP (of A_qk) and dA (of A_kk), read from memory. A
+bounded chunk (_chunk_factors) takes each step's score-gradient paths as one matmul
+against the whole chunk; others by sub-chunk blocks as in _kda_scores.
 Paths (qg = q exp(b) ci, kg = k exp(b_last - b) il, K = k exp(b) ci, S / dS the chunk's
 start state / end-state gradient, dX = T^T dv_new):
   o     += scale qg S            dqg = scale do S^T

@@ -2,7 +2,7 @@
 backward (custom_vjp). Same contract as reference.kda_chunked.
 
 Forward, per 64-token chunk (see _kda_intra for the chunk form):
-  kda_chunk_scores (parallel over sub-chunks)  A_kk, A_qk, qg, kg
+  kda_chunk_scores (parallel) A_kk, A_qk, qg, kg
   kda_chunk_solve (parallel) T = (I + A_kk)^-1, w, u0
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
                (_kda_states, or _kda_states_mosaic on Hopper)
