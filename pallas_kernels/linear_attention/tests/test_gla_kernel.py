@@ -30,16 +30,16 @@ def test_fp32_exact_with_resets_initial_state_strong_decay_and_split_dv():
            tiling=Tiling(block_k=16, block_v=16, grad_block_v=16))
 
 
-def _mixed_decay_inputs(seed):
+def _mixed_decay_inputs(seed, T=150, Dk=32, Dv=32, H=2):
     # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
     # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 (all four of its
     # sub-chunks) and on channels 16.. only sends those sub-chunks down the exact path:
     # in key blocks of 16, one block factors while the other is exact. Chunks 0 and 2 are
     # bounded (whole-chunk matmuls, _chunk_factors), chunk 1 is not, but its first key
     # block of 16 is
-    x = make_inputs(seed=seed, T=150, Dk=32, Dv=32, min_log_decay=-2.0)
-    t = jnp.arange(150)
-    return with_strong_decay(x, (t >= 66) & (t < 128) & (t % 4 == 0), jnp.arange(32) >= 16)
+    x = make_inputs(seed=seed, T=T, H=H, Dk=Dk, Dv=Dv, min_log_decay=-2.0)
+    t = jnp.arange(T)
+    return with_strong_decay(x, (t >= 66) & (t < 128) & (t % 4 == 0), jnp.arange(Dk) >= 16)
 
 
 def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
@@ -58,3 +58,10 @@ def test_bf16_inputs_within_tolerance(min_log_decay, bounded):
     x = make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=min_log_decay)
     assert bool(bounded_chunks(x["g"]).all()) == bounded
     _check(x, 5e-3, 1e-2)
+
+
+def test_fp32_exact_at_the_widest_key_head():
+    # Dk = 256: chunk 0 bounded (whole-chunk products over all 256 channels), chunk 1 not
+    x = _mixed_decay_inputs(12, T=128, Dk=256, Dv=32, H=1)
+    assert bounded_chunks(x["g"])[0, :, 0].tolist() == [True, False]
+    _check(x, 1e-4, 1e-4)

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
-from pallas_kernels.linear_attention.tests._data import fast_jit, make_inputs, rel_rms, with_strong_decay
+from pallas_kernels.linear_attention.tests._data import (
+    bounded_chunks, fast_jit, make_inputs, rel_rms, with_strong_decay)
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -71,6 +72,16 @@ def test_fp32_exact_over_key_blocks_taking_different_diagonal_paths():
     t = jnp.arange(150)
     x = with_strong_decay(x, (t >= 70) & (t < 128) & (t % 5 == 0), jnp.arange(32) >= 16)
     _assert_within(_errors(x, block_k=16), 1e-4, 1e-4)
+
+
+def test_fp32_exact_at_the_widest_key_head():
+    # Dk = 256 (its default value tile, 32): chunk 0 bounded (whole-chunk products over
+    # all 256 channels), chunk 1 not
+    x = make_inputs(seed=14, T=128, H=1, Dk=256, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
+    t = jnp.arange(128)
+    x = with_strong_decay(x, (t >= 70) & (t % 5 == 0))
+    assert bounded_chunks(x["g"])[0, :, 0].tolist() == [True, False]
+    _assert_within(_errors(x), 1e-4, 1e-4)
 
 
 def test_bf16_inputs_within_tolerance():
