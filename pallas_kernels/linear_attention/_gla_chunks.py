@@ -23,10 +23,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
-from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid
+from pallas_kernels.linear_attention._gla_layout import Grid
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, chunk_call, compute_dtype, flag_column, iota, masked_exp, mm, rows)
+    F32, N_SUB, SUB, chunk_call, compute_dtype, flag_column, iota, masked_exp, mm, rows)
 
 
 def _outputs_kernel(q_ref, b_ref, ci_ref, h_ref, a_ref, v_ref, o_ref, *, scale, cd):
@@ -168,7 +168,7 @@ def chunk_outputs(q, v, b, carry_in, h, a, *, scale, block_v, interpret, num_war
     g = Grid()
     return chunk_call(
         functools.partial(_outputs_kernel, scale=scale, cd=compute_dtype(q.dtype)),
-        (B, H, Tp // C, g.size(Dv // block_v)),
+        (B, H, Tp // C, Dv // block_v),
         [g.all_channels(Dk), g.all_channels(Dk), g.flags(), g.state_columns(Dk, block_v),
          g.scores(), g.chunk(block_v)],
         g.chunk(block_v), jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
@@ -183,7 +183,7 @@ def chunk_value_grads(k, b, in_last, ds, a, do, *, scale, block_v, interpret, nu
     g = Grid()
     return chunk_call(
         functools.partial(_value_grads_kernel, scale=scale, cd=compute_dtype(k.dtype)),
-        (B, H, Tp // C, g.size(Dv // block_v)),
+        (B, H, Tp // C, Dv // block_v),
         [g.all_channels(Dk), g.all_channels(Dk), g.flags(), g.state_columns(Dk, block_v),
          g.scores(), g.chunk(block_v)],
         g.chunk(block_v), jax.ShapeDtypeStruct(do.shape, do.dtype),
@@ -205,7 +205,7 @@ def chunk_key_grads(q, k, v, b, carry_in, in_last, h, ds, do, da, dat, *, scale,
     return chunk_call(
         functools.partial(_key_grads_kernel, scale=scale, cd=compute_dtype(q.dtype),
                           bounded_rows=bounded_rows),
-        (B, H, Tp // C, g.size(Dk // block_k)),
+        (B, H, Tp // C, Dk // block_k),
         [keys, keys, g.all_channels(Dv), keys, g.flags(), g.flags(), g.state_rows(block_k, Dv),
          g.state_rows(block_k, Dv), g.all_channels(Dv), g.scores(), g.scores()],
         (keys, keys, keys),

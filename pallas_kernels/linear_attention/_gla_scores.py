@@ -17,10 +17,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
-from pallas_kernels.linear_attention._gla_layout import N_SUB, Grid, scores_shape
+from pallas_kernels.linear_attention._gla_layout import Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, chunk_call, compute_dtype, flag_column, iota, masked_exp, mm, rows)
+    F32, N_SUB, SUB, chunk_call, compute_dtype, flag_column, iota, masked_exp, mm, rows)
 from pallas_kernels.linear_attention._score_rows import (
     edge_decay, store_diagonal, store_row_blocks)
 
@@ -118,7 +118,7 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
         outs = (outs, jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
     return chunk_call(
         functools.partial(_scores_kernel, cd=cd, decayed=decayed_with is not None),
-        (B, H, Tp // C, g.size(1)), specs, out_specs, outs, num_warps=num_warps,
+        (B, H, Tp // C, 1), specs, out_specs, outs, num_warps=num_warps,
         interpret=interpret, name="gla_chunk_scores", num_stages=num_stages,
     )(q, k, b, runs, *flags)
 
@@ -129,7 +129,7 @@ def chunk_score_grads(v, runs, do, *, scale, interpret, num_warps=4):
     g = Grid()
     return chunk_call(
         functools.partial(_dscores_kernel, scale=scale, cd=compute_dtype(v.dtype)),
-        (B, H, Tp // C, g.size(1)), [g.chunk(Dv), g.flags(), g.chunk(Dv)],
+        (B, H, Tp // C, 1), [g.chunk(Dv), g.flags(), g.chunk(Dv)],
         (g.scores(), g.scores()), (scores_shape(B, H, Tp),) * 2, num_warps=num_warps,
         interpret=interpret, name="gla_chunk_score_grads",
     )(v, runs, do)

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import _kda_layout as L
-from pallas_kernels.linear_attention._kda_layout import C, N_SUB
+from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_scores import chunk_scores
-from pallas_kernels.linear_attention._pallas_common import F32, SUB, flag_column, iota, mm, rows
+from pallas_kernels.linear_attention._pallas_common import (
+    F32, N_SUB, SUB, flag_column, iota, mm, rows)
 
 
 def exact_dot(a, b):

@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
-from pallas_kernels.linear_attention._kda_layout import C, N_SUB
+from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, flag_column, iota, masked_exp, mm, row_as_column, rows)
+    F32, N_SUB, SUB, flag_column, iota, masked_exp, mm, row_as_column, rows)
 
 
 def _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, n, cd, block_v):

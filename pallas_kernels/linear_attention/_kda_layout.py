@@ -2,16 +2,15 @@
 
 Arrays: tokens [B, Tp, H, D], beta [B, Tp, H], per-token int32 flags [B, Tp] (run ids,
 carry_in, in_last), per-chunk [C, C] matrices [B, H, n, C, C] and per-chunk states
-[B, H, n, Dk, Dv]. Parallel kernels run on a grid (b, h, chunk[, key block or
-16-token sub-chunk], launched with that last axis fastest); the sequential kernels on
-(b, h, Dv block), owning a whole sequence of one head.
+[B, H, n, Dk, Dv]. Parallel kernels run on a grid (b, h, chunk[, key block], launched
+with that last axis fastest); the sequential kernels on (b, h, Dv block), owning a whole
+sequence of one head.
 """
 import jax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._pallas_common import (
-    N_SUB, SUB, chunk_call, compiler_params)
+from pallas_kernels.linear_attention._pallas_common import chunk_call, compiler_params
 _sq = pl.squeezed
 
 
@@ -34,29 +33,6 @@ def chunk_square():
 
 def chunk_state(dk, dv):
     return pl.BlockSpec((_sq, _sq, _sq, dk, dv), lambda b, h, c: (b, h, c, 0, 0))
-
-
-# grid (b, h, c, i): one chunk, its 16-token sub-chunk i
-def sub_rows(d):
-    return pl.BlockSpec((_sq, SUB, _sq, d), lambda b, h, c, i: (b, c * N_SUB + i, h, 0))
-
-
-def sub_beta():
-    return pl.BlockSpec((_sq, SUB, _sq), lambda b, h, c, i: (b, c * N_SUB + i, h))
-
-
-def sub_chunk_rows(d):
-    """The whole chunk's rows, whichever sub-chunk i is."""
-    return pl.BlockSpec((_sq, C, _sq, d), lambda b, h, c, i: (b, c, h, 0))
-
-
-def sub_chunk_flags():
-    return pl.BlockSpec((_sq, C), lambda b, h, c, i: (b, c))
-
-
-def sub_square_rows():
-    """Sub-chunk i's [16, C] rows of a per-chunk [C, C] matrix."""
-    return pl.BlockSpec((_sq, _sq, _sq, SUB, C), lambda b, h, c, i: (b, h, c, i, 0))
 
 
 # grid (b, h, c, kb): one chunk, one block of key channels

@@ -20,9 +20,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
-from pallas_kernels.linear_attention._kda_layout import C, N_SUB
+from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, SUB, flag_column, iota, masked_exp, rows)
+    F32, N_SUB, SUB, flag_column, iota, masked_exp, rows)
 from pallas_kernels.linear_attention._score_rows import (
     edge_decay, store_diagonal, store_row_blocks)
 

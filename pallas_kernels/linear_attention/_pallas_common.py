@@ -57,11 +57,6 @@ def row_as_column(x_row):
     return x_row.reshape(x_row.shape[1])[:, None]
 
 
-def chunk_program_id():
-    """Index j of a chunk_call program within its chunk (the last logical grid axis)."""
-    return pl.program_id(0)
-
-
 def chunk_call(kernel, grid, in_specs, out_specs, out_shape, *, num_warps, interpret, name,
                num_stages=1):
     """pallas_call on the logical grid (b, h, chunk, j); index maps take (b, h, c, j).
