@@ -26,9 +26,36 @@ SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048
 REFERENCE_SKIP = {(1, 1048576, 8, 128): "reference skipped: its fwd+bwd alone would take seconds per call"}
 
 
-def inputs(B, T, H, D, seed=0):
+GATES = ("logsigmoid", "kda_init")
+
+
+def kda_init_gates(key, B, T, H, D):
+    """Gates as fla's KDA layer draws them at initialisation: g = -A softplus(x + dt_bias),
+    A ~ U(1, 16) per head, dt = softplus(dt_bias) log-uniform in [1e-3, 0.1] per channel,
+    x a small projection: down to about -1.6 per token, so heads with a large A hold
+    channels that decay by more than the bounded chunks allow (2 * FACTOR_LIMIT)."""
+    ka, kd, kx = jax.random.split(key, 3)
+    a = jax.random.uniform(ka, (H, 1), jnp.float32, 1.0, 16.0)
+    dt = jnp.exp(jax.random.uniform(kd, (H, D), jnp.float32, jnp.log(1e-3), jnp.log(0.1)))
+    dt_bias = dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1
+    x = 0.1 * jax.random.normal(kx, (B, T, H, D), jnp.float32)
+    return -a * jax.nn.softplus(x + dt_bias)
+
+
+def unbounded_share(g, chunk=64):
+    """The share of (chunk, head) blocks that take the sub-chunk path (some channel decays
+    by more than 2 * FACTOR_LIMIT over the chunk)."""
+    from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
+    B, T, H, D = g.shape
+    span = -jnp.sum(g[:, : T // chunk * chunk].reshape(B, T // chunk, chunk, H, D), axis=2)
+    return float(jnp.mean(jnp.max(span, axis=-1) > 2.0 * FACTOR_LIMIT))
+
+
+def inputs(B, T, H, D, seed=0, gates="logsigmoid"):
     ks = jax.random.split(jax.random.key(seed), 4)
     q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks[:3])
+    if gates == "kda_init":
+        return q, k, v, kda_init_gates(ks[3], B, T, H, D)
     g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, T, H, D), jnp.float32))
     return q, k, v, g
 
@@ -194,13 +221,13 @@ def kda_kernel_breakdown(shape):
         "key_grads": round(timed(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)}}
 
 
-def bench_kda(shapes, skip_reference, breakdown=False):
+def bench_kda(shapes, skip_reference, breakdown=False, gates="logsigmoid"):
     """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked, fwd and fwd+bwd."""
     from pallas_kernels.linear_attention import chunked_kda, kda_chunked
 
-    def kda_inputs(shape, seed=0):
+    def kda_inputs(shape, seed=0, gates="logsigmoid"):
         beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
-        return (*inputs(*shape, seed=seed), beta)
+        return (*inputs(*shape, seed=seed, gates=gates), beta)
 
     def fns(fn):
         loss = lambda *a: fn(*a)[0].astype(jnp.float32).sum()
@@ -219,8 +246,9 @@ def bench_kda(shapes, skip_reference, breakdown=False):
     if breakdown:
         print(json.dumps(kda_kernel_breakdown(shapes[0])), flush=True)
     for shape in shapes:
-        row = {"op": "kda", "shape": list(shape)}
-        x = kda_inputs(shape)
+        x = kda_inputs(shape, gates=gates)
+        row = {"op": "kda", "shape": list(shape), "gates": gates,
+               "unbounded_chunk_share": round(unbounded_share(x[3]), 3)}
         impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
                  for walk in ("auto", "triton", "mosaic")]
         if not skip_reference and shape not in REFERENCE_SKIP:
@@ -255,17 +283,21 @@ def main():
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="also time each kernel alone")
     ap.add_argument("--op", choices=("gla", "kda"), default="gla")
+    ap.add_argument("--gates", choices=GATES, default="logsigmoid",
+                    help="how the timed shapes' gates are drawn: log_sigmoid of a normal, or "
+                         "as fla's KDA layer initialises them (some fast-decaying channels)")
     args = ap.parse_args()
     print(jax.devices(), flush=True)
     if args.op == "kda":
-        return bench_kda(args.shapes, args.skip_reference, args.breakdown)
+        return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates)
     correctness(args.tiling)
     if args.breakdown:
         for _, tiling in args.tiling:
             print(json.dumps(kernel_breakdown(args.shapes[0], tiling)), flush=True)
     for shape in args.shapes:
-        row = {"shape": list(shape)}
-        q, k, v, g = inputs(*shape)
+        q, k, v, g = inputs(*shape, gates=args.gates)
+        row = {"shape": list(shape), "gates": args.gates,
+               "unbounded_chunk_share": round(unbounded_share(g), 3)}
         for name, tiling in args.tiling:
             fwd, fwdbwd = fwd_and_fwdbwd(lambda *a, t=tiling: chunked_gla(*a, tiling=t))
             try:
