@@ -5,8 +5,9 @@ over all their indexer heads ([queries * HI, DI] x [DI, block_k]), the ReLU, the
 per-head weighting and each query's sum over its heads, plus the causal and segment
 masks. Queries are processed in chunks: the
 kernel writes the fp32 scores of one chunk ([chunk, T], never [T, T]) and the top-K are
-selected from them (ties: smaller index first) before the next chunk, by jax.lax.top_k
-or by threshold (threshold_top_k.py).
+selected from them (ties: smaller index first) before the next chunk: by a Pallas
+program per query that reads only the query's causal keys (top_k_kernel.py), by
+threshold under XLA (threshold_top_k.py) or by jax.lax.top_k.
 """
 
 import functools
@@ -20,15 +21,17 @@ from pallas_kernels.sparse_attention import input_checks
 from pallas_kernels.sparse_attention.kernel_setup import (
     check_head_dim, pad_axis, tile_rows, use_interpret)
 from pallas_kernels.sparse_attention.threshold_top_k import threshold_top_k
+from pallas_kernels.sparse_attention.top_k_kernel import kernel_top_k
 
 _BLOCK_K = 128
 CHUNK_SCORE_BYTES = 1 << 30  # fp32 scores of one query chunk: at most 1 GiB
 
 
 def _score_kernel(start_ref, q_ref, w_ref, seg_q_ref, k_ref, seg_k_ref, out_ref, *, block_k,
-                  heads):
+                  heads, fill_future):
     """Scores of the program's queries (each `heads` rows of q_ref: its padded indexer
-    heads) against every key block up to the last query's."""
+    heads) against every key block up to the last query's; the later blocks are set to
+    -inf if fill_future (a selection that reads whole rows), else left unwritten."""
     n_queries = out_ref.shape[0]
     first = start_ref[0] + pl.program_id(1) * n_queries  # global position of query 0
     q = q_ref[...]  # [n_queries * HIp, DI]; padded heads have zero weight
@@ -49,23 +52,26 @@ def _score_kernel(start_ref, q_ref, w_ref, seg_q_ref, k_ref, seg_k_ref, out_ref,
             ok = (cols <= first + i) & (seg_k == seg_q_ref[i])
             out_ref[i, pl.ds(j * block_k, block_k)] = jnp.where(ok, scores, -jnp.inf)
 
-    def fill_future(j, _):
+    def fill_future_block(j, _):
         for i in range(n_queries):
             out_ref[i, pl.ds(j * block_k, block_k)] = jnp.full((block_k,), -jnp.inf,
                                                                 jnp.float32)
 
     jax.lax.fori_loop(0, n_causal, score_block, None)
-    jax.lax.fori_loop(n_causal, n_blocks, fill_future, None)
+    if fill_future:
+        jax.lax.fori_loop(n_causal, n_blocks, fill_future_block, None)
 
 
 def _chunk_scores(start, q_chunk, w_chunk, seg_chunk, k_idx, seg, *, block_k, queries,
-                  num_warps, interpret):
+                  num_warps, interpret, fill_future=True):
     """Masked fp32 scores [B, chunk, Tp] of queries start .. start + chunk - 1, `queries`
-    of them per program (each key block loaded once for all of them)."""
+    of them per program (each key block loaded once for all of them); without
+    fill_future, each row's key blocks past its program's last query are undefined."""
     b, chunk, hip, di = q_chunk.shape
     tp = k_idx.shape[1]
     rows = queries * hip
-    kernel = functools.partial(_score_kernel, block_k=block_k, heads=hip)
+    kernel = functools.partial(_score_kernel, block_k=block_k, heads=hip,
+                               fill_future=fill_future)
     return pl.pallas_call(
         kernel,
         grid=(b, chunk // queries),
@@ -86,11 +92,11 @@ def _chunk_scores(start, q_chunk, w_chunk, seg_chunk, k_idx, seg, *, block_k, qu
       seg_chunk, k_idx, seg)
 
 
-SELECTIONS = ("sort", "threshold")
+SELECTIONS = ("kernel", "threshold", "sort")
 
 
 def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=None,
-                 selection: str = "threshold", queries_per_program: int = 2,
+                 selection: str = "kernel", queries_per_program: int = 2,
                  num_warps: int = 4):
     """Per query, the top_k causal same-segment keys by indexer score, int32 [B, T, top_k].
 
@@ -103,10 +109,11 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     device's share of a sequence split over devices); segment_ids [B, Tk] are the keys'
     and the indices point into the Tk keys.
 
-    `selection` picks each chunk's top-K from its score rows: "threshold" (the default;
-    threshold_top_k.py: a fixed number of passes over the rows instead of a sort, the
-    same sets; on the H200 1.2-1.3x faster than the sort from T = 16K to 128K, with
-    2.7 GB of temporaries instead of 6.4) or "sort" (jax.lax.top_k).
+    `selection` picks each chunk's top-K from its score rows: "kernel" (the default;
+    top_k_kernel.py: one Pallas program per query over its causal keys only), "threshold"
+    (threshold_top_k.py: the same counting passes under XLA, over whole rows; on the
+    H200 1.2-1.3x faster than the sort from T = 16K to 128K, with 2.7 GB of temporaries
+    instead of 6.4) or "sort" (jax.lax.top_k). All give the same sets.
 
     `queries_per_program` (a power of 2) and `num_warps` tile the score kernel: one
     program scores that many consecutive queries, loading each key block once for all
@@ -149,7 +156,11 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
         scores = _chunk_scores((offset + start)[None], sl(q_p), sl(w_p), sl(seg_q), k_p,
                                seg_k, block_k=block_k, queries=queries_per_program,
-                               num_warps=num_warps, interpret=interpret)
+                               num_warps=num_warps, interpret=interpret,
+                               fill_future=selection != "kernel")
+        if selection == "kernel":  # each query's keys up to itself: the rest is unwritten
+            causal = offset + start + jnp.arange(chunk, dtype=jnp.int32) + 1
+            return kernel_top_k(scores, kept, jnp.broadcast_to(causal, (b, chunk)))
         if selection == "threshold":
             return threshold_top_k(scores, kept)
         values, idx = jax.lax.top_k(scores, kept)

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def attention_inputs(seed, b, t, hq, hk, d, dtype=jnp.bfloat16):
@@ -65,3 +66,20 @@ def integer_indexer_inputs(seed, b, t, hi, di):
     w = jax.random.randint(ks[2], (b, t, hi), -1, 3).astype(jnp.float32)
     segments = jnp.cumsum(jax.random.bernoulli(ks[3], 0.05, (b, t)), axis=1).astype(jnp.int32)
     return q_idx, k_idx, w, segments
+
+
+def tied_scores():
+    """[3, 5, 64] fp32 score rows for top-K selections: small integers (many exact ties),
+    negative, zero and -0.0 scores, -inf (masked) entries; row [0, 0] holds 5 finite
+    scores, all tied."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    scores = jax.random.randint(keys[0], (3, 5, 64), -3, 4).astype(jnp.float32)
+    scores = jnp.where(jax.random.uniform(keys[1], scores.shape) < 0.1, -0.0, scores)
+    scores = jnp.where(jax.random.uniform(keys[2], scores.shape) < 0.3, -jnp.inf, scores)
+    return scores.at[0, 0, :5].set(1.0).at[0, 0, 5:].set(-jnp.inf)
+
+
+def lax_top_k_sets(scores, k):
+    """jax.lax.top_k's selections as sorted index rows, -1 for picks of -inf scores."""
+    values, idx = jax.lax.top_k(scores, k)
+    return np.sort(np.where(np.asarray(values) > -np.inf, np.asarray(idx), -1), axis=-1)

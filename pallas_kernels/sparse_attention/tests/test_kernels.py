@@ -70,7 +70,8 @@ def test_split_by_range_gives_each_range_its_slice_of_the_sorted_selection():
 
 
 @pytest.mark.parametrize("selection, queries_per_program", [
-    ("sort", 1), ("threshold", 1), ("threshold", 4)])  # 150 queries: a partial last program
+    ("sort", 1), ("threshold", 1), ("kernel", 1),
+    ("kernel", 4)])  # 150 queries: a partial last program
 def test_kernel_topk_equals_lax_top_k_over_materialised_scores(selection, queries_per_program):
     q_idx, k_idx, w, seg = helpers.integer_indexer_inputs(13, 2, 150, 2, 16)
     for segment_ids in (None, seg):

@@ -5,27 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.sparse_attention.tests.helpers import lax_top_k_sets, tied_scores
 from pallas_kernels.sparse_attention.threshold_top_k import threshold_top_k
-
-
-def _lax_sets(scores, k):
-    values, idx = jax.lax.top_k(scores, k)
-    idx = np.where(np.asarray(values) > -np.inf, np.asarray(idx), -1)
-    return np.sort(idx, axis=-1)
 
 
 @pytest.mark.parametrize("bits", [1, 4])
 @pytest.mark.parametrize("k", [1, 7, 40])
 def test_same_sets_as_lax_top_k_with_ties_infinities_and_signed_zeros(k, bits):
-    keys = jax.random.split(jax.random.key(0), 3)
-    # small integers: many exact ties; negative, zero and -0.0 scores; masked rows
-    scores = jax.random.randint(keys[0], (3, 5, 64), -3, 4).astype(jnp.float32)
-    scores = jnp.where(jax.random.uniform(keys[1], scores.shape) < 0.1, -0.0, scores)
-    scores = jnp.where(jax.random.uniform(keys[2], scores.shape) < 0.3, -jnp.inf, scores)
-    scores = scores.at[0, 0, :5].set(1.0).at[0, 0, 5:].set(-jnp.inf)  # 5 finite, tied
+    scores = tied_scores()
     got = np.sort(np.asarray(jax.jit(threshold_top_k, static_argnums=(1, 2))(scores, k, bits)),
                   axis=-1)
-    np.testing.assert_array_equal(got, _lax_sets(scores, k))
+    np.testing.assert_array_equal(got, lax_top_k_sets(scores, k))
     assert (got[0, 0] >= 0).sum() == min(k, 5)
 
 
@@ -33,7 +23,7 @@ def test_same_sets_as_lax_top_k_with_ties_infinities_and_signed_zeros(k, bits):
 def test_same_sets_on_continuous_scores(bits):
     scores = jax.random.normal(jax.random.key(1), (4, 300)) * 1e3
     got = np.sort(np.asarray(threshold_top_k(scores, 33, bits)), axis=-1)
-    np.testing.assert_array_equal(got, _lax_sets(scores, 33))
+    np.testing.assert_array_equal(got, lax_top_k_sets(scores, 33))
 
 
 def test_k_outside_the_row_and_unknown_digit_widths_are_refused():
