@@ -4,18 +4,26 @@
 
 First checks the kernels against the reference at a small size (relative errors of
 the output and of dq/dk/dv for both dk/dv methods and for masked dense attention, top-K
-set overlap for both selections), then times, per sequence length: indexer + top-K
-(sorting, and by threshold; the score kernel with 1, 2 and 4 queries per program), the
-selection alone on one chunk of scores (by threshold with 1, 2 and 4 bits per counting
-pass, and sorting), attention forward (and a sweep of its tile settings), forward +
-backward with the key-major dk/dv pass and with atomics (one backward pass per range of
-KEYS_PER_RANGE keys, of 8192 keys, and one pass over all keys), the sort that splits the
-selection into key ranges, the key sort and the key-major pass alone, masked dense
-attention (cuDNN under the selection mask, the other choice of by_density.py) forward
-and forward+backward, the reference's forward+backward at the first length, and each
-compiled function's temporary memory. Dense cuDNN and the jla naive gather come from the
-peers comparison script. Prints one JSON object per measurement; --skip leaves out
-measurements by name, --budget-s stops starting new lengths past it.
+set overlap for every selection), then times, per sequence length:
+- indexer + top-K with each selection (the per-row kernel, the default; by threshold
+  under XLA; sorting) and the score kernel with 1 and 4 queries per program;
+- the selection alone on one chunk of causal scores: by threshold under XLA with 1, 2
+  and 4 bits per counting pass, by the per-row kernel per --select-tiles setting, and
+  sorting;
+- attention forward, and a sweep of its tile settings (--fwd-tiles);
+- forward + backward with the key-major dk/dv pass and with atomics (one backward pass
+  per range of KEYS_PER_RANGE keys, of 8192 keys, and one pass over all keys);
+- the backward kernel alone, dq only and with its dk/dv atomics per --bwd-tiles
+  setting (by key ranges as the custom VJP runs it);
+- the sort that splits the selection into key ranges, the key sort and the key-major
+  pass alone;
+- masked dense attention (cuDNN under the selection mask, the other choice of
+  by_density.py) and dense cuDNN causal attention over every key (the bar to beat),
+  forward and forward + backward;
+- the reference's forward + backward at the first length (--reference);
+with each compiled function's temporary memory. The jla naive gather comes from the
+peers comparison script. Prints one JSON object per measurement; --only keeps and
+--skip leaves out measurements by name, --budget-s stops starting new lengths past it.
 """
 import argparse
 import functools
@@ -30,14 +38,16 @@ from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, topk_indices, topk_indices_reference)
 from pallas_kernels.sparse_attention.attention_backward_by_key import (
     pairs_by_key, sparse_attention_dkdv)
+from pallas_kernels.sparse_attention.attention_backward import sparse_attention_backward
 from pallas_kernels.sparse_attention.attention_forward import sparse_attention_forward
 from pallas_kernels.sparse_attention.by_density import prefers_dense
 from pallas_kernels.sparse_attention.indexer_topk import CHUNK_SCORE_BYTES
 from pallas_kernels.sparse_attention.kernel_setup import use_interpret
-from pallas_kernels.sparse_attention.key_ranges import KEYS_PER_RANGE, split_by_range
+from pallas_kernels.sparse_attention.key_ranges import KEYS_PER_RANGE, n_ranges, split_by_range
 from pallas_kernels.sparse_attention.masked_dense import masked_dense_attention
 from pallas_kernels.sparse_attention.sparse_attention_vjp import kernel_layout
 from pallas_kernels.sparse_attention.threshold_top_k import BITS_PER_PASS, threshold_top_k
+from pallas_kernels.sparse_attention.top_k_kernel import kernel_top_k
 
 _START = time.perf_counter()
 
@@ -90,11 +100,41 @@ def loss_of(attn, idx, **kw):
 
 def forward_with(q, k, v, idx, block_k, num_warps, num_stages):
     """The forward kernel with explicit tile settings (for the sweep)."""
-    qg, kh, vh, ip, default_block_k = kernel_layout(q, k, v, idx)
-    block_k = block_k or default_block_k
+    qg, kh, vh, ip, block_k = kernel_layout(q, k, v, idx, *([block_k] if block_k else []))
     return sparse_attention_forward(qg, kh, vh, ip, scale=q.shape[3] ** -0.5, block_k=block_k,
                                     interpret=use_interpret(), num_warps=num_warps,
                                     num_stages=num_stages)
+
+
+def dense_causal(q, k, v):
+    """Dense causal attention over every key: cuDNN's fused kernel on the GPU."""
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
+def backward_pass(q, k, v, idx, do, block_k, num_warps, num_stages, atomic_dkdv=True):
+    """The query-major backward kernel alone, from the forward's real lse, one pass per
+    key range as the custom VJP runs it (atomic dk/dv); without atomic_dkdv it computes
+    dq only, which splits the backward's time into the gathers + matmuls and the dk/dv
+    atomics."""
+    b, t, hq, d = q.shape
+    hk = k.shape[2]
+    o, lse = forward_with(q, k, v, idx, None, 4, 2)
+    ranges = None
+    if atomic_dkdv and n_ranges(k.shape[1], KEYS_PER_RANGE) > 1:
+        idx, *ranges = split_by_range(idx, k.shape[1], KEYS_PER_RANGE)
+    qg, kh, vh, ip, block_k = kernel_layout(q, k, v, idx, block_k)  # <= the padded K
+    gp = qg.shape[3]
+    dog = do.reshape(b, t, hk, hq // hk, d)
+    dog = jnp.pad(dog, ((0, 0),) * 3 + ((0, gp - hq // hk), (0, 0)))
+    delta = jnp.sum(o.astype(jnp.float32) * dog.astype(jnp.float32), -1)
+
+    def run(qg, kh, vh, ip, dog, lse, delta, ranges):
+        return sparse_attention_backward(qg, kh, vh, ip, dog, lse, delta, scale=d ** -0.5,
+                                         block_k=block_k, interpret=use_interpret(),
+                                         atomic_dkdv=atomic_dkdv, ranges=ranges,
+                                         num_warps=num_warps, num_stages=num_stages)
+    return run, (qg, kh, vh, ip, dog, lse, delta, ranges)
 
 
 def dkdv_pass(q, k, v, idx, do, rows, num_warps):
@@ -140,7 +180,7 @@ def check(t=1024, k_sel=256, heads=(64, 8), d=128):
     ki = jax.random.normal(ks[1], (1, t, 128), jnp.bfloat16)
     w = jax.random.normal(ks[2], (1, t, 64), jnp.float32)
     r = topk_indices_reference(qi, ki, w, top_k=k_sel)
-    for selection in ("sort", "threshold"):
+    for selection in ("sort", "threshold", "kernel"):
         a = jax.jit(lambda *x: topk_indices(*x, top_k=k_sel, selection=selection))(qi, ki, w)
         same = jax.vmap(lambda x, y: jnp.isin(x, y).mean())(a[0], r[0])
         print(json.dumps({"check": f"indexer ({selection})", "T": t, "K": k_sel,
@@ -148,7 +188,20 @@ def check(t=1024, k_sel=256, heads=(64, 8), d=128):
                           "exact_rows": float((same == 1).mean())}), flush=True)
 
 
-def bench(t, k_sel=2048, with_reference=False, skip=()):
+SELECT_TILES = "4x512x4,4x1024x8,4x2048x8,2x512x4,4x256x4"
+FWD_TILES = "128x4x2,64x8x2,128x8x3,32x4x3,64x4x3,64x4x4,64x2x3,32x2x3"
+BWD_TILES = "64x4x2,32x4x3,64x4x3,32x2x3,32x2x4,16x2x3,32x1x3,64x2x3"
+
+
+def parse_tiles(spec):
+    """"64x4x2,32x2x3" -> ((64, 4, 2), (32, 2, 3)): keys per step x warps x stages (for
+    the selection kernel: bits per pass x block x warps)."""
+    return tuple(tuple(map(int, tile.split("x"))) for tile in spec.split(",") if tile)
+
+
+def bench(t, k_sel=2048, with_reference=False, skip=(), only=(),
+          fwd_tiles=parse_tiles(FWD_TILES), bwd_tiles=parse_tiles(BWD_TILES),
+          select_tiles=parse_tiles(SELECT_TILES)):
     q, k, v, key = inputs(jax.random.key(1), 1, t, 64, 8, 128)
     idx = random_indices(key, 1, t, k_sel)
     ks = jax.random.split(key, 3)
@@ -164,9 +217,9 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
                lambda a, b, c, q=q, nw=nw: topk_indices(a, b, c, top_k=k_sel,
                                                         queries_per_program=q, num_warps=nw),
                (qi, ki, w)) for q, nw in ((1, 4), (4, 8))],
-            ("indexer_topk_sort",
-             lambda a, b, c: topk_indices(a, b, c, top_k=k_sel, selection="sort"),
-             (qi, ki, w)),
+            *[(f"indexer_topk_{sel}",
+               lambda a, b, c, sel=sel: topk_indices(a, b, c, top_k=k_sel, selection=sel),
+               (qi, ki, w)) for sel in ("threshold", "sort")],
             ("pallas_fwd", lambda a, b, c: sparse_attention(a, b, c, idx), (q, k, v)),
             ("pallas_fwdbwd_by_key",
              jax.grad(loss_of(sparse_attention, idx, dkdv="by_key"), (0, 1, 2)), (q, k, v)),
@@ -181,6 +234,10 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
             # the selection as an argument (a traced value, as in the model), not a
             # constant that XLA would try to fold into the mask
             ("masked_dense_fwd", masked_dense_attention, (q, k, v, idx)),
+            ("dense_cudnn_causal_fwd", dense_causal, (q, k, v)),
+            ("dense_cudnn_causal_fwdbwd",
+             jax.grad(lambda q, k, v: dense_causal(q, k, v).astype(jnp.float32).sum(),
+                      (0, 1, 2)), (q, k, v)),
             ("masked_dense_fwdbwd",
              jax.grad(lambda q, k, v, i: loss_of(masked_dense_attention, i)(q, k, v), (0, 1, 2)),
              (q, k, v, idx))]
@@ -194,18 +251,34 @@ def bench(t, k_sel=2048, with_reference=False, skip=()):
     runs += [(f"select_threshold_{bits}bit", lambda s, bits=bits: threshold_top_k(s, k_sel, bits),
               (scores,)) for bits in BITS_PER_PASS]
     runs.append(("select_sort", lambda s: jax.lax.top_k(s, k_sel)[1], (scores,)))
+    lengths = jnp.arange(t - chunk, t, dtype=jnp.int32)[None] + 1  # each query's causal keys
+    for bits, block, warps in select_tiles:
+        runs.append((f"select_kernel_{bits}bit_b{block}_w{warps}",
+                     lambda s, n, bits=bits, block=block, warps=warps: kernel_top_k(
+                         s, k_sel, n, bits_per_pass=bits, block=block, num_warps=warps),
+                     (scores, lengths)))
     for rows, warps in ((64, 4), (128, 8), (32, 4)):
-        if f"dkdv_rows{rows}_w{warps}" not in skip:
+        name = f"dkdv_rows{rows}_w{warps}"
+        if name not in skip and (not only or name in only):
             runs.append((f"dkdv_rows{rows}_w{warps}", *dkdv_pass(q, k, v, idx, do, rows, warps)))
-    for bk, warps, stages in ((128, 4, 2), (64, 8, 2), (128, 8, 3), (32, 4, 3)):
+    for bk, warps, stages in fwd_tiles:
         runs.append((f"fwd_bk{bk}_w{warps}_s{stages}",
                      lambda a, b, c, bk=bk, warps=warps, stages=stages:
                      forward_with(a, b, c, idx, bk, warps, stages), (q, k, v)))
+    # the backward kernel alone: dq only, then with the dk/dv atomics per tile setting
+    bk, warps, stages = bwd_tiles[0]
+    name = f"bwd_dq_only_bk{bk}_w{warps}_s{stages}"
+    if name not in skip and (not only or name in only):
+        runs.append((name, *backward_pass(q, k, v, idx, do, bk, warps, stages, atomic_dkdv=False)))
+    for bk, warps, stages in bwd_tiles:
+        name = f"bwd_atomic_bk{bk}_w{warps}_s{stages}"
+        if name not in skip and (not only or name in only):
+            runs.append((name, *backward_pass(q, k, v, idx, do, bk, warps, stages)))
     if with_reference:
         runs.append(("reference_fwdbwd",
                      jax.grad(loss_of(sparse_attention_reference, idx), (0, 1, 2)), (q, k, v)))
     for name, fn, args in runs:
-        if name in skip:
+        if name in skip or (only and name not in only):
             continue
         try:
             ms, gb = timed(fn, *args, n=3 if "reference" in name or t > 65536 else 5)
@@ -223,6 +296,13 @@ if __name__ == "__main__":
     p.add_argument("--seqs", default="32768,131072")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
+    p.add_argument("--only", default="", help="comma-separated measurement names to run "
+                   "(default: all)")
+    p.add_argument("--fwd-tiles", default=FWD_TILES, help="forward tile settings to time, "
+                   "keys per step x warps x stages")
+    p.add_argument("--bwd-tiles", default=BWD_TILES, help="backward tile settings to time")
+    p.add_argument("--select-tiles", default=SELECT_TILES, help="top-K kernel settings to "
+                   "time, bits per pass x block x warps")
     p.add_argument("--skip-long", default="", help="also left out past the first length")
     p.add_argument("--reference", action="store_true",
                    help="time the reference at the first length")
@@ -239,4 +319,7 @@ if __name__ == "__main__":
         skip = set(filter(None, a.skip.split(",")))
         if i > 0:
             skip |= set(filter(None, a.skip_long.split(",")))
-        bench(t, a.top_k, with_reference=a.reference and i == 0, skip=skip)
+        only = set(filter(None, a.only.split(",")))
+        bench(t, a.top_k, with_reference=a.reference and i == 0, skip=skip, only=only,
+              fwd_tiles=parse_tiles(a.fwd_tiles), bwd_tiles=parse_tiles(a.bwd_tiles),
+              select_tiles=parse_tiles(a.select_tiles))

@@ -26,10 +26,13 @@ from pallas_kernels.sparse_attention.attention_forward import sparse_attention_f
 from pallas_kernels.sparse_attention.kernel_setup import (
     check_head_dim, next_power_of_2, pad_axis, tile_rows, use_interpret)
 
-# Selected keys gathered per step. The forward's tile sweep on the H200 at 32K picked
-# 128 (38.7 ms vs 42.1 at 64); the backward holds more per step and keeps 64.
-_FORWARD_BLOCK_K = 128
-_BACKWARD_BLOCK_K = 64
+# Selected keys gathered per step, warps and pipeline stages of each kernel. The tile
+# sweeps on the H200 at 32K (docs/performance.md) picked small two-warp programs for
+# both: forward 36.6 ms (38.2 at 128 keys / 4 warps / 2 stages), backward 151.9 ms
+# (181.6 at 64 / 4 / 2; 663 vs 795 ms at 128K), more programs in flight per SM to hide
+# the gathers' and atomics' latency.
+_FORWARD_TILE = dict(block_k=32, num_warps=2, num_stages=3)
+_BACKWARD_TILE = dict(block_k=32, num_warps=2, num_stages=3)
 
 
 def _group_heads(x, hk):
@@ -44,7 +47,7 @@ def _ungroup_heads(x, hq):
     return x[:, :, :, : hq // hk].reshape(b, t, hq, *x.shape[4:])
 
 
-def kernel_layout(q, k, v, indices, max_block_k=_FORWARD_BLOCK_K):
+def kernel_layout(q, k, v, indices, max_block_k=_FORWARD_TILE["block_k"]):
     """(q groups, k heads, v heads, padded indices, block_k) as the kernels take them."""
     hk = k.shape[2]
     block_k = min(max_block_k, max(16, next_power_of_2(indices.shape[2])))
@@ -62,7 +65,9 @@ def _forward(q, k, v, indices, scale, dkdv, keys_per_range):
     del dkdv, keys_per_range
     qg, kh, vh, idx, block_k = kernel_layout(q, k, v, indices)
     o, lse = sparse_attention_forward(qg, kh, vh, idx, scale=scale, block_k=block_k,
-                                      interpret=use_interpret())
+                                      interpret=use_interpret(),
+                                      num_warps=_FORWARD_TILE["num_warps"],
+                                      num_stages=_FORWARD_TILE["num_stages"])
     o = _ungroup_heads(o, q.shape[2])
     saved_o, lse = residuals.keep(o, lse)  # a remat policy saving "attention" keeps them
     return o, (q, k, v, indices, saved_o, lse)
@@ -76,7 +81,8 @@ def _backward(scale, dkdv, keys_per_range, saved, do):
     ranges = None
     if dkdv == "atomic" and key_ranges.n_ranges(tk, keys_per_range) > 1:
         indices, *ranges = key_ranges.split_by_range(indices, tk, keys_per_range)
-    qg, kh, vh, idx, block_k = kernel_layout(q, k, v, indices, _BACKWARD_BLOCK_K)
+    qg, kh, vh, idx, block_k = kernel_layout(q, k, v, indices, _BACKWARD_TILE["block_k"])
+    launch = dict(num_warps=_BACKWARD_TILE["num_warps"], num_stages=_BACKWARD_TILE["num_stages"])
     do = do.astype(q.dtype)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, T, HQ]
     dq_args = (qg, kh, vh, idx, _group_heads(do, hk), lse,
@@ -84,13 +90,13 @@ def _backward(scale, dkdv, keys_per_range, saved, do):
     if dkdv == "atomic":
         dq, dk, dv = sparse_attention_backward(*dq_args, scale=scale, block_k=block_k,
                                                interpret=interpret, atomic_dkdv=True,
-                                               ranges=ranges)
+                                               ranges=ranges, **launch)
         dq = dq.astype(q.dtype)
         dk = dk.transpose(0, 2, 1, 3).astype(k.dtype)
         dv = dv.transpose(0, 2, 1, 3).astype(v.dtype)
     else:
         dq = sparse_attention_backward(*dq_args, scale=scale, block_k=block_k,
-                                       interpret=interpret)
+                                       interpret=interpret, **launch)
         queries, starts = pairs_by_key(indices.astype(jnp.int32))
         lse_heads = lse[..., : hq // hk].reshape(b, t, hq)
         dk, dv = sparse_attention_dkdv(q, k, v, do, lse_heads, delta, queries, starts,
