@@ -2,11 +2,12 @@
 
 Cost model, measured on the H200 (64 query / 8 KV heads, D = 128, K = 2048,
 docs/performance.md): the gather kernels' forward + backward costs about GATHER_NS per
-(query, selected key, KV head) (57.7 ms at T = 8192, 215.9 at 32768); masked dense
-attention about DENSE_NS per (query, key, query head) pair it computes (17.3 ms at
-8192 with the causal pass, which the indexer's selections take; twice the pairs, and
-the time, without it). The dense cost grows with T^2 and the gather cost with T * K,
-so for the target's heads and K = 2048 dense wins up to T ~ 27K (3.3x faster at 8192).
+(query, selected key, KV head) (51.6 ms at T = 8192, 98.0 at 16384, 192.4 at 32768);
+masked dense attention about DENSE_NS per (query, key, query head) pair it computes
+(17.2 ms at 8192 with the causal pass, which the indexer's selections take; twice the
+pairs, and the time, without it; 62.6 at 16384, 244 at 32768). The dense cost grows
+with T^2 and the gather cost with T * K, so for the target's heads and K = 2048 dense
+wins up to T ~ 24K (3.0x faster at 8192, 1.6x at 16384; the gather 1.3x at 32768).
 Past MASK_BYTES of selection mask, or where the fused kernel does not apply (fp32, odd
 lengths, head dims over 256), the gather kernels run.
 """
@@ -15,8 +16,8 @@ import jax.numpy as jnp
 from pallas_kernels.sparse_attention.masked_dense import FUSED_DTYPES, masked_dense_attention
 from pallas_kernels.sparse_attention.sparse_attention_vjp import sparse_attention
 
-GATHER_NS = 57.7e6 / (8192 * 2048 * 8)
-DENSE_NS = 17.28e6 / (8192 * 8192 / 2 * 64)
+GATHER_NS = 51.58e6 / (8192 * 2048 * 8)
+DENSE_NS = 17.22e6 / (8192 * 8192 / 2 * 64)
 MASK_BYTES = 4 << 30
 
 
