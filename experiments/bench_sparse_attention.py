@@ -188,6 +188,7 @@ def check(t=1024, k_sel=256, heads=(64, 8), d=128):
                           "exact_rows": float((same == 1).mean())}), flush=True)
 
 
+INDEXER_TILES = "2x4,4x8"
 SELECT_TILES = "4x512x4,4x1024x8,4x2048x8,2x512x4,4x256x4"
 FWD_TILES = "128x4x2,64x8x2,128x8x3,32x4x3,64x4x3,64x4x4,64x2x3,32x2x3"
 BWD_TILES = "64x4x2,32x4x3,64x4x3,32x2x3,32x2x4,16x2x3,32x1x3,64x2x3"
@@ -195,13 +196,14 @@ BWD_TILES = "64x4x2,32x4x3,64x4x3,32x2x3,32x2x4,16x2x3,32x1x3,64x2x3"
 
 def parse_tiles(spec):
     """"64x4x2,32x2x3" -> ((64, 4, 2), (32, 2, 3)): keys per step x warps x stages (for
-    the selection kernel: bits per pass x block x warps)."""
+    the selection kernel: bits per pass x block x warps; for the indexer's score kernel:
+    queries per program x warps)."""
     return tuple(tuple(map(int, tile.split("x"))) for tile in spec.split(",") if tile)
 
 
 def bench(t, k_sel=2048, with_reference=False, skip=(), only=(),
           fwd_tiles=parse_tiles(FWD_TILES), bwd_tiles=parse_tiles(BWD_TILES),
-          select_tiles=parse_tiles(SELECT_TILES)):
+          select_tiles=parse_tiles(SELECT_TILES), indexer_tiles=parse_tiles(INDEXER_TILES)):
     q, k, v, key = inputs(jax.random.key(1), 1, t, 64, 8, 128)
     idx = random_indices(key, 1, t, k_sel)
     ks = jax.random.split(key, 3)
@@ -216,7 +218,11 @@ def bench(t, k_sel=2048, with_reference=False, skip=(), only=(),
             *[(f"indexer_topk_q{q}_w{nw}",
                lambda a, b, c, q=q, nw=nw: topk_indices(a, b, c, top_k=k_sel,
                                                         queries_per_program=q, num_warps=nw),
-               (qi, ki, w)) for q, nw in ((1, 4), (4, 8))],
+               (qi, ki, w)) for q, nw in indexer_tiles],
+            # float8 indexer inputs (as DeepSeek-V3.2 runs its indexer): the score
+            # kernel's matmuls at the FP8 rate
+            ("indexer_topk_fp8", lambda a, b, c: topk_indices(a, b, c, top_k=k_sel),
+             (qi.astype(jnp.float8_e4m3fn), ki.astype(jnp.float8_e4m3fn), w)),
             *[(f"indexer_topk_{sel}",
                lambda a, b, c, sel=sel: topk_indices(a, b, c, top_k=k_sel, selection=sel),
                (qi, ki, w)) for sel in ("threshold", "sort")],
@@ -301,6 +307,8 @@ if __name__ == "__main__":
     p.add_argument("--fwd-tiles", default=FWD_TILES, help="forward tile settings to time, "
                    "keys per step x warps x stages")
     p.add_argument("--bwd-tiles", default=BWD_TILES, help="backward tile settings to time")
+    p.add_argument("--indexer-tiles", default=INDEXER_TILES, help="indexer score kernel "
+                   "settings to time beside the default, queries per program x warps")
     p.add_argument("--select-tiles", default=SELECT_TILES, help="top-K kernel settings to "
                    "time, bits per pass x block x warps")
     p.add_argument("--skip-long", default="", help="also left out past the first length")
@@ -322,4 +330,5 @@ if __name__ == "__main__":
         only = set(filter(None, a.only.split(",")))
         bench(t, a.top_k, with_reference=a.reference and i == 0, skip=skip, only=only,
               fwd_tiles=parse_tiles(a.fwd_tiles), bwd_tiles=parse_tiles(a.bwd_tiles),
-              select_tiles=parse_tiles(a.select_tiles))
+              select_tiles=parse_tiles(a.select_tiles),
+              indexer_tiles=parse_tiles(a.indexer_tiles))
