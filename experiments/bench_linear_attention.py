@@ -32,7 +32,7 @@ GATES = ("logsigmoid", "kda_init")
 def kda_init_gates(key, B, T, H, D):
     """Gates as fla's KDA layer draws them at initialisation: g = -A softplus(x + dt_bias),
     A ~ U(1, 16) per head, dt = softplus(dt_bias) log-uniform in [1e-3, 0.1] per channel,
-    x a small projection: down to about -1.6 per token, so heads with a large A hold
+    x a small projection (0.1 N(0, 1)): down to about -1.6 to -2.5 per token, so heads with a large A hold
     channels that decay by more than the bounded chunks allow (2 * FACTOR_LIMIT)."""
     ka, kd, kx = jax.random.split(key, 3)
     a = jax.random.uniform(ka, (H, 1), jnp.float32, 1.0, 16.0)
@@ -43,8 +43,9 @@ def kda_init_gates(key, B, T, H, D):
 
 
 def unbounded_share(g, chunk=64):
-    """The share of (chunk, head) blocks that take the sub-chunk path (some channel decays
-    by more than 2 * FACTOR_LIMIT over the chunk)."""
+    """The share of (chunk, head) blocks in which some channel decays by more than
+    2 * FACTOR_LIMIT over the chunk: those take the sub-chunk path (an upper bound where
+    a kernel tests per key block, a subset of the channels)."""
     from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
     B, T, H, D = g.shape
     span = -jnp.sum(g[:, : T // chunk * chunk].reshape(B, T // chunk, chunk, H, D), axis=2)

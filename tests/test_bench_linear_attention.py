@@ -35,3 +35,13 @@ def test_correctness_reports_each_setting(capsys):
     for r in rows:
         assert set(r["rel_rms"]) == {"o", "dq", "dk", "dv", "dg"}
         assert all(e < 1e-2 for e in r["rel_rms"].values()), r
+
+
+def test_kda_init_gates_send_some_blocks_down_the_sub_chunk_path():
+    """--gates kda_init: a range of per-token decays reaching past the bounded-chunk limit
+    in the heads with a large A, and none past it with the default gates."""
+    _, _, _, g = bench.inputs(1, 1024, 16, 64, gates="kda_init")
+    assert float(g.max()) < 0 and -3.0 < float(g.min()) < -1.25
+    assert 0.05 < bench.unbounded_share(g) < 0.9
+    _, _, _, g = bench.inputs(1, 1024, 16, 64)
+    assert bench.unbounded_share(g) == 0.0
