@@ -215,10 +215,11 @@ def bench(t, k_sel=2048, with_reference=False, skip=(), only=(),
     runs = [("indexer_topk", lambda a, b, c: topk_indices(a, b, c, top_k=k_sel), (qi, ki, w)),
             # the score kernel's tiling: queries per program (each key block loaded once
             # for all of them) and warps
-            *[(f"indexer_topk_q{q}_w{nw}",
-               lambda a, b, c, q=q, nw=nw: topk_indices(a, b, c, top_k=k_sel,
-                                                        queries_per_program=q, num_warps=nw),
-               (qi, ki, w)) for q, nw in indexer_tiles],
+            *[(f"indexer_topk_q{q}_w{nw}" + (f"_bk{bk[0]}" if bk else ""),
+               lambda a, b, c, q=q, nw=nw, bk=bk: topk_indices(
+                   a, b, c, top_k=k_sel, queries_per_program=q, num_warps=nw,
+                   **({"block_k": bk[0]} if bk else {})),
+               (qi, ki, w)) for q, nw, *bk in indexer_tiles],
             # float8 indexer inputs (as DeepSeek-V3.2 runs its indexer): the score
             # kernel's matmuls at the FP8 rate
             ("indexer_topk_fp8", lambda a, b, c: topk_indices(a, b, c, top_k=k_sel),
@@ -308,7 +309,8 @@ if __name__ == "__main__":
                    "keys per step x warps x stages")
     p.add_argument("--bwd-tiles", default=BWD_TILES, help="backward tile settings to time")
     p.add_argument("--indexer-tiles", default=INDEXER_TILES, help="indexer score kernel "
-                   "settings to time beside the default, queries per program x warps")
+                   "settings to time beside the default, queries per program x warps "
+                   "[x keys per step]")
     p.add_argument("--select-tiles", default=SELECT_TILES, help="top-K kernel settings to "
                    "time, bits per pass x block x warps")
     p.add_argument("--skip-long", default="", help="also left out past the first length")

@@ -95,7 +95,7 @@ SELECTIONS = ("kernel", "threshold", "sort")
 
 def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=None,
                  selection: str = "kernel", queries_per_program: int = 1,
-                 num_warps: int = 4):
+                 num_warps: int = 4, block_k: int = _BLOCK_K):
     """Per query, the top_k causal same-segment keys by indexer score, int32 [B, T, top_k].
 
     Same contract as topk_indices_reference: score
@@ -113,8 +113,9 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     H200 1.2-1.3x faster than the sort from T = 16K to 128K, with 2.7 GB of temporaries
     instead of 6.4) or "sort" (jax.lax.top_k). All give the same sets.
 
-    `queries_per_program` (a power of 2) and `num_warps` tile the score kernel: one
-    program scores that many consecutive queries, loading each key block once for all.
+    `queries_per_program` (a power of 2), `num_warps` and `block_k` (keys per step, a
+    power of 2 >= 16) tile the score kernel: one program scores that many consecutive
+    queries, loading each key block once for all.
     The kernel is bound by its epilogue (ReLU, weights, head sums), not by the key loads
     or the matmul (float8 inputs gain nothing): on the H200 at T = 32K / 128K, indexer
     + top-K take 42.3 / 711 ms with 1 query and 4 warps, 53.2 / 834 with 2 queries,
@@ -124,6 +125,8 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
         raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
     if queries_per_program < 1 or queries_per_program & (queries_per_program - 1):
         raise ValueError(f"queries_per_program must be a power of 2, got {queries_per_program}")
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of 2 >= 16, got {block_k}")
     input_checks.check_indexer_inputs(q_idx, k_idx, w, top_k, segment_ids,
                                       queries_are_a_range=query_offset is not None)
     check_head_dim("q_idx", q_idx.shape[3])
@@ -134,7 +137,7 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
     b, t, hi, _ = q_idx.shape
     tk = k_idx.shape[1]
     offset = jnp.asarray(0 if query_offset is None else query_offset, jnp.int32)
-    block_k = _BLOCK_K if tk >= _BLOCK_K else max(16, tile_rows(tk))
+    block_k = block_k if tk >= block_k else max(16, tile_rows(tk))
     tp = -(-tk // block_k) * block_k
     kept = min(top_k, tk)
     chunk = max(1, min(t, CHUNK_SCORE_BYTES // (4 * b * tp)))

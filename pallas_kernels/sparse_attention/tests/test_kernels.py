@@ -69,15 +69,17 @@ def test_split_by_range_gives_each_range_its_slice_of_the_sorted_selection():
                 assert part == [i for i in chosen if 16 * r <= i < 16 * (r + 1)]
 
 
-@pytest.mark.parametrize("selection, queries_per_program", [
-    ("sort", 1), ("threshold", 1), ("kernel", 1),
-    ("kernel", 4)])  # 150 queries: a partial last program
-def test_kernel_topk_equals_lax_top_k_over_materialised_scores(selection, queries_per_program):
+@pytest.mark.parametrize("selection, queries_per_program, block_k", [
+    ("sort", 1, 128), ("threshold", 1, 128), ("kernel", 1, 32),
+    ("kernel", 4, 128)])  # 150 queries: a partial last program
+def test_kernel_topk_equals_lax_top_k_over_materialised_scores(selection, queries_per_program,
+                                                               block_k):
     q_idx, k_idx, w, seg = helpers.integer_indexer_inputs(13, 2, 150, 2, 16)
     for segment_ids in (None, seg):
         got = jax.jit(lambda a, b, c, s: topk_indices(
             a, b, c, top_k=20, segment_ids=s, selection=selection,
-            queries_per_program=queries_per_program))(q_idx, k_idx, w, segment_ids)
+            queries_per_program=queries_per_program, block_k=block_k))(q_idx, k_idx, w,
+                                                                      segment_ids)
         want = helpers.materialised_topk(q_idx, k_idx, w, 20, segment_ids)
         # The selection is a set: compare sorted rows (ties must pick the same keys).
         np.testing.assert_array_equal(jnp.sort(got, -1), jnp.sort(want, -1))
@@ -130,6 +132,9 @@ def test_kernel_topk_rejects_bad_inputs():
     with pytest.raises(ValueError, match="queries_per_program must be a power of 2"):
         topk_indices(jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 16)), jnp.zeros((1, 8, 2)),
                      top_k=4, queries_per_program=3)
+    with pytest.raises(ValueError, match="block_k must be a power of 2"):
+        topk_indices(jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 16)), jnp.zeros((1, 8, 2)),
+                     top_k=4, block_k=48)
 
 
 def test_the_atomic_backward_runs_with_relaxed_atomics():
