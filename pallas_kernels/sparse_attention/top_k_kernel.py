@@ -6,8 +6,8 @@ it and the smallest-index ties), run by one program that owns a row. Under XLA e
 counting pass is a reduction over the whole [rows, T] block from HBM (at T = 128K the
 indexer's selection took about half of its 1.09 s on the H200) and reads the masked
 future half of causal rows too; here a program walks only its row's first `length`
-scores, so a causal row of query t costs t + 1 scores per pass, and a row's passes
-follow each other while it is still in L2.
+scores, so a causal row of query t costs t + 1 scores per pass (with the score kernel
+no longer writing the rest, the indexer is 1.36x faster at 32K and 128K on the H200).
 
 Passes per row: 32 / bits_per_pass counting passes (2^bits - 1 thresholds each), one
 counting the scores above the K-th, and one writing the selected indices in ascending
