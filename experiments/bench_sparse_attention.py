@@ -45,7 +45,7 @@ from pallas_kernels.sparse_attention.indexer_topk import CHUNK_SCORE_BYTES
 from pallas_kernels.sparse_attention.kernel_setup import use_interpret
 from pallas_kernels.sparse_attention.key_ranges import KEYS_PER_RANGE, n_ranges, split_by_range
 from pallas_kernels.sparse_attention.masked_dense import masked_dense_attention
-from pallas_kernels.sparse_attention.sparse_attention_vjp import kernel_layout
+from pallas_kernels.sparse_attention.sparse_attention_vjp import group_heads, kernel_layout
 from pallas_kernels.sparse_attention.threshold_top_k import BITS_PER_PASS, threshold_top_k
 from pallas_kernels.sparse_attention.top_k_kernel import kernel_top_k
 
@@ -117,16 +117,13 @@ def backward_pass(q, k, v, idx, do, block_k, num_warps, num_stages, atomic_dkdv=
     key range as the custom VJP runs it (atomic dk/dv); without atomic_dkdv it computes
     dq only, which splits the backward's time into the gathers + matmuls and the dk/dv
     atomics."""
-    b, t, hq, d = q.shape
-    hk = k.shape[2]
+    d, hk = q.shape[3], k.shape[2]
     o, lse = forward_with(q, k, v, idx, None, 4, 2)
     ranges = None
     if atomic_dkdv and n_ranges(k.shape[1], KEYS_PER_RANGE) > 1:
         idx, *ranges = split_by_range(idx, k.shape[1], KEYS_PER_RANGE)
     qg, kh, vh, ip, block_k = kernel_layout(q, k, v, idx, block_k)  # <= the padded K
-    gp = qg.shape[3]
-    dog = do.reshape(b, t, hk, hq // hk, d)
-    dog = jnp.pad(dog, ((0, 0),) * 3 + ((0, gp - hq // hk), (0, 0)))
+    dog = group_heads(do, hk)
     delta = jnp.sum(o.astype(jnp.float32) * dog.astype(jnp.float32), -1)
 
     def run(qg, kh, vh, ip, dog, lse, delta, ranges):

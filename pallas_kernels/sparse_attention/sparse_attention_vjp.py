@@ -35,7 +35,7 @@ _FORWARD_TILE = dict(block_k=32, num_warps=2, num_stages=3)
 _BACKWARD_TILE = dict(block_k=32, num_warps=2, num_stages=3)
 
 
-def _group_heads(x, hk):
+def group_heads(x, hk):
     """[B, T, HQ, D] -> [B, T, HK, Gp, D], query heads of one KV head together."""
     b, t, hq, d = x.shape
     g = hq // hk
@@ -52,7 +52,7 @@ def kernel_layout(q, k, v, indices, max_block_k=_FORWARD_TILE["block_k"]):
     hk = k.shape[2]
     block_k = min(max_block_k, max(16, next_power_of_2(indices.shape[2])))
     kp = -(-indices.shape[2] // block_k) * block_k
-    return (_group_heads(q, hk), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+    return (group_heads(q, hk), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
             pad_axis(indices.astype(jnp.int32), 2, kp, -1), block_k)
 
 
@@ -85,8 +85,8 @@ def _backward(scale, dkdv, keys_per_range, saved, do):
     launch = dict(num_warps=_BACKWARD_TILE["num_warps"], num_stages=_BACKWARD_TILE["num_stages"])
     do = do.astype(q.dtype)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, T, HQ]
-    dq_args = (qg, kh, vh, idx, _group_heads(do, hk), lse,
-               _group_heads(delta[..., None], hk)[..., 0])
+    dq_args = (qg, kh, vh, idx, group_heads(do, hk), lse,
+               group_heads(delta[..., None], hk)[..., 0])
     if dkdv == "atomic":
         dq, dk, dv = sparse_attention_backward(*dq_args, scale=scale, block_k=block_k,
                                                interpret=interpret, atomic_dkdv=True,

@@ -22,8 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention.kernel_setup import pad_axis, use_interpret
-
-BITS_PER_PASS = (1, 2, 4)
+from pallas_kernels.sparse_attention.threshold_top_k import BITS_PER_PASS
 _INT_MIN = -(2**31)  # below every score's key: entries past the row's length
 _MAGNITUDE = 0x7FFFFFFF
 
