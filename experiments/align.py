@@ -35,18 +35,17 @@ shows at step 0 already, where correct implementations agree to ~1e-6."""
 
 def reference_kernels(cfg):
   """`cfg` with every op on its plain-JAX reference implementation."""
-  from hylora.config import KernelConfig
+  from hylora.core.config import KernelConfig
   names = {f.name: "reference" for f in dataclasses.fields(KernelConfig)}
   return dataclasses.replace(cfg, kernels=KernelConfig(**names))
 
 
 def kernel_differences(cfg) -> dict[str, tuple[str, str]]:
   """{op: (fast impl, reference impl)} for the ops the two runs execute differently."""
-  from hylora.ops import REGISTRY
-  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS
+  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, catalog
   out = {}
   for op, field in KERNEL_CHOICE_FIELDS.items():
-    fast = REGISTRY.pick(op, getattr(cfg.kernels, field)).name
+    fast = catalog().pick(op, getattr(cfg.kernels, field)).name
     if fast != "reference":
       out[op] = (fast, "reference")
   return out
@@ -81,7 +80,7 @@ def align(cfg, steps: int, devices=None) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from hylora.train.data import Packer, make_source
+  from hylora.data.sources import Packer, make_source
   from hylora.train.trainer import Trainer
   from meshes.mesh import build_mesh
 
@@ -135,9 +134,9 @@ def plot(report: dict, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  from hylora.errors import ConfigError, DataError
-  from hylora.overrides import apply_overrides, split_overrides
-  from hylora.presets import get_preset
+  from hylora.core.errors import ConfigError, DataError
+  from hylora.core.overrides import apply_overrides, split_overrides
+  from hylora.core.presets import get_preset
 
   p = argparse.ArgumentParser(prog="python -m experiments.align",
                               description=__doc__.split("\n\n")[0],
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   from meshes.mesh import use_simulated_devices
-  use_simulated_devices(cfg.mesh)
+  use_simulated_devices(cfg.mesh.devices)
   try:
     report = align(cfg, args.steps)
   except (ConfigError, DataError) as e:

@@ -12,10 +12,10 @@ on a GPU the allocator's peak (`peak_bytes_in_use`, cumulative over the run) is 
 too. The budget defaults to the device's `bytes_limit` (run with
 XLA_PYTHON_CLIENT_MEM_FRACTION=.95 to give XLA most of the GPU). Without --seq the sequence is the shortest of 8K..128K at which the planner predicts
 that `none` does not fit the budget. The plan's working set of one layer is taken from
-the layer parts compiled on this backend (`hylora.layer_memory`), not from the planner's
+the layer parts compiled on this backend (`hylora.plan.part_memory`), not from the planner's
 analytic estimate, unless --analytic-working-set. When XLA compiles the planner's choice
 to a peak over the budget, it is planned again with that error taken off the budget
-(`hylora.memory_plan.replan_after_compile`, up to --replans times) and the replans are
+(`hylora.plan.remat_planner.replan_after_compile`, up to --replans times) and the replans are
 reported.
 """
 
@@ -50,8 +50,8 @@ def _args(argv):
                  help="times to plan again when XLA's compiled peak is over the budget")
   p.add_argument("--analytic-working-set", action="store_true",
                  help="plan with the planner's analytic working set instead of compiling "
-                      "each layer part on this backend (hylora.layer_memory)")
-  from hylora.overrides import split_overrides
+                      "each layer part on this backend (hylora.plan.part_memory)")
+  from hylora.core.overrides import split_overrides
   overrides, rest = split_overrides(argv)
   args = p.parse_args(rest)
   args.overrides = overrides
@@ -59,14 +59,14 @@ def _args(argv):
 
 
 def _bytes(text: str) -> float:
-  from hylora.dry_run import parse_bytes
+  from hylora.plan.dry_run import parse_bytes
   return parse_bytes(text)
 
 
 def _small():
   """The tiny preset cut to one `L L L S` period on a 2 x 4 mesh, short rows."""
-  from hylora.config import MeshConfig
-  from hylora.presets import tiny
+  from hylora.core.config import MeshConfig
+  from hylora.core.presets import tiny
   cfg = tiny()
   return dataclasses.replace(
       cfg, model=dataclasses.replace(cfg.model, layers=4, dense_layers=1),
@@ -75,14 +75,14 @@ def _small():
 
 
 def _config(args):
-  from hylora.presets import gpu_1
+  from hylora.core.presets import gpu_1
   cfg = _small() if args.small else gpu_1()
   train = {}
   if args.batch:
     train["batch_size"] = args.batch
   if args.seq:
     train["seq_len"] = args.seq
-  from hylora.overrides import apply_overrides
+  from hylora.core.overrides import apply_overrides
   cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
   return apply_overrides(cfg, args.overrides).validate()
 
@@ -101,8 +101,8 @@ def _device_memory(args, small: bool) -> float:
 
 def _pick_sequence(cfg, mesh_shape, budget):
   """The shortest sequence (8K..128K) at which `none` is predicted not to fit."""
-  from hylora.config import MemoryConfig
-  from hylora.memory_plan import estimate_policy
+  from hylora.core.config import MemoryConfig
+  from hylora.plan.remat_planner import estimate_policy
   for seq in (8192, 16384, 32768, 65536, 131072):
     trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq))
     if not estimate_policy(trial, mesh_shape, budget, MemoryConfig(remat="none")).fits:
@@ -126,7 +126,7 @@ def measure(cfg, mesh, params, steps: int, budget: float = 0.0) -> dict:
   (not run when XLA's peak is over a given budget: it would run out of memory)."""
   import jax
   import numpy as np
-  from hylora.dry_run import xla_bytes
+  from hylora.plan.dry_run import xla_bytes
   from hylora.train.trainer import Trainer
 
   trainer = Trainer(cfg, mesh)
@@ -163,9 +163,9 @@ def main(argv=None) -> int:
     from meshes.mesh import ensure_cpu_devices
     ensure_cpu_devices(8)
   import jax
-  from hylora.config import MemoryConfig
-  from hylora.errors import ConfigError
-  from hylora.memory_plan import H200, estimate_policy, plan_memory, replan_after_compile
+  from hylora.core.config import MemoryConfig
+  from hylora.core.errors import ConfigError
+  from hylora.plan.remat_planner import H200, estimate_policy, plan_memory, replan_after_compile
   from hylora.train import state as st
   from meshes.mesh import build_mesh
 
@@ -178,8 +178,8 @@ def main(argv=None) -> int:
       cfg = _pick_sequence(cfg, mesh_shape, budget)
     working = None
     if not args.analytic_working_set:
-      from hylora.layer_memory import measured_working_bytes
-      from hylora.memory_sizes import tokens_per_device
+      from hylora.plan.part_memory import measured_working_bytes
+      from hylora.plan.save_point_sizes import tokens_per_device
       working = measured_working_bytes(cfg, tokens_per_device(cfg, mesh_shape))
     if args.small and not budget:
       # a budget between `full` and `none`, so that the plan has to choose

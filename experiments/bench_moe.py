@@ -29,7 +29,7 @@ import numpy as np
 
 from experiments.bench_grouped_matmul import median_ms, rel_err
 from hylora import ops
-from hylora.config import KernelConfig, MeshConfig, MoEConfig
+from hylora.core.config import KernelConfig, MeshConfig, MoEConfig
 from hylora.model.ffn.dispatch import dropless
 from hylora.model.ffn.expert_parallel import ep_alltoall
 from meshes.mesh import build_mesh

@@ -41,17 +41,17 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments.bench_step import H200_BF16_PEAK, _median_ms, flops_per_step, whole_step
-from hylora.config import MeshConfig
-from hylora import hlo_schedule
-from hylora.pgle import compile_with_profile
-from hylora.errors import ConfigError
+from hylora.core.config import MeshConfig
+from hylora.profile import hlo_schedule
+from hylora.profile.pgle import compile_with_profile
+from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import expert_parallel as ep
 from hylora.model.ffn.moe import MoE
 from hylora.model.init import ParamInit
 from hylora.model.lora import LoRAParam
-from hylora.overrides import apply_overrides, split_overrides
-from hylora.presets import gpu_1, tiny
+from hylora.core.overrides import apply_overrides, split_overrides
+from hylora.core.presets import gpu_1, tiny
 from meshes.mesh import build_mesh, ensure_cpu_devices
 from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec, state_shardings
 
@@ -252,7 +252,7 @@ def _layer_shardings(cfg, mesh):
 def bench_layer(cfg, mesh, chunks: list[int], repeats: int, pgle: bool = False) -> dict:
   """The MoE module, weights created sharded; B non-zero so that A gets gradients too.
   With pgle, each chunk count is also recompiled with its measured instruction profile
-  (hylora.pgle) and timed again: XLA's scheduler then knows what the expert kernels cost."""
+  (hylora.profile.pgle) and timed again: XLA's scheduler then knows what the expert kernels cost."""
 
   def make():
     layer = MoE(cfg, init=ParamInit(0))

@@ -111,7 +111,7 @@ def _module_ms(module, x, ctx, repeats: int) -> float:
   from hylora.model import LoRAParam
 
   graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
-  from hylora.layer_memory import part_gradients
+  from hylora.plan.part_memory import part_gradients
   return _median_ms(part_gradients(graphdef), (lora, x, rest, ctx), repeats)
 
 
@@ -176,7 +176,7 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
 
 def step_setup(cfg, devices):
   """(trainer, lora, opt_state, frozen, packer): a train step's state on `devices`."""
-  from hylora.train.data import Packer, make_source
+  from hylora.data.sources import Packer, make_source
   from hylora.train.trainer import Trainer
   from meshes.mesh import build_mesh
 
@@ -211,8 +211,8 @@ def whole_step(cfg, steps: int, devices) -> dict:
 
 def small_config():
   """The tiny preset on one device, one `L L L S` period: a CPU smoke run."""
-  from hylora.config import MeshConfig
-  from hylora.presets import tiny
+  from hylora.core.config import MeshConfig
+  from hylora.core.presets import tiny
   cfg = tiny()
   return dataclasses.replace(
       cfg, preset="tiny-1", mesh=MeshConfig(fsdp=1, expert=1, devices=0),
@@ -222,9 +222,9 @@ def small_config():
 
 def planned_policy(cfg, device):
   """The planner's tiered policy for one device of this kind (its memory limit)."""
-  from hylora.layer_memory import measured_working_bytes
-  from hylora.memory_plan import plan_memory
-  from hylora.memory_sizes import tokens_per_device
+  from hylora.plan.part_memory import measured_working_bytes
+  from hylora.plan.remat_planner import plan_memory
+  from hylora.plan.save_point_sizes import tokens_per_device
   budget = (device.memory_stats() or {}).get("bytes_limit", 141e9)
   working = measured_working_bytes(cfg, tokens_per_device(cfg, (1, 1)))
   plan = plan_memory(cfg, (1, 1), budget, working_bytes=working)
@@ -264,9 +264,9 @@ def format_report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  from hylora.errors import ConfigError
-  from hylora.overrides import apply_overrides, split_overrides
-  from hylora.presets import get_preset
+  from hylora.core.errors import ConfigError
+  from hylora.core.overrides import apply_overrides, split_overrides
+  from hylora.core.presets import get_preset
 
   p = argparse.ArgumentParser(prog="python -m experiments.bench_step",
                               description=__doc__.split("\n\n")[0],

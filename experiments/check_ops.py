@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hylora.ops import REGISTRY, OpRegistry
-from hylora.ops.checks import max_tolerances
+from experiments.op_checks import CHECKS, OpCheck, max_tolerances
+from hylora.ops import OpRegistry, catalog
 
 # The checks are dominated by XLA:CPU compile time; cheap codegen keeps CI fast.
 _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0,
@@ -173,16 +173,18 @@ def _errors(got, truth, index_sets: bool) -> tuple[float, float]:
 
 
 def check_op(name: str, size: str, *, timing: bool, repeats: int = 10, seed: int = 0,
-             registry: OpRegistry = REGISTRY) -> list[Result]:
-  """One Result per implementation of op `name` (the reference first)."""
-  entry = registry.entry(name)
-  spec = entry.check
+             registry: OpRegistry | None = None,
+             checks: dict[str, OpCheck] | None = None) -> list[Result]:
+  """One Result per implementation of op `name` (the reference first); `registry` and
+  `checks` default to the catalog and `experiments.op_checks.CHECKS`."""
+  entry = (registry or catalog()).entry(name)
+  spec = (CHECKS if checks is None else checks).get(name)
   if spec is None:
-    return [Result(name, "-", "unchecked", note="no CheckSpec: REGISTRY.entry(op).check")]
+    return [Result(name, "-", "unchecked", note="no OpCheck in experiments/op_checks.py")]
   args, kwargs = spec.make_inputs(jax.random.key(seed), size)
   fwd_max_tol, bwd_max_tol = max_tolerances(spec)
   fwd_tol, bwd_tol = (spec.fwd_rtol, fwd_max_tol), (spec.bwd_rtol, bwd_max_tol)
-  index_sets = getattr(spec, "index_sets", False)
+  index_sets = spec.index_sets
 
   reference = entry.reference.load()
   t_args, t_kwargs = _upcast(args), _upcast(kwargs)
@@ -219,8 +221,8 @@ def check_op(name: str, size: str, *, timing: bool, repeats: int = 10, seed: int
   return results
 
 
-def select_ops(patterns: list[str] | None, registry: OpRegistry = REGISTRY) -> list[str]:
-  names = registry.names()
+def select_ops(patterns: list[str] | None, registry: OpRegistry | None = None) -> list[str]:
+  names = (registry or catalog()).names()
   if not patterns:
     return names
   chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
@@ -231,7 +233,8 @@ def select_ops(patterns: list[str] | None, registry: OpRegistry = REGISTRY) -> l
 
 def check_all(patterns: list[str] | None = None, size: str | None = None, *,
               timing: bool | None = None, repeats: int = 10, progress=None,
-              registry: OpRegistry = REGISTRY) -> list[Result]:
+              registry: OpRegistry | None = None,
+              checks: dict[str, OpCheck] | None = None) -> list[Result]:
   """Results for every op matching `patterns` (fnmatch; None: all)."""
   on_gpu = jax.default_backend() == "gpu"
   size = size or ("bench" if on_gpu else "small")
@@ -240,7 +243,8 @@ def check_all(patterns: list[str] | None = None, size: str | None = None, *,
   for name in select_ops(patterns, registry):
     if progress:
       progress(name)
-    results.extend(check_op(name, size, timing=timing, repeats=repeats, registry=registry))
+    results.extend(check_op(name, size, timing=timing, repeats=repeats, registry=registry,
+                            checks=checks))
   return results
 
 

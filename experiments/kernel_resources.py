@@ -4,7 +4,7 @@ ops, compiled for Hopper on any machine: no GPU needed.
     PYTHONPATH=src:. JAX_PLATFORMS=cpu python3 -m experiments.kernel_resources --ops 'linear_*'
 
 Each implementation of an op is lowered for CUDA (forward, and forward+backward where
-the op is differentiated) at the op's `bench` shapes from hylora.ops.checks (shapes
+the op is differentiated) at the op's `bench` shapes from experiments.op_checks (shapes
 only: nothing is allocated). Every Triton kernel in it is compiled for sm_90a with the
 `triton` package and assembled by its `ptxas -v`, which gives registers per thread and
 spill bytes; with the launch's warps and shared memory that gives the programs an SM
@@ -39,8 +39,8 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
-from hylora.ops import REGISTRY
-from hylora.ops.checks import CHECKS
+from hylora.ops import catalog
+from experiments.op_checks import CHECKS
 
 # Hopper (sm_90) per-SM limits
 _REGISTERS_PER_SM = 65536
@@ -111,7 +111,7 @@ def capture_kernels(op: str, impl: str, size: str = "bench") -> list[Kernel]:
     each (name, Triton IR) once."""
     check = CHECKS[op]
     args, arrays, static = _input_shapes(check, size)
-    fn = functools.partial(REGISTRY.resolve(op, impl), **static)
+    fn = functools.partial(catalog().resolve(op, impl), **static)
 
     def run(args, arrays):
         if not check.grad_argnums:
@@ -205,10 +205,10 @@ def main():
           "(stores / loads) | shared KiB | programs per SM | occupancy | one program more "
           "per SM: register cap, spill bytes |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for op in REGISTRY.names():
+    for op in catalog().names():
         if op not in CHECKS or (a.ops and not any(fnmatch.fnmatch(op, pat) for pat in a.ops)):
             continue
-        for impl in sorted(REGISTRY.entry(op).impls):  # the fast ones, not the reference
+        for impl in sorted(catalog().entry(op).impls):  # the fast ones, not the reference
             try:
                 kernels = capture_kernels(op, impl, a.size)
             except Exception as e:  # an implementation that cannot lower here: say so

@@ -69,10 +69,10 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  from hylora.config import KernelConfig
-  from hylora.errors import ConfigError, DataError
-  from hylora.overrides import apply_overrides, describe, split_overrides
-  from hylora.presets import PRESETS, get_preset
+  from hylora.core.config import KernelConfig
+  from hylora.core.errors import ConfigError, DataError
+  from hylora.core.overrides import apply_overrides, describe, split_overrides
+  from hylora.core.presets import PRESETS, get_preset
 
   try:
     overrides, rest = split_overrides(argv)
@@ -109,28 +109,28 @@ def main(argv: list[str] | None = None) -> int:
       raise ConfigError("--resume: name the run's folder with --out")
     if args.merge and args.export_adapter is None:
       raise ConfigError("--merge: goes with --export-adapter DIR")
-    from hylora.distributed import resolve
+    from hylora.io.distributed import resolve
     group = resolve(args.coordinator, args.num_processes, args.process_id)
     if args.reference:
       for field in dataclasses.fields(KernelConfig):
         overrides.setdefault(f"kernels.{field.name}", "reference")
     cfg = apply_overrides(cfg, overrides).validate()
     if args.dry_run:
-      from hylora.dry_run import dry_run_config
+      from hylora.plan.dry_run import dry_run_config
       cfg = dry_run_config(cfg, explicit=overrides)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
 
   from meshes.mesh import use_simulated_devices
-  use_simulated_devices(cfg.mesh)
+  use_simulated_devices(cfg.mesh.devices)
   if group is not None:
-    from hylora.distributed import initialize
+    from hylora.io.distributed import initialize
     initialize(group, heartbeat_timeout_s=args.heartbeat_timeout,
                cpu_collectives=cfg.mesh.devices > 0)
 
   if args.dry_run:
-    from hylora.dry_run import command
+    from hylora.plan.dry_run import command
     try:
       return command(cfg, device_memory=args.device_memory, json_path=args.json,
                      compile_step=not args.no_compile, run_sweep=args.sweep)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
   from hylora.train.run import train
 
   out = args.out or os.path.join("runs", f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-  from hylora.errors import CheckpointError, TrainingHalted, WeightsError
+  from hylora.core.errors import CheckpointError, TrainingHalted, WeightsError
   try:
     summary = train(cfg, out, progress=not args.quiet, resume=args.resume,
                     export_adapter=args.export_adapter, merge=args.merge)

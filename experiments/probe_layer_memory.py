@@ -9,7 +9,7 @@ Each part (a mixer: linear / sparse, or an FFN: moe / dense) is compiled from ab
 shapes (nothing is allocated) as forward + input and LoRA gradients of
 [train.batch_size, seq, d_model] on one device, without remat: XLA's temporaries are
 the part's activations plus its backward transients. The planner counts only the
-save points (`hylora.memory_sizes.layer_save_points`), so the ratio says how much the
+save points (`hylora.plan.save_point_sizes.layer_save_points`), so the ratio says how much the
 backward holds beyond them.
 """
 
@@ -29,8 +29,8 @@ FFN_POINTS = ("ffn_norm", "router", "mlp_gate_up", "mlp_down", "expert_input",
 
 def probe(cfg, part: str) -> dict:
   """XLA's compiled bytes for one part's forward + backward, and the planner's figure."""
-  from hylora.layer_memory import compiled_part
-  from hylora.memory_sizes import layer_save_points
+  from hylora.plan.part_memory import compiled_part
+  from hylora.plan.save_point_sizes import layer_save_points
   from hylora.model.mixers import MIXERS
 
   b, seq = cfg.train.batch_size, cfg.train.seq_len
@@ -48,9 +48,9 @@ def probe(cfg, part: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  from hylora.errors import ConfigError
-  from hylora.overrides import apply_overrides, split_overrides
-  from hylora.presets import get_preset
+  from hylora.core.errors import ConfigError
+  from hylora.core.overrides import apply_overrides, split_overrides
+  from hylora.core.presets import get_preset
 
   p = argparse.ArgumentParser(prog="python -m experiments.probe_layer_memory",
                               description=__doc__.split("\n\n")[0])

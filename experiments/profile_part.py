@@ -11,7 +11,7 @@ gradients at the preset's [batch, seq, d_model], as `bench_step` times it; `step
 the compiled train step of the preset on one device (its memory policy from the config)
 and splits the time into forward, backward and recompute (the remat policy's second
 forward, XLA's `rematted_computation`). The JAX
-profiler records a few runs; the trace's kernel and copy events (hylora.device_trace)
+profiler records a few runs; the trace's kernel and copy events (hylora.profile.device_trace)
 give the device's busy and idle time and each instruction's summed device time, which
 is attributed to the JAX operation that produced it (the HLO `op_name`). Only GPUs
 record device events; elsewhere the script says so and lists nothing. XLA's command
@@ -33,16 +33,17 @@ import jax
 from flax import nnx
 
 from experiments.bench_step import _median_ms, part_inputs, planned_policy, step_setup
-from hylora import device_trace, hlo_schedule
-from hylora.config import MeshConfig
-from hylora.errors import ConfigError
-from hylora.layer_memory import part_gradients
+from hylora.profile import device_trace
+from hylora.profile import hlo_schedule
+from hylora.core.config import MeshConfig
+from hylora.core.errors import ConfigError
+from hylora.plan.part_memory import part_gradients
 from hylora.model import LoRAParam
 from hylora.model.ffn import FFNS
 from hylora.model.init import ParamInit
 from hylora.model.mixers import MIXERS
-from hylora.overrides import apply_overrides, split_overrides
-from hylora.presets import get_preset
+from hylora.core.overrides import apply_overrides, split_overrides
+from hylora.core.presets import get_preset
 
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 _OP_NAME = re.compile(r'op_name="([^"]*)"')

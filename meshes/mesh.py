@@ -7,10 +7,11 @@ import os
 import jax
 import numpy as np
 
-from hylora.config import MeshConfig
-from hylora.errors import ConfigError
-
 AXES = ("fsdp", "expert")
+
+
+class MeshShapeError(ValueError):
+  """The requested (fsdp, expert) shape does not fit the devices present."""
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -23,36 +24,39 @@ def ensure_cpu_devices(count: int) -> None:
   jax.config.update("jax_num_cpu_devices", count)
 
 
-def use_simulated_devices(cfg: MeshConfig) -> None:
-  """`mesh.devices > 0`: run on that many simulated CPU devices, whatever accelerators
-  exist. Must run before JAX initialises a backend."""
-  if cfg.devices > 0:
+def use_simulated_devices(count: int) -> None:
+  """`count > 0`: run on that many simulated CPU devices, whatever accelerators exist.
+  Must run before JAX initialises a backend."""
+  if count > 0:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    ensure_cpu_devices(cfg.devices)
+    ensure_cpu_devices(count)
 
 
-def mesh_shape(cfg: MeshConfig, device_count: int) -> tuple[int, int]:
-  if cfg.expert < 1:
-    raise ConfigError(f"mesh.expert: must be >= 1, got {cfg.expert}")
-  if cfg.fsdp == -1:
-    if device_count % cfg.expert:
-      raise ConfigError(f"mesh.expert: {cfg.expert} does not divide the {device_count} "
+def mesh_shape(request, device_count: int) -> tuple[int, int]:
+  """(fsdp, expert) for `request` (anything with `fsdp` and `expert` sizes; fsdp=-1 fills
+  what the devices leave) on `device_count` devices."""
+  if request.expert < 1:
+    raise MeshShapeError(f"mesh.expert: must be >= 1, got {request.expert}")
+  if request.fsdp == -1:
+    if device_count % request.expert:
+      raise MeshShapeError(f"mesh.expert: {request.expert} does not divide the {device_count} "
                         "devices present")
-    return device_count // cfg.expert, cfg.expert
-  if cfg.fsdp < 1:
-    raise ConfigError(f"mesh.fsdp: must be >= 1 or -1 (fill), got {cfg.fsdp}")
-  size = cfg.fsdp * cfg.expert
+    return device_count // request.expert, request.expert
+  if request.fsdp < 1:
+    raise MeshShapeError(f"mesh.fsdp: must be >= 1 or -1 (fill), got {request.fsdp}")
+  size = request.fsdp * request.expert
   if size > device_count:
-    raise ConfigError(f"mesh: fsdp={cfg.fsdp} x expert={cfg.expert} = {size} devices, but only "
+    raise MeshShapeError(f"mesh: fsdp={request.fsdp} x expert={request.expert} = {size} devices, but only "
                       f"{device_count} are present")
   if size != device_count:
-    raise ConfigError(f"mesh: fsdp={cfg.fsdp} x expert={cfg.expert} = {size} devices, but "
+    raise MeshShapeError(f"mesh: fsdp={request.fsdp} x expert={request.expert} = {size} devices, but "
                       f"{device_count} are present; the mesh must use all of them")
-  return cfg.fsdp, cfg.expert
+  return request.fsdp, request.expert
 
 
-def build_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+def build_mesh(request, devices=None) -> jax.sharding.Mesh:
+  """The mesh `request` (its `fsdp` and `expert` sizes) asks for over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = mesh_shape(cfg, len(devices))
+  shape = mesh_shape(request, len(devices))
   grid = np.asarray(devices, dtype=object).reshape(shape)
   return jax.sharding.Mesh(grid, AXES)

@@ -18,7 +18,7 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hylora import axes as ax
+from meshes import logical_axes as ax
 
 _BOTH = ("fsdp", "expert")
 _FSDP_FIRST = (_BOTH, ("fsdp",), ("expert",))

@@ -8,10 +8,10 @@ import functools
 import jax
 from flax import nnx
 
-from hylora.config import Config, MeshConfig
+from hylora.core.config import Config, MeshConfig
 from hylora.model import HybridLM
 from hylora.model.init import ParamInit
-from hylora.presets import tiny
+from hylora.core.presets import tiny
 
 
 def small_config(**train) -> Config:

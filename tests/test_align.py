@@ -6,7 +6,7 @@ import dataclasses
 import jax
 
 from experiments import align
-from hylora.config import MemoryConfig, MeshConfig
+from hylora.core.config import MemoryConfig, MeshConfig
 from tests.helpers import small_config
 
 

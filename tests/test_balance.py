@@ -9,7 +9,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hylora.config import MeshConfig
+from hylora.core.config import MeshConfig
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import balance
 from hylora.model.ffn.moe import MoE

@@ -11,18 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hylora import hf_weights, peft_export
-from hylora.config import MeshConfig
-from hylora.errors import ConfigError
+from hylora.io import hf_weights
+from hylora.io import peft_export
+from hylora.core.config import MeshConfig
+from hylora.core.errors import ConfigError
 from hylora.model import IGNORE_INDEX
 from hylora.model.ffn import placement as pl
 from hylora.model.ffn.router import Router
 from hylora.model.init import ParamInit
-from hylora.presets import tiny
+from hylora.core.presets import tiny
 from hylora.train import expert_sites
 from hylora.train import state as st
 from hylora.train.balancer import ExpertBalancer, rank_load_ratio
-from hylora.train.data import Packer, SyntheticSource
+from hylora.data.sources import Packer, SyntheticSource
 from hylora.train.step import make_loss_fn
 from hylora.train.trainer import Trainer, check_model_fits_mesh
 from meshes.mesh import build_mesh

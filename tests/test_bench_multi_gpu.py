@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from experiments import bench_multi_gpu, bench_step
-from hylora.presets import tiny
+from hylora.core.presets import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 

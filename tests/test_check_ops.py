@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import check_ops
-from hylora.ops import REGISTRY, OpRegistry
-from hylora.ops.checks import CHECKS, OpCheck
+from hylora.ops import OpRegistry, catalog
+from experiments.op_checks import CHECKS, OpCheck
 
 
 def _norm_ref(x, w):
@@ -34,7 +34,7 @@ _wrong_gradient.defvjp(lambda x, w: (x * w, (x, w)),
 
 def _registry():
   reg = OpRegistry()
-  reg.define("scale", _norm_ref, check=OpCheck(_norm_inputs, grad_argnums=(0, 1)))
+  reg.define("scale", _norm_ref)
   reg.register("scale", "good", lambda x, w: (x.astype(jnp.float32) * w).astype(x.dtype))
   reg.register("scale", "wrong_forward", lambda x, w: x * w * 1.05)
   reg.register("scale", "wrong_gradient", _wrong_gradient)
@@ -43,21 +43,24 @@ def _registry():
   return reg
 
 
+CHECKS_OF_REGISTRY = {"scale": OpCheck(_norm_inputs, grad_argnums=(0, 1))}
+
+
 def test_every_catalog_op_has_a_check():
-  assert set(CHECKS) <= set(REGISTRY.names())
-  assert all(REGISTRY.entry(n).check is not None for n in REGISTRY.names())
+  assert set(CHECKS) == set(catalog().names())
 
 
 def test_pipeline_tells_good_from_broken_implementations():
   reg = _registry()
   results = {r.impl: r for r in check_ops.check_all(["scale"], "small", timing=False,
-                                                     registry=reg)}
+                                                     registry=reg, checks=CHECKS_OF_REGISTRY)}
   assert results["reference"].ok and results["good"].ok
   assert results["wrong_forward"].status == "FAIL" and results["wrong_forward"].fwd_rms > 0.04
   wrong_grad = results["wrong_gradient"]
   assert wrong_grad.status == "FAIL" and wrong_grad.fwd_rms < 1e-2 and wrong_grad.bwd_rms > 0.5
   assert results["crashes"].status == "error" and "TypeError" in results["crashes"].note
-  unchecked = check_ops.check_op("unchecked", "small", timing=False, registry=reg)
+  unchecked = check_ops.check_op("unchecked", "small", timing=False, registry=reg,
+                                 checks=CHECKS_OF_REGISTRY)
   assert [r.status for r in unchecked] == ["unchecked"]
 
 
@@ -65,10 +68,12 @@ def test_index_outputs_are_compared_as_sets():
   def make(key, size):
     return (jnp.arange(12, dtype=jnp.int32).reshape(3, 4),), {}
   reg = OpRegistry()
-  reg.define("pick", lambda i: i, check=OpCheck(make, fwd_rtol=0.0, index_sets=True))
+  reg.define("pick", lambda i: i)
   reg.register("pick", "reversed", lambda i: i[:, ::-1])
   reg.register("pick", "one_wrong", lambda i: i.at[0, 0].set(99))
-  results = {r.impl: r for r in check_ops.check_all(["pick"], "small", registry=reg)}
+  results = {r.impl: r for r in check_ops.check_all(["pick"], "small", registry=reg,
+                                                     checks={"pick": OpCheck(make, fwd_rtol=0.0,
+                                                                             index_sets=True)})}
   assert results["reversed"].ok
   assert results["one_wrong"].status == "FAIL" and results["one_wrong"].fwd_max == 1 / 12
 

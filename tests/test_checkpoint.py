@@ -20,9 +20,9 @@ from safetensors import safe_open
 
 import cli_runs
 from helpers import small_config, two_layer_config
-from hylora import hf_weights
-from hylora.checkpoint import Checkpoints, Position, trim_metrics
-from hylora.errors import CheckpointError
+from hylora.io import hf_weights
+from hylora.io.checkpoint import Checkpoints, Position, trim_metrics
+from hylora.core.errors import CheckpointError
 from weights_helpers import model_and_trees
 
 
@@ -110,7 +110,7 @@ _KILL_DURING_SAVE = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax, numpy as np
     from helpers import small_config
-    from hylora.checkpoint import Checkpoints, Position
+    from hylora.io.checkpoint import Checkpoints, Position
     cfg = small_config()
     ck = Checkpoints({root!r}, every=1, keep=3)
     small = {{"w": jax.numpy.ones((4,))}}

@@ -1,10 +1,10 @@
 import pytest
 
 from experiments.lora_2p8t import main
-from hylora.config import Config
-from hylora.errors import ConfigError
-from hylora.overrides import apply_overrides, from_dict, split_overrides, to_dict
-from hylora.presets import PRESETS, get_preset
+from hylora.core.config import Config
+from hylora.core.errors import ConfigError
+from hylora.core.overrides import apply_overrides, from_dict, split_overrides, to_dict
+from hylora.core.presets import PRESETS, get_preset
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from hylora.errors import DataError
-from hylora.train.data import IGNORE_INDEX, Packer, SyntheticSource, TokenFileSource
+from hylora.core.errors import DataError
+from hylora.data.sources import IGNORE_INDEX, Packer, SyntheticSource, TokenFileSource
 
 
 class ListSource:

@@ -1,10 +1,10 @@
-"""hylora.device_trace: busy time, idle gaps and per-instruction time from trace events."""
+"""hylora.profile.device_trace: busy time, idle gaps and per-instruction time from trace events."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from hylora import device_trace
+from hylora.profile import device_trace
 
 
 def _meta(kind, pid, name, tid=None):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hylora import param_count
-from hylora.presets import get_preset
+from hylora.plan import param_count
+from hylora.core.presets import get_preset
 from hylora.train import state as st
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(runs):
 
 
 def test_sweep_varies_one_factor_at_a_time():
-  from hylora.dry_run import sweep_variants
+  from hylora.plan.dry_run import sweep_variants
   cfg = get_preset("2p8t")
   variants = dict(sweep_variants(cfg))
   assert list(variants) == ["base", "seq/4", "seq/2", "batch/2", "remat=minimal", "remat=none"]
@@ -193,7 +193,7 @@ def test_sweep_varies_one_factor_at_a_time():
 
 
 def test_sizes_and_compiled_program_parsing():
-  from hylora.dry_run import involuntary_replications, largest_values, parse_bytes
+  from hylora.plan.dry_run import involuntary_replications, largest_values, parse_bytes
   assert parse_bytes("141GB") == 141e9 and parse_bytes("2 GiB") == 2 * 2**30
   assert parse_bytes("80") == 80e9
   hlo = "\n".join([

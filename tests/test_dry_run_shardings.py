@@ -9,10 +9,10 @@ import jax
 import pytest
 from flax import nnx
 
-from hylora.dry_run_setup import DRY_RUN_CAPACITY_FACTOR, dry_run_config
-from hylora.memory_sizes import tokens_per_device
-from hylora.overrides import apply_overrides
-from hylora.presets import get_preset
+from hylora.plan.dry_run_setup import DRY_RUN_CAPACITY_FACTOR, dry_run_config
+from hylora.plan.save_point_sizes import tokens_per_device
+from hylora.core.overrides import apply_overrides
+from hylora.core.presets import get_preset
 from hylora.train import state as st
 from meshes.rules import PARAM_RULES, logical_to_spec
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hylora.config import MeshConfig, MoEConfig
-from hylora.errors import ConfigError
+from hylora.core.config import MeshConfig, MoEConfig
+from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import expert_parallel as ep
 from hylora.model.ffn.dispatch import dropless

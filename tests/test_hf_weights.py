@@ -13,9 +13,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from helpers import small_config
-from hylora import hf_weights
-from hylora.errors import ConfigError, WeightsError
-from hylora.hf_names import plan
+from hylora.io import hf_weights
+from hylora.core.errors import ConfigError, WeightsError
+from hylora.io.hf_names import plan
 from hylora.model import ForwardContext
 from hylora.train import state as st
 from weights_helpers import host, model_and_trees, read_folder

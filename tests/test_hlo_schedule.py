@@ -1,10 +1,10 @@
-"""hylora.hlo_schedule: the compute scheduled inside asynchronous collectives."""
+"""hylora.profile.hlo_schedule: the compute scheduled inside asynchronous collectives."""
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hylora import hlo_schedule
+from hylora.profile import hlo_schedule
 
 # The shape of a scheduled GPU module: one all-to-all as a dedicated start/done pair
 # around a Mosaic grouped matmul, one as a generic async pair around a cuBLAS fusion, one

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from hylora import remat
+from hylora.core import save_points
 from pallas_kernels.linear_attention import chunked_gla, chunked_kda
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.sparse_attention.masked_dense import masked_dense_attention
 
 B, T, H, D = 1, 128, 2, 64
-KEEP_ATTENTION = jax.checkpoint_policies.save_only_these_names(remat.ATTENTION)
+KEEP_ATTENTION = jax.checkpoint_policies.save_only_these_names(save_points.ATTENTION)
 
 
 def _inputs():
@@ -55,7 +55,7 @@ def test_residuals_are_saved_under_the_attention_name(kernel, capsys):
   fn, expected = CASES[kernel]
   loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
   named = [line.split()[0] for line in _saved(jax.checkpoint(loss, policy=KEEP_ATTENTION), capsys)
-           if f"named '{remat.ATTENTION}'" in line]
+           if f"named '{save_points.ATTENTION}'" in line]
   for shape, count in expected.items():
     text = f"[{','.join(map(str, shape))}]"
     assert sum(s.endswith(text) for s in named) >= count, (kernel, named)

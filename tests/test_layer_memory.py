@@ -1,14 +1,14 @@
-"""The planner's working set from compiled layer parts (hylora.layer_memory)."""
+"""The planner's working set from compiled layer parts (hylora.plan.part_memory)."""
 
 import dataclasses
 
 import pytest
 
-from hylora import layer_memory
-from hylora.config import MemoryConfig
-from hylora.memory_plan import estimate_policy, plan_memory
-from hylora.memory_sizes import tokens_per_device
-from hylora.presets import tiny
+from hylora.plan import part_memory
+from hylora.core.config import MemoryConfig
+from hylora.plan.remat_planner import estimate_policy, plan_memory
+from hylora.plan.save_point_sizes import tokens_per_device
+from hylora.core.presets import tiny
 
 MESH = (1, 1)
 
@@ -21,11 +21,11 @@ def cfg():
 
 def test_measured_working_set_is_the_largest_layer_of_compiled_parts(cfg):
   tokens = tokens_per_device(cfg, MESH)
-  parts = {p: layer_memory.part_temp_bytes(cfg, p, tokens) for p in ("linear", "sparse", "moe", "dense")}
+  parts = {p: part_memory.part_temp_bytes(cfg, p, tokens) for p in ("linear", "sparse", "moe", "dense")}
   assert all(v > 0 for v in parts.values())
   kinds = set(cfg.model.layer_kinds())
   want = max(parts[m] + parts[f] for m, f in kinds)
-  assert layer_memory.measured_working_bytes(cfg, tokens) == want
+  assert part_memory.measured_working_bytes(cfg, tokens) == want
 
 
 def test_a_measured_working_set_replaces_the_estimate_in_the_peak(cfg):
@@ -53,4 +53,4 @@ def test_a_larger_working_set_leaves_less_saved_in_hbm(cfg):
 
 def test_unknown_part_is_named():
   with pytest.raises(ValueError, match="unknown 'attention'"):
-    layer_memory.part_temp_bytes(tiny(), "attention", 64)
+    part_memory.part_temp_bytes(tiny(), "attention", 64)

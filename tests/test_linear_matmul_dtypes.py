@@ -6,7 +6,7 @@ import numpy as np
 from flax import nnx
 from jax.extend.core import jaxprs_in_params
 
-from hylora.config import LoRAConfig
+from hylora.core.config import LoRAConfig
 from hylora.model import LoRAParam
 from hylora.model.init import ParamInit
 from hylora.model.lora import Linear

@@ -17,21 +17,22 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hylora import memory, remat
-from hylora.config import MemoryConfig, MeshConfig
-from hylora.errors import ConfigError
-from hylora.memory_plan import estimate_policy, plan_memory, replan_after_compile
-from hylora.memory_sizes import layer_save_points
+from hylora.model import remat_policy
+from hylora.core import save_points
+from hylora.core.config import MemoryConfig, MeshConfig
+from hylora.core.errors import ConfigError
+from hylora.plan.remat_planner import estimate_policy, plan_memory, replan_after_compile
+from hylora.plan.save_point_sizes import layer_save_points
 from hylora.model import IGNORE_INDEX
-from hylora.presets import get_preset
+from hylora.core.presets import get_preset
 from hylora.train import state as st
 from hylora.train.step import BATCH_KEYS, make_loss_fn
 from meshes.mesh import build_mesh
 from meshes.rules import activation_mesh
 from tests.helpers import small_config
 
-TIERED = MemoryConfig(remat="tiered", hbm_names=(remat.QKV, remat.TOPK, remat.EXPERT_INPUT),
-                      host_names=(remat.ATTENTION, remat.EXPERT_GATE_UP, remat.MLP_GATE_UP))
+TIERED = MemoryConfig(remat="tiered", hbm_names=(save_points.QKV, save_points.TOPK, save_points.EXPERT_INPUT),
+                      host_names=(save_points.ATTENTION, save_points.EXPERT_GATE_UP, save_points.MLP_GATE_UP))
 POLICIES = {"none": MemoryConfig(remat="none"), "full": MemoryConfig(remat="full"),
             "minimal": MemoryConfig(remat="minimal"), "tiered": TIERED}
 # XLA:CPU's LLVM passes dominate the compile; the numbers do not depend on them. Excess
@@ -140,27 +141,27 @@ def test_tiered_policy_offloads_its_host_names_to_pinned_host_on_gpu():
 
 
 def test_tiered_policy_keeps_host_names_on_device_on_cpu_and_says_so():
-  memory._warned.clear()
+  remat_policy._warned.clear()
   with pytest.warns(UserWarning, match="stay in device memory"):
-    memory.remat_policy(TIERED, backend="cpu")
-  assert memory.tiers(TIERED, backend="cpu") == (TIERED.hbm_names + TIERED.host_names, ())
-  assert memory.tiers(TIERED, backend="gpu") == (TIERED.hbm_names, TIERED.host_names)
-  assert memory.tiers(dataclasses.replace(TIERED, host_offload="on"), backend="cpu")[1]
-  assert not memory.tiers(dataclasses.replace(TIERED, host_offload="off"), backend="gpu")[1]
+    remat_policy.remat_policy(TIERED, backend="cpu")
+  assert remat_policy.tiers(TIERED, backend="cpu") == (TIERED.hbm_names + TIERED.host_names, ())
+  assert remat_policy.tiers(TIERED, backend="gpu") == (TIERED.hbm_names, TIERED.host_names)
+  assert remat_policy.tiers(dataclasses.replace(TIERED, host_offload="on"), backend="cpu")[1]
+  assert not remat_policy.tiers(dataclasses.replace(TIERED, host_offload="off"), backend="gpu")[1]
   # the offloading policy saves the host names to host memory, the others on the device
   x = jnp.ones((4, 4))
 
   def f(x):
-    a = remat.tag(jnp.sin(x @ x), remat.ATTENTION)
-    q = remat.tag(jnp.sin(a @ x), remat.QKV)
+    a = save_points.tag(jnp.sin(x @ x), save_points.ATTENTION)
+    q = save_points.tag(jnp.sin(a @ x), save_points.QKV)
     return jnp.sum(jnp.sin(q @ x))
 
   def offloads(backend):
-    policy = memory.remat_policy(TIERED, backend=backend)
+    policy = remat_policy.remat_policy(TIERED, backend=backend)
     text = str(jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=policy)))(x))
     return re.findall(r"name\[name=(\w+)\] \w+\s+\w+:f32<host>\[4,4\] = device_put", text)
 
-  assert offloads("gpu") == [remat.ATTENTION]
+  assert offloads("gpu") == [save_points.ATTENTION]
   assert offloads("cpu") == []
 
 
@@ -169,20 +170,20 @@ def test_tiered_policy_keeps_host_names_on_device_on_cpu_and_says_so():
     ("host_names", "attention"), ("remat", "some"), ("host_offload", "maybe")])
 def test_bad_memory_config_raises_config_error_naming_the_field(field, value):
   cfg = dataclasses.replace(TIERED, **{field: value})
-  with pytest.raises(ConfigError, match=f"memory.{field}"):
-    memory.remat_policy(cfg)
+  with pytest.raises(ConfigError, match=f"remat_policy.{field}"):
+    remat_policy.remat_policy(cfg)
 
 
 def test_name_in_both_tiers_is_refused():
-  with pytest.raises(ConfigError, match="memory.host_names"):
-    memory.check(dataclasses.replace(TIERED, host_names=(remat.QKV,)))
+  with pytest.raises(ConfigError, match="remat_policy.host_names"):
+    remat_policy.check(dataclasses.replace(TIERED, host_names=(save_points.QKV,)))
 
 
 def test_every_save_point_name_is_used_by_the_model():
   """Each name of the vocabulary tags a tensor in the small model (dense layer included)."""
   cfg = small_config()
   seen = set()
-  original = remat.checkpoint_name
+  original = save_points.checkpoint_name
 
   def record(x, name):
     seen.add(name)
@@ -193,12 +194,12 @@ def test_every_save_point_name_is_used_by_the_model():
   b, t = 2, cfg.train.seq_len
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in BATCH_KEYS}
   objective = make_loss_fn(cfg, parts)
-  remat.checkpoint_name = record
+  save_points.checkpoint_name = record
   try:
     jax.eval_shape(lambda l, f, bt: objective(l, f, bt, 1.0, None), lora, frozen, batch)
   finally:
-    remat.checkpoint_name = original
-  assert seen == set(remat.ALL), set(remat.ALL) - seen
+    save_points.checkpoint_name = original
+  assert seen == set(save_points.ALL), set(save_points.ALL) - seen
 
 
 # ---- the planner -----------------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_every_save_point_name_is_used_by_the_model():
 
 def _gpu_like():
   """The gpu-1 preset's widths at a longer sequence, planned on one device."""
-  from hylora.presets import gpu_1
+  from hylora.core.presets import gpu_1
   cfg = gpu_1()
   return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=16384))
 
@@ -227,7 +228,7 @@ def test_plan_fits_its_budget_and_beats_full_remat(gpu_plans):
     full = estimate_policy(cfg, (1, 1), budget, MemoryConfig(remat="full"))
     assert plan.predicted_step_seconds <= full.predicted_step_seconds
     config = plan.policy_config()
-    assert config.remat == "tiered" and memory.check(config) is config
+    assert config.remat == "tiered" and remat_policy.check(config) is config
     assert set(config.hbm_names) | set(config.host_names) | set(plan.recompute_names) \
         == {p.name for p in plan.save_points}
 
@@ -290,7 +291,7 @@ def test_masked_dense_sparse_attention_counts_its_mask_bias():
   n, seq = cfg.train.batch_size * cfg.train.seq_len, cfg.train.seq_len
   gather = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels,
                                                                 sparse_attention="pallas"))
-  dense_bytes, dense_flops = layer_save_points(cfg, "sparse", "moe", n)[remat.ATTENTION]
-  gather_bytes, gather_flops = layer_save_points(gather, "sparse", "moe", n)[remat.ATTENTION]
+  dense_bytes, dense_flops = layer_save_points(cfg, "sparse", "moe", n)[save_points.ATTENTION]
+  gather_bytes, gather_flops = layer_save_points(gather, "sparse", "moe", n)[save_points.ATTENTION]
   assert dense_bytes - gather_bytes == n * seq * 2
   assert dense_flops == gather_flops * (seq // 2) / cfg.model.sparse_attention.top_k

@@ -2,13 +2,14 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from hylora import axes as ax
-from hylora.config import MeshConfig
-from hylora.errors import ConfigError
-from hylora.overrides import apply_overrides
+from meshes import logical_axes as ax
+from hylora.core.config import MeshConfig
+from hylora.core.errors import ConfigError
+from hylora.core.overrides import apply_overrides
 from hylora.train.state import model_parts, shardings
 from hylora.train.trainer import check_model_fits_mesh
 from meshes import PARAM_RULES, build_mesh, logical_to_spec
+from meshes.mesh import MeshShapeError
 from tests.helpers import small_config
 
 
@@ -19,12 +20,12 @@ def test_mesh_from_simulated_devices():
 
 
 def test_mesh_larger_than_devices():
-  with pytest.raises(ConfigError, match="only 8 are present"):
+  with pytest.raises(MeshShapeError, match="only 8 are present"):
     build_mesh(MeshConfig(fsdp=4, expert=4))
 
 
 def test_mesh_must_use_all_devices():
-  with pytest.raises(ConfigError, match="must use all of them"):
+  with pytest.raises(MeshShapeError, match="must use all of them"):
     build_mesh(MeshConfig(fsdp=1, expert=4))
 
 

@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cli_runs
-from hylora.distributed import first_host, local_rows, resolve
-from hylora.errors import ConfigError
+from hylora.io.distributed import first_host, local_rows, resolve
+from hylora.core.errors import ConfigError
 
 
 def _free_port() -> int:

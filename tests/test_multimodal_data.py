@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hylora.data import ConversationLoader, is_conversation_file
 from hylora.data.images import choose_grid, tile_count
-from hylora.errors import ConfigError, DataError
-from hylora.train.data import IGNORE_INDEX
+from hylora.core.errors import ConfigError, DataError
+from hylora.data.sources import IGNORE_INDEX
 from tests.helpers import small_config
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|image|>", "<|endoftext|>"]

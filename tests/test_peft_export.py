@@ -8,7 +8,8 @@ import pytest
 from safetensors import safe_open
 
 from helpers import small_config
-from hylora import hf_weights, peft_export
+from hylora.io import hf_weights
+from hylora.io import peft_export
 from hylora.train import state as st
 from weights_helpers import host, model_and_trees, read_folder
 

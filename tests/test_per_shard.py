@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hylora.config import MeshConfig
-from hylora.ops import REGISTRY
+from hylora.core.config import MeshConfig
+from hylora.ops import catalog
 from meshes.mesh import build_mesh
 from meshes.per_shard import split_over_batch
 from meshes.rules import activation_mesh
@@ -61,7 +61,7 @@ def test_without_a_mesh_or_with_the_sequence_split_the_kernel_sees_everything(me
 
 
 def test_registered_pallas_gla_runs_per_shard_and_matches_one_device(mesh):
-  gla = REGISTRY.resolve("linear_attention.gla", "pallas")  # interpreted on CPU
+  gla = catalog().resolve("linear_attention.gla", "pallas")  # interpreted on CPU
   keys = jax.random.split(jax.random.key(0), 4)
   shape = (8, 32, 2, 16)
   q, k, v = (jax.random.normal(key, shape, jnp.float32) for key in keys[:3])

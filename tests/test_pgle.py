@@ -1,11 +1,11 @@
-"""hylora.pgle: profile-guided recompilation and the instruction-cost decoder."""
+"""hylora.profile.pgle: profile-guided recompilation and the instruction-cost decoder."""
 
 import struct
 
 import jax
 import jax.numpy as jnp
 
-from hylora import pgle
+from hylora.profile import pgle
 
 
 def _entry(name: str, cost_us: float) -> bytes:

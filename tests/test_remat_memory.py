@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hylora.config import MemoryConfig, MeshConfig
-from hylora.presets import tiny
+from hylora.core.config import MemoryConfig, MeshConfig
+from hylora.core.presets import tiny
 from hylora.train import state as st
 from hylora.train.step import make_loss_fn
 from meshes.mesh import build_mesh

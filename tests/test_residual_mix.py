@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hylora.config import Config
-from hylora.errors import ConfigError
+from hylora.core.config import Config
+from hylora.core.errors import ConfigError
 from hylora.model import HybridLM, LoRAParam
 from hylora.model.init import ParamInit
 from hylora.model.residual import DepthMixResidual
-from hylora.train.data import Packer, make_source
+from hylora.data.sources import Packer, make_source
 from pallas_kernels.residual_mix import residual_mix, residual_mix_reference
 from tests.helpers import small_config
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hylora.config import MeshConfig
-from hylora.ops import REGISTRY
+from hylora.core.config import MeshConfig
+from hylora.ops import catalog
 from meshes.mesh import build_mesh
 from meshes.per_shard import sequence_split
 from meshes.rules import activation_mesh
@@ -107,7 +107,7 @@ def test_whole_sequences_per_device_take_the_row_path():
 
 
 def test_registered_pallas_kda_passes_state_between_devices():
-  kda = REGISTRY.resolve("linear_attention.kda", "pallas")  # interpreted on CPU
+  kda = catalog().resolve("linear_attention.kda", "pallas")  # interpreted on CPU
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   args, h0, seg = _inputs(1, 64, True, seed=3)
   want = jax.jit(lambda *xs: kda(*xs, initial_state=h0, segment_ids=seg)[0])(*args)
@@ -123,7 +123,7 @@ def test_registered_pallas_kda_passes_state_between_devices():
 
 def test_unknown_per_shard_mode_is_refused():
   with pytest.raises(ValueError, match="per_shard"):
-    REGISTRY.register("linear_attention.gla", "other", gla_chunked, per_shard="columns")
+    catalog().register("linear_attention.gla", "other", gla_chunked, per_shard="columns")
 
 
 def _sparse_inputs(b, t, seed=0):
@@ -140,8 +140,8 @@ def _sparse_inputs(b, t, seed=0):
 
 @pytest.mark.parametrize("attend_impl", ["pallas", "masked_dense"])
 def test_registered_sparse_kernels_on_a_split_sequence_match_the_whole_sequence(attend_impl):
-  topk = REGISTRY.resolve("sparse_attention.topk_indices", "pallas")  # interpreted on CPU
-  attend = REGISTRY.resolve("sparse_attention.attend", attend_impl)
+  topk = catalog().resolve("sparse_attention.topk_indices", "pallas")  # interpreted on CPU
+  attend = catalog().resolve("sparse_attention.attend", attend_impl)
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   (q, k, v), indexer, seg = _sparse_inputs(1, 64)
   probe = jax.random.normal(jax.random.key(7), q.shape)

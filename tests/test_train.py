@@ -12,10 +12,10 @@ import optax
 import pytest
 
 import cli_runs
-from hylora.config import MeshConfig
+from hylora.core.config import MeshConfig
 from hylora.model import IGNORE_INDEX
 from hylora.train import state as st
-from hylora.train.data import Packer, SyntheticSource
+from hylora.data.sources import Packer, SyntheticSource
 from hylora.train.step import make_loss_fn
 from hylora.train.trainer import Trainer
 from meshes.mesh import build_mesh

@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from hylora.errors import DataError
+from hylora.core.errors import DataError
 from hylora.model import ForwardContext, HybridLM, LoRAParam
 from hylora.model.init import ParamInit
 from hylora.model.vision import VisionTower, place_image_tokens
-from hylora.presets import get_preset
+from hylora.core.presets import get_preset
 from meshes.mesh import build_mesh
 from meshes.rules import state_shardings
 from tests.helpers import small_config, small_model

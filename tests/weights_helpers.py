@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from hylora import hf_weights
+from hylora.io import hf_weights
 from hylora.train import state as st
 from meshes.mesh import build_mesh
 

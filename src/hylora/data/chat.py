@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from hylora.errors import ConfigError, DataError
+from hylora.core.errors import ConfigError, DataError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from hylora.config import VisionConfig
+from hylora.core.config import VisionConfig
 from hylora.data.chat import ChatTokenizer
 from hylora.data.example import Example, Skipped
 from hylora.data.images import load_tiles
 from hylora.data.records import Record, parse_record
-from hylora.errors import DataError
+from hylora.core.errors import DataError
 
 
 class ExampleEncoder:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from hylora.config import VisionConfig
-from hylora.errors import DataError
+from hylora.core.config import VisionConfig
+from hylora.core.errors import DataError
 
 
 def choose_grid(width: int, height: int, tile: int, max_tiles: int) -> tuple[int, int]:

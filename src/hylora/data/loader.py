@@ -15,13 +15,13 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from hylora.config import Config
+from hylora.core.config import Config
 from hylora.data.chat import ChatTokenizer, find_tokenizer
 from hylora.data.encode import ExampleEncoder
 from hylora.data.example import Example, Skipped
 from hylora.data.packing import Row
 from hylora.data.records import RecordFile
-from hylora.errors import ConfigError, DataError
+from hylora.core.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 

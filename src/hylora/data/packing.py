@@ -1,6 +1,6 @@
 """Examples -> fixed-length rows, in order, never splitting an example.
 
-Same conventions as hylora.train.data.Packer: `segment_ids` number the examples of a row
+Same conventions as hylora.data.sources.Packer: `segment_ids` number the examples of a row
 from 1 (0 = padding), `positions` restart at each example, `labels` hold the next token
 of the same example where that token is trained (IGNORE_INDEX elsewhere). Each row also
 carries up to `tiles_per_row` image tiles and, for every tile, the sequence positions of
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from hylora.data.example import Example
-from hylora.train.data import IGNORE_INDEX
+from hylora.data.sources import IGNORE_INDEX
 
 
 def example_labels(example: Example) -> np.ndarray:

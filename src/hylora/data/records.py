@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hylora.errors import DataError
+from hylora.core.errors import DataError
 
 ROLES = ("system", "user", "assistant")
 
@@ -134,7 +134,7 @@ class RecordFile:
 
 def is_conversation_file(path: str) -> bool:
   """True for a .jsonl file whose first record is a conversation or a text record (a
-  .jsonl of token ids belongs to hylora.train.data.TokenFileSource instead)."""
+  .jsonl of token ids belongs to hylora.data.sources.TokenFileSource instead)."""
   p = Path(path)
   if p.suffix != ".jsonl" or not p.is_file():
     return False

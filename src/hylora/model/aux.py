@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hylora.config import ModelConfig
+from hylora.core.config import ModelConfig
 
 
 def empty_aux(cfg: ModelConfig) -> dict:

@@ -53,3 +53,10 @@ class ParamInit:
     if clip is not None:
       z = jnp.clip(z, -clip, clip)
     return (std * z).reshape(shape).astype(dtype)
+
+
+def logical(*names) -> dict:
+  """A variable's sharding metadata: the logical axis of each dimension
+  (`meshes.logical_axes`). The train step places variables by these names
+  (`meshes.rules`); nothing is placed at creation, so a model builds without a mesh."""
+  return {"out_sharding": names, "eager_sharding": False}

@@ -10,9 +10,9 @@ from flax import nnx
 
 from hylora.model.init import ParamInit
 
-from hylora import axes as ax
-from hylora import remat
-from hylora.config import Config
+from meshes import logical_axes as ax
+from hylora.core import save_points
+from hylora.core.config import Config
 from hylora.model.aux import merge_aux
 from hylora.model.ffn import FFNS
 from hylora.model.mixers import MIXERS
@@ -33,9 +33,9 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, stream, ctx):
     names = (ax.BATCH, ax.SEQ, ax.EMBED)
-    x = remat.tag(constrain(self.residual.block_input(stream), names), remat.LAYER_INPUT)
-    h, mixer_aux = self.mixer(remat.tag(self.mixer_norm(x), remat.MIXER_NORM), ctx)
+    x = save_points.tag(constrain(self.residual.block_input(stream), names), save_points.LAYER_INPUT)
+    h, mixer_aux = self.mixer(save_points.tag(self.mixer_norm(x), save_points.MIXER_NORM), ctx)
     x = constrain(x + h, names)
-    h, ffn_aux = self.ffn(remat.tag(self.ffn_norm(x), remat.FFN_NORM), ctx)
+    h, ffn_aux = self.ffn(save_points.tag(self.ffn_norm(x), save_points.FFN_NORM), ctx)
     out = constrain(x + h, names)
     return self.residual.update(stream, out), merge_aux(self.model_cfg, mixer_aux, ffn_aux)

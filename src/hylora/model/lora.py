@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.model.init import ParamInit, weight_std
+from hylora.model.init import ParamInit, logical, weight_std
 
-from hylora import axes as ax
-from hylora import remat
-from hylora.config import LoRAConfig
+from meshes import logical_axes as ax
+from hylora.core import save_points
+from hylora.core.config import LoRAConfig
 
 
 class LoRAParam(nnx.Variable):
@@ -68,7 +68,7 @@ class Linear(nnx.Module):
     self.n_in = len(in_shape)
     shape = (*in_shape, *out_shape)
     w = init.normal(shape, weight_std(init_std, math.prod(in_shape)), jnp.dtype(dtype), clip=2.0)
-    self.kernel = nnx.Param(w, out_sharding=(*in_axes, *out_axes))
+    self.kernel = nnx.Param(w, **logical(*in_axes, *out_axes))
     self.lora_a = nnx.data(None)
     self.lora_b = nnx.data(None)
     self.lora_scale = 0.0
@@ -76,9 +76,9 @@ class Linear(nnx.Module):
     if wants_lora(lora, name):
       fan_in = math.prod(in_shape)
       a = init.normal((*in_shape, lora.rank), 1.0 / math.sqrt(fan_in))
-      self.lora_a = LoRAParam(a, out_sharding=(*in_axes, ax.LORA_RANK))
+      self.lora_a = LoRAParam(a, **logical(*in_axes, ax.LORA_RANK))
       self.lora_b = LoRAParam(jnp.zeros((lora.rank, *out_shape), jnp.float32),
-                              out_sharding=(ax.LORA_RANK, *out_axes))
+                              **logical(ax.LORA_RANK, *out_axes))
       self.lora_scale = lora.scale
       self.lora_dropout = lora.dropout
 
@@ -87,7 +87,7 @@ class Linear(nnx.Module):
     if self.lora_a is not None:
       xa = _contract(dropout(x, self.lora_dropout, dropout_key, self.name), self.lora_a[...],
                      self.n_in, fp32_result=True)
-      xa = remat.tag(xa, remat.LORA_A)
+      xa = save_points.tag(xa, save_points.LORA_A)
       y = y + (self.lora_scale * _contract(xa, self.lora_b[...], 1, fp32_result=True)
                ).astype(y.dtype)
     return y

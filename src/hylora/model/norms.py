@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hylora.model.init import logical
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   """The reference op (also registered as "rms_norm"): fp32 math, x's dtype out."""
@@ -16,7 +18,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, axis_name: str, *, eps: float = 1e-6):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(None,))
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **logical(None))
     self.eps = eps
     del axis_name  # norms are small: replicated
 

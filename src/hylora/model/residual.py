@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora import axes as ax
+from meshes import logical_axes as ax
 from hylora import ops
-from hylora.config import Config
-from hylora.model.init import ParamInit
+from hylora.core.config import Config
+from hylora.model.init import ParamInit, logical
 from hylora.model.lora import LoRAParam
 from meshes.rules import constrain
 
@@ -58,7 +58,7 @@ class DepthMixResidual(nnx.Module):
     del init
     window = cfg.model.residual_window
     self.weights = LoRAParam(jnp.zeros((window + 1,), jnp.float32).at[0].set(1.0),
-                             out_sharding=(None,))
+                             **logical(None))
     self.kernels = cfg.kernels
 
   @staticmethod

@@ -5,7 +5,7 @@ periods of `len(pattern)` layers; consecutive identical periods form one segment
 parameters carry a leading `layers` axis and run under one `lax.scan`. Compile time
 depends on the number of distinct periods, not on depth.
 
-The memory policy (`hylora.memory`) wraps each layer, not the period: the backward
+The memory policy (`hylora.model.remat_policy`) wraps each layer, not the period: the backward
 recomputes one layer at a time, so its working set is one layer's activations (a
 period of four MoE layers would hold four layers' all-to-all buffers at once).
 """
@@ -18,9 +18,9 @@ from flax import nnx
 
 from hylora.model.init import ParamInit
 
-from hylora import axes as ax
-from hylora import memory
-from hylora.config import Config
+from meshes import logical_axes as ax
+from hylora.model import remat_policy
+from hylora.core.config import Config
 from hylora.model.layer import DecoderLayer
 from hylora.model.residual import RESIDUALS
 
@@ -46,7 +46,7 @@ class Period(nnx.Module):
     auxes = []
     for i, layer in enumerate(self.layers):
       layer_ctx = ctx.for_layer(first_layer + i)
-      x, aux = memory.wrap(lambda x, layer=layer, c=layer_ctx: layer(x, c), self.memory)(x)
+      x, aux = remat_policy.wrap(lambda x, layer=layer, c=layer_ctx: layer(x, c), self.memory)(x)
       auxes.append(aux)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.model.init import ParamInit, weight_std
+from hylora.model.init import ParamInit, logical, weight_std
 
-from hylora import axes as ax
+from meshes import logical_axes as ax
 from hylora import ops
-from hylora.config import Config
-from hylora.errors import ConfigError
+from hylora.core.config import Config
+from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.norms import RMSNorm
 from hylora.model.stack import LayerStack
@@ -26,12 +26,12 @@ class HybridLM(nnx.Module):
     m = cfg.model
     self.cfg = cfg
     emb = init.normal((m.vocab_size, m.d_model), m.init_std or 1.0, jnp.dtype(m.weight_dtype))
-    self.embed = nnx.Param(emb, out_sharding=(ax.VOCAB, ax.EMBED))
+    self.embed = nnx.Param(emb, **logical(ax.VOCAB, ax.EMBED))
     self.stack = LayerStack(cfg, init=init)
     self.final_norm = RMSNorm(m.d_model, ax.EMBED, eps=m.norm_eps)
     head = init.normal((m.d_model, m.vocab_size), weight_std(m.init_std, m.d_model),
                        jnp.dtype(m.weight_dtype))
-    self.lm_head = nnx.Param(head, out_sharding=(ax.EMBED, ax.VOCAB))
+    self.lm_head = nnx.Param(head, **logical(ax.EMBED, ax.VOCAB))
     self.vision = build_vision(cfg, init)  # built last: the LM's weights do not depend on it
 
   def hidden(self, tokens: jax.Array, ctx: ForwardContext, images=None, image_positions=None):

@@ -6,9 +6,10 @@ named by import path and imported only when used.
 
 from __future__ import annotations
 
-from hylora.config import KernelConfig
-from hylora.ops.checks import CHECKS
-from hylora.ops.registry import AUTO, REGISTRY
+import functools
+
+from hylora.core.config import KernelConfig
+from hylora.ops.registry import AUTO, OpRegistry
 
 _LA = "pallas_kernels.linear_attention"
 _SA = "pallas_kernels.sparse_attention"
@@ -16,53 +17,59 @@ _GMM = "pallas_kernels.grouped_matmul"
 _CE = "pallas_kernels.cross_entropy"
 _RM = "pallas_kernels.residual_mix"
 
-REGISTRY.define("linear_attention.gla", f"{_LA}.reference:gla_chunked")
-REGISTRY.define("linear_attention.kda", f"{_LA}.reference:kda_chunked")
-REGISTRY.define("sparse_attention.topk_indices", f"{_SA}.reference:topk_indices_reference")
-REGISTRY.define("sparse_attention.attend", f"{_SA}.reference:sparse_attention_reference")
-REGISTRY.define("grouped_matmul", f"{_GMM}.reference:grouped_matmul_reference")
-REGISTRY.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
-REGISTRY.define("cross_entropy", f"{_CE}.reference:cross_entropy_reference")
-REGISTRY.define("rms_norm", "hylora.model.norms:rms_norm")
-REGISTRY.define("residual_mix", f"{_RM}.reference:residual_mix_reference")  # docs/day_one.md
 
-# Fast paths. "auto" takes the highest priority registered for the backend; an impl
-# below the reference's priority (-1) runs only when named in KernelConfig.
-# Linear attention on the H200 (docs/performance.md): the Pallas GLA is 3.2x and the Pallas
-# KDA 4.9x faster forward+backward than the XLA chunked references.
-# The attention kernels act on each sequence alone: per device on its batch rows; where
-# the sequence is split too, the linear ones pass their state between devices and the
-# sparse ones gather the keys (meshes.sequence_parallel).
-REGISTRY.register("linear_attention.gla", "pallas", f"{_LA}:chunked_gla", backends=("gpu",),
-                  per_shard="linear_recurrence")
-REGISTRY.register("linear_attention.kda", "pallas", f"{_LA}:chunked_kda", backends=("gpu",),
-                  per_shard="linear_recurrence")
-REGISTRY.register("sparse_attention.topk_indices", "pallas", f"{_SA}:topk_indices",
-                  backends=("gpu",), per_shard="indexer")
-REGISTRY.register("sparse_attention.attend", "pallas", f"{_SA}:sparse_attention",
-                  backends=("gpu",), per_shard="sparse_attention")
-# Dense fused attention under the selection mask where the selection is dense enough
-# (training lengths), the Pallas gather kernels past that (pallas_kernels/sparse_attention/
-# by_density.py); the masked dense form alone is picked by name.
-REGISTRY.register("sparse_attention.attend", "by_density",
-                  f"{_SA}.by_density:sparse_attention_by_density", backends=("gpu",),
-                  priority=1, per_shard="sparse_attention")
-REGISTRY.register("sparse_attention.attend", "masked_dense",
-                  f"{_SA}.masked_dense:masked_dense_attention", backends=("cpu", "gpu", "tpu"),
-                  priority=-2, per_shard="sparse_attention")
-REGISTRY.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
-REGISTRY.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
-# Exact, G times the FLOPs, a GPU kernel's memory: what a CPU compile that stands in for
-# a GPU step (the dry run, docs/dry_run.md) uses. Only ever picked by name.
-REGISTRY.register("grouped_matmul", "loop", f"{_GMM}.loop_over_groups:loop_grouped_matmul",
-                  backends=("cpu", "gpu", "tpu"), priority=-2)
-REGISTRY.register("grouped_lora", "loop", f"{_GMM}.loop_over_groups:loop_grouped_lora",
-                  backends=("cpu", "gpu", "tpu"), priority=-2)
-REGISTRY.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
-                  backends=("cpu", "gpu", "tpu"))
-# Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
-REGISTRY.register("residual_mix", "pallas", f"{_RM}:residual_mix", backends=("gpu",),
-                  priority=-2)
+@functools.cache
+def catalog() -> OpRegistry:
+  """Every op with its reference and fast implementations, built once on first use."""
+  registry = OpRegistry()
+  registry.define("linear_attention.gla", f"{_LA}.reference:gla_chunked")
+  registry.define("linear_attention.kda", f"{_LA}.reference:kda_chunked")
+  registry.define("sparse_attention.topk_indices", f"{_SA}.reference:topk_indices_reference")
+  registry.define("sparse_attention.attend", f"{_SA}.reference:sparse_attention_reference")
+  registry.define("grouped_matmul", f"{_GMM}.reference:grouped_matmul_reference")
+  registry.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
+  registry.define("cross_entropy", f"{_CE}.reference:cross_entropy_reference")
+  registry.define("rms_norm", "hylora.model.norms:rms_norm")
+  registry.define("residual_mix", f"{_RM}.reference:residual_mix_reference")  # docs/day_one.md
+
+  # Fast paths. "auto" takes the highest priority registered for the backend; an impl
+  # below the reference's priority (-1) runs only when named in KernelConfig. The
+  # measurements behind each priority: docs/performance.md.
+  # The attention kernels act on each sequence alone: per device on its batch rows; where
+  # the sequence is split too, the linear ones pass their state between devices and the
+  # sparse ones gather the keys (meshes.sequence_parallel).
+  registry.register("linear_attention.gla", "pallas", f"{_LA}:chunked_gla", backends=("gpu",),
+                    per_shard="linear_recurrence")
+  registry.register("linear_attention.kda", "pallas", f"{_LA}:chunked_kda", backends=("gpu",),
+                    per_shard="linear_recurrence")
+  registry.register("sparse_attention.topk_indices", "pallas", f"{_SA}:topk_indices",
+                    backends=("gpu",), per_shard="indexer")
+  registry.register("sparse_attention.attend", "pallas", f"{_SA}:sparse_attention",
+                    backends=("gpu",), per_shard="sparse_attention")
+  # Dense fused attention under the selection mask where the selection is dense enough
+  # (training lengths), the Pallas gather kernels past that (pallas_kernels/sparse_attention/
+  # by_density.py); the masked dense form alone is picked by name.
+  registry.register("sparse_attention.attend", "by_density",
+                    f"{_SA}.by_density:sparse_attention_by_density", backends=("gpu",),
+                    priority=1, per_shard="sparse_attention")
+  registry.register("sparse_attention.attend", "masked_dense",
+                    f"{_SA}.masked_dense:masked_dense_attention", backends=("cpu", "gpu", "tpu"),
+                    priority=-2, per_shard="sparse_attention")
+  registry.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
+  registry.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
+  # Exact, G times the FLOPs, a GPU kernel's memory: what a CPU compile that stands in for
+  # a GPU step (the dry run, docs/dry_run.md) uses. Only ever picked by name.
+  registry.register("grouped_matmul", "loop", f"{_GMM}.loop_over_groups:loop_grouped_matmul",
+                    backends=("cpu", "gpu", "tpu"), priority=-2)
+  registry.register("grouped_lora", "loop", f"{_GMM}.loop_over_groups:loop_grouped_lora",
+                    backends=("cpu", "gpu", "tpu"), priority=-2)
+  registry.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
+                    backends=("cpu", "gpu", "tpu"))
+  # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
+  registry.register("residual_mix", "pallas", f"{_RM}:residual_mix", backends=("gpu",),
+                    priority=-2)
+  return registry
+
 
 # Which KernelConfig field chooses the implementation of each op.
 KERNEL_CHOICE_FIELDS = {
@@ -76,13 +83,9 @@ KERNEL_CHOICE_FIELDS = {
     "residual_mix": "residual_mix",
 }
 
-# How `experiments.check_ops` exercises each op (inputs, tolerances): hylora.ops.checks.
-for _op, _check in CHECKS.items():
-  REGISTRY.entry(_op).check = _check
-
 
 def resolve(op: str, kernels: KernelConfig | None = None, backend: str | None = None):
   """The implementation of `op` that `kernels` asks for (default: auto)."""
   field = KERNEL_CHOICE_FIELDS.get(op)
   choice = getattr(kernels, field) if (kernels is not None and field) else AUTO
-  return REGISTRY.resolve(op, choice, backend)
+  return catalog().resolve(op, choice, backend)

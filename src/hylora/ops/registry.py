@@ -68,27 +68,10 @@ class Impl:
 
 
 @dataclasses.dataclass
-class CheckSpec:
-  """How `experiments.check_ops` exercises an op.
-
-  make_inputs(key, size) -> (args, kwargs) with size in {"small", "bench"};
-  the outputs compared are the op's outputs (pytree); gradients are taken with
-  respect to `grad_argnums` of a random projection of the outputs.
-  """
-
-  make_inputs: Callable[[jax.Array, str], tuple[tuple, dict]]
-  grad_argnums: tuple[int, ...] = ()
-  fwd_rtol: float = 5e-3
-  bwd_rtol: float = 1e-2
-  description: str = ""
-
-
-@dataclasses.dataclass
 class OpEntry:
   name: str
   reference: Impl
   impls: dict[str, Impl] = dataclasses.field(default_factory=dict)
-  check: CheckSpec | None = None
 
 
 class OpRegistry:
@@ -97,11 +80,10 @@ class OpRegistry:
   def __init__(self):
     self._ops: dict[str, OpEntry] = {}
 
-  def define(self, name: str, reference, *, check: CheckSpec | None = None) -> OpEntry:
+  def define(self, name: str, reference) -> OpEntry:
     if name in self._ops:
       raise ValueError(f"op {name!r} is already defined")
-    entry = OpEntry(name, Impl(REFERENCE, reference, ("cpu", "gpu", "tpu"), priority=-1),
-                    check=check)
+    entry = OpEntry(name, Impl(REFERENCE, reference, ("cpu", "gpu", "tpu"), priority=-1))
     self._ops[name] = entry
     return entry
 
@@ -143,5 +125,3 @@ class OpRegistry:
   def resolve(self, op: str, choice: str = AUTO, backend: str | None = None):
     return self.pick(op, choice, backend).load()
 
-
-REGISTRY = OpRegistry()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from hylora.config import Config
+from hylora.core.config import Config
 from hylora.model.ffn import balance
 from hylora.train import expert_sites
 

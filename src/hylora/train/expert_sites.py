@@ -15,7 +15,7 @@ from typing import Callable
 
 import jax
 
-from hylora.config import Config
+from hylora.core.config import Config
 from hylora.model.ffn import placement as pl
 from hylora.model.stack import plan_segments
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from hylora.config import TrainConfig
+from hylora.core.config import TrainConfig
 
 
 def learning_rate_schedule(tc: TrainConfig):

@@ -13,17 +13,17 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from hylora import peft_export
-from hylora.checkpoint import Checkpoints, Position, data_state, restore_data, trim_metrics
-from hylora.config import Config
-from hylora.distributed import local_rows
-from hylora.errors import ConfigError, TrainingHalted
-from hylora.overrides import to_dict
+from hylora.io import peft_export
+from hylora.io.checkpoint import Checkpoints, Position, data_state, restore_data, trim_metrics
+from hylora.core.config import Config
+from hylora.io.distributed import local_rows
+from hylora.core.errors import ConfigError, TrainingHalted
+from hylora.core.overrides import to_dict
 from hylora.data import ConversationLoader, is_conversation_file
 from hylora.train.balancer import ExpertBalancer
-from hylora.train.data import Packer, make_source
+from hylora.data.sources import Packer, make_source
 from hylora.train.trainer import Trainer
-from meshes.mesh import build_mesh
+from hylora.train.mesh import run_mesh
 
 
 def write_config(cfg: Config, out: Path) -> None:
@@ -66,7 +66,7 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
   cfg = cfg.validate()
   out = Path(out_dir)
   primary = jax.process_index() == 0  # one process writes the run's files
-  mesh = build_mesh(cfg.mesh)
+  mesh = run_mesh(cfg.mesh)
   tc, cc = cfg.train, cfg.checkpoint
   packer = data_stream(cfg)  # before the model: bad data fails fast
   ckpt = Checkpoints(out, every=cc.every, keep=cc.keep, async_save=cc.async_save)

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from hylora.config import Config
+from hylora.core.config import Config
 from hylora.model import HybridLM, LoRAParam
 from hylora.model.init import ParamInit
 from meshes.rules import state_shardings

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from hylora.config import Config
+from hylora.core.config import Config
 from hylora.model import IGNORE_INDEX
 from hylora.train import expert_sites
 from hylora.train.state import ModelParts

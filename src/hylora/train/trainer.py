@@ -10,8 +10,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hylora.config import Config
-from hylora.errors import ConfigError
+from hylora.core.config import Config
+from hylora.core.errors import ConfigError
 from hylora.model.ffn import expert_parallel
 from hylora.train import state as st
 from hylora.train.optimizer import learning_rate_schedule, make_optimizer
@@ -45,7 +45,7 @@ class Trainer:
 
   def init(self, seed: int | None = None, base_weights: str = ""):
     """(lora, opt_state, frozen), all sharded over the mesh; with `base_weights` (an
-    HF-layout folder, hylora.hf_weights) the frozen weights are read from it."""
+    HF-layout folder, hylora.io.hf_weights) the frozen weights are read from it."""
     seed = self.cfg.train.seed if seed is None else seed
     if base_weights:
       lora, frozen = self.load_base(base_weights, seed)
@@ -55,7 +55,7 @@ class Trainer:
     return lora, opt_state, frozen
 
   def load_base(self, directory: str, seed: int):
-    from hylora import hf_weights
+    from hylora.io import hf_weights
 
     # Fresh adapters only: the random base weights of init_params are dead code here.
     make = lambda: st.init_params(self.cfg, self.parts, self.mesh, seed)[0]

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from hylora import axes as ax
-from hylora.config import MoEConfig
-from hylora.errors import ConfigError
+from meshes import logical_axes as ax
+from hylora.core.config import MoEConfig
+from hylora.core.errors import ConfigError
 from hylora.model.ffn.dispatch import dropless, register_dispatcher
 from hylora.model.ffn.experts import expert_ffn
 from hylora.model.ffn.permute_rows import gather_rows, permute_rows

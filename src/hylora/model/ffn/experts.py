@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.model.init import ParamInit, weight_std
+from hylora.model.init import ParamInit, logical, weight_std
 
-from hylora import axes as ax
-from hylora import ops, remat
-from hylora.config import Config
+from meshes import logical_axes as ax
+from hylora import ops
+from hylora.core import save_points
+from hylora.core.config import Config
 from hylora.model.ffn.placement import initial_placement
 from hylora.model.lora import LoRAParam, dropout, wants_lora
 
@@ -32,8 +33,8 @@ class RoutedExperts(nnx.Module):
       return per_slot(init.normal(shape, weight_std(m.init_std, shape[1]),
                                   jnp.dtype(m.weight_dtype), clip=2.0))
 
-    self.gate_up = nnx.Param(weight((e, d, 2 * f)), out_sharding=(ax.EXP, ax.EMBED, ax.EXP_MLP))
-    self.down = nnx.Param(weight((e, f, d)), out_sharding=(ax.EXP, ax.EXP_MLP, ax.EMBED))
+    self.gate_up = nnx.Param(weight((e, d, 2 * f)), **logical(ax.EXP, ax.EMBED, ax.EXP_MLP))
+    self.down = nnx.Param(weight((e, f, d)), **logical(ax.EXP, ax.EXP_MLP, ax.EMBED))
     self.lora_a = nnx.data(None)
     self.lora_b = nnx.data(None)
     self.shared_a = False
@@ -42,9 +43,9 @@ class RoutedExperts(nnx.Module):
       a_shape = (d, lora.rank) if self.shared_a else (e, d, lora.rank)
       a_axes = (ax.EMBED, ax.LORA_RANK) if self.shared_a else (ax.EXP, ax.EMBED, ax.LORA_RANK)
       a = init.normal(a_shape, 1.0 / math.sqrt(d))
-      self.lora_a = LoRAParam(a if self.shared_a else per_slot(a), out_sharding=a_axes)
+      self.lora_a = LoRAParam(a if self.shared_a else per_slot(a), **logical(*a_axes))
       self.lora_b = LoRAParam(jnp.zeros((moe.slots, lora.rank, 2 * f), jnp.float32),
-                              out_sharding=(ax.EXP, ax.LORA_RANK, ax.EXP_MLP))
+                              **logical(ax.EXP, ax.LORA_RANK, ax.EXP_MLP))
       self.lora_scale = lora.scale
       self.lora_dropout = lora.dropout
 
@@ -68,7 +69,7 @@ def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,
   """SwiGLU of rows x [M, d] sorted by expert; group_sizes [G] over the G experts whose
   weights are given ([G, ...] stacks). Rows past sum(group_sizes) come out zero."""
   gmm = ops.resolve("grouped_matmul", kernels)
-  x = remat.tag(x, remat.EXPERT_INPUT)
+  x = save_points.tag(x, save_points.EXPERT_INPUT)
   h = gmm(x, weights["gate_up"].astype(x.dtype), group_sizes)
   if "lora_a" in weights:
     xd = dropout(x, lora_dropout, dropout_key, "experts.gate_up")
@@ -80,7 +81,7 @@ def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,
       glora = ops.resolve("grouped_lora", kernels)
       lora_out = glora(xd, weights["lora_a"].astype(x.dtype), b, group_sizes, lora_scale)
     h = h + lora_out.astype(h.dtype)
-  h = remat.tag(h, remat.EXPERT_GATE_UP)
+  h = save_points.tag(h, save_points.EXPERT_GATE_UP)
   gate, up = jnp.split(h, 2, axis=-1)
   y = gmm((jax.nn.silu(gate) * up).astype(x.dtype), weights["down"].astype(x.dtype), group_sizes)
-  return remat.tag(y, remat.EXPERT_DOWN)
+  return save_points.tag(y, save_points.EXPERT_DOWN)

@@ -7,9 +7,9 @@ from flax import nnx
 
 from hylora.model.init import ParamInit
 
-from hylora import axes as ax
-from hylora import remat
-from hylora.config import Config, LoRAConfig
+from meshes import logical_axes as ax
+from hylora.core import save_points
+from hylora.core.config import Config, LoRAConfig
 from hylora.model.lora import Linear
 
 
@@ -22,9 +22,9 @@ class SwiGLU(nnx.Module):
                        init_std=init_std, dtype=dtype)
 
   def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
-    h = remat.tag(self.gate_up(x, dropout_key), remat.MLP_GATE_UP)
+    h = save_points.tag(self.gate_up(x, dropout_key), save_points.MLP_GATE_UP)
     gate, up = jax.numpy.split(h, 2, axis=-1)
-    return remat.tag(self.down(jax.nn.silu(gate) * up, dropout_key), remat.MLP_DOWN)
+    return save_points.tag(self.down(jax.nn.silu(gate) * up, dropout_key), save_points.MLP_DOWN)
 
 
 class DenseFFN(nnx.Module):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from hylora.model.init import ParamInit
+from hylora.model.init import ParamInit, logical
 
-from hylora.config import Config
+from hylora.core.config import Config
 from hylora.model.ffn import expert_parallel  # noqa: F401  (registers "ep_alltoall")
 from hylora.model.ffn.dispatch import get_dispatcher
 from hylora.model.ffn.experts import RoutedExperts
@@ -24,7 +24,7 @@ class MoE(nnx.Module):
     self.experts = RoutedExperts(cfg, init=init)
     # Which expert each stored slot holds (hylora.train.balancer re-places hot experts).
     self.placement = ExpertPlacement(initial_placement(moe.experts, moe.slots),
-                                     out_sharding=(None,))
+                                     **logical(None))
     self.shared = (SwiGLU(m.d_model, moe.expert_ffn * moe.shared_experts, lora=cfg.lora,
                           init_std=m.init_std, init=init, dtype=m.weight_dtype)
                    if moe.shared_experts > 0 else None)

@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.model.init import ParamInit, weight_std
+from hylora.model.init import ParamInit, logical, weight_std
 
-from hylora import axes as ax
-from hylora import remat
-from hylora.config import MoEConfig
+from meshes import logical_axes as ax
+from hylora.core import save_points
+from hylora.core.config import MoEConfig
 from meshes.per_shard import split_over_tokens
 
 
@@ -25,14 +25,14 @@ class Router(nnx.Module):
                dtype: str = "bfloat16"):
     self.cfg = cfg
     w = init.normal((d, cfg.experts), weight_std(init_std, d), jnp.dtype(dtype))
-    self.kernel = nnx.Param(w, out_sharding=(ax.EMBED, None))
-    self.bias = RouterBias(jnp.zeros((cfg.experts,), jnp.float32), out_sharding=(None,))
+    self.kernel = nnx.Param(w, **logical(ax.EMBED, None))
+    self.bias = RouterBias(jnp.zeros((cfg.experts,), jnp.float32), **logical(None))
 
   def __call__(self, x: jax.Array, seq_len: int | None = None):
     """x [N, d] (N = sequences x seq_len) -> (weights [N, k] fp32, experts [N, k] int32, aux)."""
     cfg = self.cfg
     logits = jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
-    logits = remat.tag(logits, remat.ROUTER)
+    logits = save_points.tag(logits, save_points.ROUTER)
     if cfg.score_fn == "softmax":
       scores = jax.nn.softmax(logits, axis=-1)
     else:

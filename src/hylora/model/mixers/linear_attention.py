@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.model.init import ParamInit
+from hylora.model.init import ParamInit, logical
 
-from hylora import axes as ax
-from hylora import ops, remat
-from hylora.config import Config
+from meshes import logical_axes as ax
+from hylora import ops
+from hylora.core import save_points
+from hylora.core.config import Config
 from hylora.model.context import ForwardContext
 from hylora.model.lora import Linear
 from hylora.model.norms import rms_norm
@@ -44,28 +45,28 @@ class LinearAttention(nnx.Module):
                             (ax.HEADS, ax.HEAD_DIM), None)
     self.beta = (proj("beta", (d,), (h,), (ax.EMBED,), (ax.HEADS,), None)
                  if la.delta_rule else None)
-    self.head_norm = nnx.Param(jnp.ones((hd,), jnp.float32), out_sharding=(ax.HEAD_DIM,))
+    self.head_norm = nnx.Param(jnp.ones((hd,), jnp.float32), **logical(ax.HEAD_DIM))
     self.norm_eps = m.norm_eps
 
   def __call__(self, x: jax.Array, ctx: ForwardContext) -> jax.Array:
     key = ctx.dropout_key
-    q = remat.tag(self.q(x, key), remat.QKV)
-    k = remat.tag(self.k(x, key), remat.QKV)
-    v = remat.tag(self.v(x, key), remat.QKV)
+    q = save_points.tag(self.q(x, key), save_points.QKV)
+    k = save_points.tag(self.k(x, key), save_points.QKV)
+    v = save_points.tag(self.v(x, key), save_points.QKV)
     decay_logits = self.decay_up(self.decay_down(x)).astype(jnp.float32)
     g = jnp.maximum(jax.nn.log_sigmoid(decay_logits), self.cfg.gate_floor)
-    g = remat.tag(g, remat.GATES)
+    g = save_points.tag(g, save_points.GATES)
     names = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
     q, k, v, g = (constrain(t, names) for t in (q, k, v, g))
     if self.beta is not None:
-      beta = remat.tag(jax.nn.sigmoid(self.beta(x).astype(jnp.float32)), remat.GATES)
+      beta = save_points.tag(jax.nn.sigmoid(self.beta(x).astype(jnp.float32)), save_points.GATES)
       kda = ops.resolve("linear_attention.kda", self.kernels)
       o, _ = kda(q, k, v, g, beta, segment_ids=ctx.segment_ids)
     else:
       gla = ops.resolve("linear_attention.gla", self.kernels)
       o, _ = gla(q, k, v, g, segment_ids=ctx.segment_ids)
-    o = remat.tag(o, remat.ATTENTION)
-    out_gate = remat.tag(
-        jax.nn.sigmoid(self.out_gate_up(self.out_gate_down(x)).astype(jnp.float32)), remat.GATES)
+    o = save_points.tag(o, save_points.ATTENTION)
+    out_gate = save_points.tag(
+        jax.nn.sigmoid(self.out_gate_up(self.out_gate_down(x)).astype(jnp.float32)), save_points.GATES)
     o = (rms_norm(o, self.head_norm[...], self.norm_eps).astype(jnp.float32) * out_gate)
-    return remat.tag(self.o(o.astype(x.dtype), key), remat.MIXER_OUT), {}
+    return save_points.tag(self.o(o.astype(x.dtype), key), save_points.MIXER_OUT), {}

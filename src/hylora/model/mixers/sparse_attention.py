@@ -9,9 +9,10 @@ from flax import nnx
 
 from hylora.model.init import ParamInit
 
-from hylora import axes as ax
-from hylora import ops, remat
-from hylora.config import Config
+from meshes import logical_axes as ax
+from hylora import ops
+from hylora.core import save_points
+from hylora.core.config import Config
 from hylora.model.context import ForwardContext
 from hylora.model.lora import Linear
 from hylora.model.rope import apply_rope
@@ -44,27 +45,27 @@ class SparseAttention(nnx.Module):
 
   def __call__(self, x: jax.Array, ctx: ForwardContext):
     sa, key, pos = self.cfg, ctx.dropout_key, ctx.positions
-    q = apply_rope(remat.tag(self.q(x, key), remat.QKV), pos, sa.rope_theta)
-    k = apply_rope(remat.tag(self.k(x, key), remat.QKV), pos, sa.rope_theta)
-    v = remat.tag(self.v(x, key), remat.QKV)
+    q = apply_rope(save_points.tag(self.q(x, key), save_points.QKV), pos, sa.rope_theta)
+    k = apply_rope(save_points.tag(self.k(x, key), save_points.QKV), pos, sa.rope_theta)
+    v = save_points.tag(self.v(x, key), save_points.QKV)
     q = constrain(q, (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM))
     k, v = (constrain(t, (ax.BATCH, ax.SEQ, ax.KV_HEADS, ax.HEAD_DIM)) for t in (k, v))
 
     q_idx = apply_rope(self.index_q_up(self.index_q_down(x)), pos, sa.rope_theta)
     k_idx = apply_rope(self.index_k(x)[:, :, None, :], pos, sa.rope_theta)[:, :, 0, :]
     w = self.index_w(x).astype(jnp.float32) * (sa.index_heads ** -0.5)
-    q_idx, k_idx, w = (remat.tag(t, remat.INDEXER) for t in (q_idx, k_idx, w))
+    q_idx, k_idx, w = (save_points.tag(t, save_points.INDEXER) for t in (q_idx, k_idx, w))
     topk = ops.resolve("sparse_attention.topk_indices", self.kernels)
     # The selection carries no gradient: stop it at the inputs, so autodiff never
     # linearises the indexer kernel.
     q_sel, k_sel, w_sel = (jax.lax.stop_gradient(t) for t in (q_idx, k_idx, w))
-    indices = remat.tag(topk(q_sel, k_sel, w_sel, top_k=sa.top_k, segment_ids=ctx.segment_ids),
-                        remat.TOPK)
+    indices = save_points.tag(topk(q_sel, k_sel, w_sel, top_k=sa.top_k, segment_ids=ctx.segment_ids),
+                        save_points.TOPK)
 
     attend = ops.resolve("sparse_attention.attend", self.kernels)
-    o = remat.tag(attend(q, k, v, indices), remat.ATTENTION)
+    o = save_points.tag(attend(q, k, v, indices), save_points.ATTENTION)
     aux = {}
     if sa.indexer_loss_weight > 0:
       from pallas_kernels.sparse_attention import indexer_kl_loss
       aux["indexer_kl"] = indexer_kl_loss(q, k, q_idx, k_idx, w, indices)
-    return remat.tag(self.o(o, key), remat.MIXER_OUT), aux
+    return save_points.tag(self.o(o, key), save_points.MIXER_OUT), aux

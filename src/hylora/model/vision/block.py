@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from hylora import axes as ax
-from hylora.config import Config
+from meshes import logical_axes as ax
+from hylora.core.config import Config
 from hylora.model.init import ParamInit
 from hylora.model.lora import Linear
 from hylora.model.vision.layer_norm import LayerNorm

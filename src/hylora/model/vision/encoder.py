@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora import axes as ax
-from hylora import memory
-from hylora.config import Config
-from hylora.model.init import ParamInit
+from meshes import logical_axes as ax
+from hylora.model import remat_policy
+from hylora.core.config import Config
+from hylora.model.init import ParamInit, logical
 from hylora.model.vision.block import EncoderBlock, vision_linear
 from hylora.model.vision.layer_norm import LayerNorm
 from meshes.rules import constrain
@@ -38,9 +38,9 @@ class VisionEncoder(nnx.Module):
     self.patch_embed = vision_linear(cfg, "patch_embed", (pixels,), (v.width,), (None,),
                                      (ax.EMBED,), init=init)
     self.row_position = nnx.Param(init.normal((v.grid, v.width), 0.02, jnp.bfloat16),
-                                  out_sharding=(None, ax.EMBED))
+                                  **logical(None, ax.EMBED))
     self.col_position = nnx.Param(init.normal((v.grid, v.width), 0.02, jnp.bfloat16),
-                                  out_sharding=(None, ax.EMBED))
+                                  **logical(None, ax.EMBED))
 
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(seed):
@@ -64,6 +64,6 @@ class VisionEncoder(nnx.Module):
       key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
       return nnx.merge(graphdef, block_state)(carry, key), None
 
-    x, _ = jax.lax.scan(memory.wrap(body, self.memory), x, (state, jnp.arange(v.layers)))
+    x, _ = jax.lax.scan(remat_policy.wrap(body, self.memory), x, (state, jnp.arange(v.layers)))
     x = self.final_norm(x)
     return x.reshape(x.shape[0], v.grid, v.grid, v.width)

@@ -6,12 +6,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hylora.model.init import logical
+
 
 class LayerNorm(nnx.Module):
   def __init__(self, dim: int, *, eps: float = 1e-6):
     # Small vectors: replicated, like the RMSNorm scales of the language model.
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(None,))
-    self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32), out_sharding=(None,))
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **logical(None))
+    self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32), **logical(None))
     self.eps = eps
 
   def __call__(self, x: jax.Array) -> jax.Array:

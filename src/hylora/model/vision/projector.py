@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from hylora import axes as ax
-from hylora.config import Config
+from meshes import logical_axes as ax
+from hylora.core.config import Config
 from hylora.model.init import ParamInit
 from hylora.model.vision.block import vision_linear
 from hylora.model.vision.layer_norm import LayerNorm

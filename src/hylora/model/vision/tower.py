@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from hylora.config import Config
-from hylora.errors import DataError
+from hylora.core.config import Config
+from hylora.core.errors import DataError
 from hylora.model.init import ParamInit
 from hylora.model.vision.encoder import VisionEncoder
 from hylora.model.vision.placement import place_image_tokens

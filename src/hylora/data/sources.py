@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from hylora.errors import DataError
+from hylora.core.errors import DataError
 
 IGNORE_INDEX = -100
 

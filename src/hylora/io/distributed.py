@@ -14,7 +14,7 @@ import os
 
 import jax
 
-from hylora.errors import ConfigError
+from hylora.core.errors import ConfigError
 
 DEFAULT_PORT_BASE = 61440  # SLURM runs without --coordinator: port = base + job id % 4096
 

@@ -1,9 +1,9 @@
-"""Remat policies from `MemoryConfig`, over the save points named in `hylora.remat`.
+"""Remat policies from `MemoryConfig`, over the save points named in `hylora.core.save_points`.
 
 none: save every residual (no rematerialisation); full: recompute everything inside a
 scanned layer period from its input; minimal: keep the attention cores' outputs and the
 LoRA x@A products, recompute the rest; tiered: keep `hbm_names` in device memory, offload
-`host_names` to pinned host memory, recompute the rest (`hylora.memory_plan` picks them).
+`host_names` to pinned host memory, recompute the rest (`hylora.plan.remat_planner` picks them).
 
 Host offload needs a backend whose jit programs place buffers in pinned host memory (GPU,
 TPU). XLA:CPU lowers the offload's `device_put` to nothing, so on CPU a tiered policy
@@ -16,13 +16,13 @@ import warnings
 
 import jax
 
-from hylora import remat
-from hylora.config import MemoryConfig
-from hylora.errors import ConfigError
+from hylora.core import save_points
+from hylora.core.config import MemoryConfig
+from hylora.core.errors import ConfigError
 
 POLICIES = ("none", "full", "minimal", "tiered")
 HOST_OFFLOAD = ("auto", "on", "off")
-MINIMAL_NAMES = (remat.ATTENTION, remat.LORA_A)
+MINIMAL_NAMES = (save_points.ATTENTION, save_points.LORA_A)
 OFFLOAD_BACKENDS = ("gpu", "cuda", "rocm", "tpu")  # pinned_host inside jit works there
 
 _warned: set[str] = set()
@@ -31,9 +31,9 @@ _warned: set[str] = set()
 def _check_names(field: str, names) -> tuple[str, ...]:
   if isinstance(names, str):
     raise ConfigError(f"memory.{field}: expected a list of save points, got the string {names!r}")
-  unknown = [n for n in names if n not in remat.ALL]
+  unknown = [n for n in names if n not in save_points.ALL]
   if unknown:
-    raise ConfigError(f"memory.{field}: unknown save points {unknown}; known: {remat.ALL}")
+    raise ConfigError(f"memory.{field}: unknown save points {unknown}; known: {save_points.ALL}")
   return tuple(names)
 
 
@@ -65,7 +65,7 @@ def tiers(cfg: MemoryConfig, backend: str | None = None) -> tuple[tuple[str, ...
   """(names kept in device memory, names offloaded to host) as the policy will run."""
   check(cfg)
   if cfg.remat == "none":
-    return remat.ALL, ()
+    return save_points.ALL, ()
   if cfg.remat == "full":
     return (), ()
   if cfg.remat == "minimal":

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hylora.config import Config
-from hylora.errors import CheckpointError
-from hylora.overrides import to_dict
+from hylora.core.config import Config
+from hylora.core.errors import CheckpointError
+from hylora.core.overrides import to_dict
 
 FORMAT = 1
 # Config fields a resumed run may change: they do not alter a step's math or the data

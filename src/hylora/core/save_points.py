@@ -1,7 +1,7 @@
 """The one vocabulary of remat save-point names, and `checkpoint_name` for them.
 
 Every matmul / grouped-matmul output and block boundary that a memory policy may keep
-is tagged with one of these names (see `hylora.memory` for the policies).
+is tagged with one of these names (see `hylora.model.remat_policy` for the policies).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ import os
 
 import jax
 
-from hylora.config import Config, KernelConfig
-from hylora.errors import ConfigError
+from hylora.core.config import Config, KernelConfig
+from hylora.core.errors import ConfigError
 
 EP_DISPATCHER = "ep_alltoall"
 DRY_RUN_CAPACITY_FACTOR = 1.25
@@ -88,11 +88,10 @@ def dry_run_config(cfg: Config, explicit=()) -> Config:
 
 def implementations(kernels: KernelConfig, backend: str | None = None) -> dict[str, str]:
   """{op: the implementation the step runs} for every registered op."""
-  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS
-  from hylora.ops.registry import REGISTRY
+  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, catalog
 
   backend = backend or jax.default_backend()
-  return {op: REGISTRY.pick(op, getattr(kernels, field), backend).name
+  return {op: catalog().pick(op, getattr(kernels, field), backend).name
           for op, field in sorted(KERNEL_CHOICE_FIELDS.items())}
 
 

@@ -1,7 +1,7 @@
 """Typed configuration: frozen dataclasses, one per concern, gathered in `Config`.
 
 Every field can be overridden from the command line as `--section.field=value`
-(see `hylora.overrides`); `Config.validate()` checks the cross-field rules and names
+(see `hylora.core.overrides`); `Config.validate()` checks the cross-field rules and names
 the field at fault.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from hylora.errors import ConfigError
+from hylora.core.errors import ConfigError
 
 MIXERS = ("linear", "sparse")
 RESIDUALS = ("add", "depth_mix")  # hylora.model.residual

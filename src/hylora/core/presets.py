@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from hylora.config import (Config, LinearAttentionConfig, LoRAConfig, MeshConfig,
+from hylora.core.config import (Config, LinearAttentionConfig, LoRAConfig, MeshConfig,
                            ModelConfig, MoEConfig, SparseAttentionConfig, TrainConfig,
                            VisionConfig)
-from hylora.errors import ConfigError
+from hylora.core.errors import ConfigError
 
 _TARGET_LINEAR = LinearAttentionConfig(heads=64, head_dim=128, gate_rank=128,
                                        output_gate_rank=128, delta_rule=True)

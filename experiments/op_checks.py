@@ -1,7 +1,7 @@
 """What `experiments.check_ops` runs for each registered op: inputs at two sizes and the
 declared tolerances.
 
-Every op gets an `OpCheck` (attached in `hylora.ops.catalog`). `make_inputs(key, size)`
+Every op of `hylora.ops.catalog` gets an `OpCheck` in `CHECKS`. `make_inputs(key, size)`
 builds the op's arguments in the dtypes the model feeds it: size "small" runs in seconds
 on CPU (Pallas kernels interpreted), size "bench" is the `gpu-1` preset's shape of the op
 (one H200). The pipeline compares each implementation with the reference evaluated on
@@ -20,24 +20,36 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from hylora.ops.registry import CheckSpec
+from typing import Callable
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 @dataclasses.dataclass
-class OpCheck(CheckSpec):
-  """A CheckSpec with max-error bounds and exact comparison of index outputs."""
+class OpCheck:
+  """How `experiments.check_ops` exercises an op.
 
+  make_inputs(key, size) -> (args, kwargs) with size in {"small", "bench"}; the outputs
+  compared are the op's outputs (pytree); gradients are taken with respect to
+  `grad_argnums` of a random projection of the outputs. Tolerances bound the relative RMS
+  error and the max error (max |x - truth| / max |truth|); index outputs can be compared
+  as sets.
+  """
+
+  make_inputs: Callable[[jax.Array, str], tuple[tuple, dict]]
+  grad_argnums: tuple[int, ...] = ()
+  fwd_rtol: float = 5e-3
+  bwd_rtol: float = 1e-2
+  description: str = ""
   fwd_max_tol: float | None = None  # None: 4 x fwd_rtol
   bwd_max_tol: float | None = None  # None: 4 x bwd_rtol
   index_sets: bool = False  # integer outputs are sets along the last axis (order-free)
 
 
-def max_tolerances(spec: CheckSpec) -> tuple[float, float]:
-  """(forward, backward) bounds on max |x - truth| / max |truth| for any CheckSpec."""
-  fwd = getattr(spec, "fwd_max_tol", None) or 4 * spec.fwd_rtol
-  bwd = getattr(spec, "bwd_max_tol", None) or 4 * spec.bwd_rtol
+def max_tolerances(spec: OpCheck) -> tuple[float, float]:
+  """(forward, backward) bounds on max |x - truth| / max |truth|."""
+  fwd = spec.fwd_max_tol or 4 * spec.fwd_rtol
+  bwd = spec.bwd_max_tol or 4 * spec.bwd_rtol
   return fwd, bwd
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hylora.config import Config
+from hylora.core.config import Config
 from hylora.model import LoRAParam
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import FFNS

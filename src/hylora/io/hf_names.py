@@ -26,8 +26,8 @@ from typing import Iterator
 
 import jax
 
-from hylora.config import Config
-from hylora.errors import ConfigError
+from hylora.core.config import Config
+from hylora.core.errors import ConfigError
 
 LAYER_PREFIX = "model.layers.{layer}."
 
@@ -195,7 +195,7 @@ def _leaf(cfg: Config, path: tuple, shape, dtype, starts) -> Leaf:
     rule = _LAYER.get(rel)
     if rule is None:
       raise ConfigError(f"model parameter {joined}: no checkpoint name in the table of "
-                        "hylora.hf_names (LAYER_RULES); add one")
+                        "hylora.io.hf_names (LAYER_RULES); add one")
     first, period = starts[segment]
     layers = tuple(first + r * period + position for r in range(shape[0]))
     experts = shape[1] if rule.per_expert else 0
@@ -214,5 +214,5 @@ def _leaf(cfg: Config, path: tuple, shape, dtype, starts) -> Leaf:
       return Leaf(path, rule, shape, dtype, tuple(range(shape[0])), (name,))
     return Leaf(path, rule, shape, dtype, None, rule.names)
   raise ConfigError(f"model parameter {joined}: no checkpoint name in the table of "
-                    "hylora.hf_names (MODEL_RULES); add one")
+                    "hylora.io.hf_names (MODEL_RULES); add one")
 

@@ -1,6 +1,6 @@
 """The memory planner: which save points stay in HBM, which go to host, which are recomputed.
 
-An analytic model per device: every save point of `hylora.remat` gets its bytes (summed
+An analytic model per device: every save point of `hylora.core.save_points` gets its bytes (summed
 over the layers, one micro-batch) and the time to recompute it (its forward FLOPs at the
 matmul rate plus its bytes at the HBM rate). The peak is the resident state (frozen
 weights, adapters, gradients, Adam moments) + one layer period's gathered weights + the
@@ -22,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from hylora import memory, remat
-from hylora.config import Config, MemoryConfig
-from hylora.errors import ConfigError
-from hylora.memory_sizes import layer_save_points, resident_bytes, tokens_per_device
+from hylora.model import remat_policy
+from hylora.core import save_points
+from hylora.core.config import Config, MemoryConfig
+from hylora.core.errors import ConfigError
+from hylora.plan.save_point_sizes import layer_save_points, resident_bytes, tokens_per_device
 
 GB = 1e9
 TIERS = ("hbm", "host", "recompute")
@@ -87,8 +88,8 @@ class MemoryPlan:
 
   def policy_config(self) -> MemoryConfig:
     if self.policy != "tiered":
-      return memory.check(MemoryConfig(remat=self.policy))
-    return memory.check(MemoryConfig(remat="tiered", hbm_names=self.hbm_names,
+      return remat_policy.check(MemoryConfig(remat=self.policy))
+    return remat_policy.check(MemoryConfig(remat="tiered", hbm_names=self.hbm_names,
                                      host_names=self.host_names))
 
   def table(self) -> str:
@@ -97,7 +98,7 @@ class MemoryPlan:
 
 # Backward FLOPs per forward FLOP: frozen matmuls need only the input gradient; the
 # attention cores' backward is about twice their forward; top-k is not differentiated.
-_BACKWARD_RATIO = {remat.ATTENTION: 2.0, remat.TOPK: 0.0, remat.LORA_A: 2.0}
+_BACKWARD_RATIO = {save_points.ATTENTION: 2.0, save_points.TOPK: 0.0, save_points.LORA_A: 2.0}
 
 
 # ---- evaluating and searching ----------------------------------------------------------
@@ -119,7 +120,7 @@ class _Model:
   loss_bytes: int
   device_memory: int
   host_memory: int
-  measured_working: int | None = None  # compiled layer parts (hylora.layer_memory)
+  measured_working: int | None = None  # compiled layer parts (hylora.plan.part_memory)
 
   def recompute_seconds(self, name: str) -> float:
     nbytes, flops = self.points[name]
@@ -131,7 +132,7 @@ class _Model:
     rec = tuple(n for n in self.points if tiers[n] == "recompute")
     d = self.cfg.model.d_model
     # each layer is checkpointed on its own (hylora.model.stack): its input is kept
-    carries = 0 if remat.LAYER_INPUT in hbm else self.layers * self.n * d * 2
+    carries = 0 if save_points.LAYER_INPUT in hbm else self.layers * self.n * d * 2
     saved = sum(self.points[n][0] for n in hbm) + carries
     host_bytes = sum(self.points[n][0] for n in host)
     layer = self.layer_bytes if self.measured_working is None else self.measured_working
@@ -168,7 +169,7 @@ def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware,
   n = tokens_per_device(cfg, mesh_shape)
   m = cfg.model
   kinds = m.layer_kinds()
-  points: dict[str, list[float]] = {name: [0, 0.0] for name in remat.ALL}
+  points: dict[str, list[float]] = {name: [0, 0.0] for name in save_points.ALL}
   forward = backward = 0.0
   layer_bytes = max(sum(nbytes for nbytes, _ in layer_save_points(cfg, mixer, ffn, n).values())
                     for mixer, ffn in set(kinds))
@@ -223,7 +224,7 @@ def plan_memory(cfg: Config, mesh_shape, device_memory_bytes: float, *,
   """The tiered policy with the lowest predicted step time that fits the budget.
 
   `working_bytes`: one layer's backward working set as compiled on the target backend
-  (`hylora.layer_memory.measured_working_bytes`); without it, the analytic estimate (the
+  (`hylora.plan.part_memory.measured_working_bytes`); without it, the analytic estimate (the
   largest layer's save points), which is low by 2-3x for the attention and MoE parts."""
   return _search(_build(cfg, mesh_shape, device_memory_bytes, hardware, working_bytes))
 
@@ -252,9 +253,9 @@ def estimate_policy(cfg: Config, mesh_shape, device_memory_bytes: float,
                     policy: MemoryConfig | None = None, *, hardware: Hardware = H200,
                     working_bytes: int | None = None) -> MemoryPlan:
   """The same model's prediction for a given policy (default: cfg.memory), as on a GPU."""
-  policy = memory.check(policy or cfg.memory)
+  policy = remat_policy.check(policy or cfg.memory)
   model = _build(cfg, mesh_shape, device_memory_bytes, hardware, working_bytes)
-  hbm, host = memory.tiers(policy, backend="gpu")
+  hbm, host = remat_policy.tiers(policy, backend="gpu")
   tiers = {n: "hbm" if n in hbm else "host" if n in host else "recompute" for n in model.points}
   return model.evaluate(tiers, policy.remat)
 
@@ -284,9 +285,9 @@ def format_table(plan: MemoryPlan) -> str:
   lines.append(f"  predicted step {plan.predicted_step_seconds * 1e3:.4g} ms = compute "
                f"{plan.compute_seconds * 1e3:.4g} + recompute {plan.recompute_seconds * 1e3:.4g}"
                f" + exposed host copies {plan.exposed_transfer_seconds * 1e3:.4g}")
-  lines.append(f"  policy: --memory.remat={plan.policy}"
-               + (f" --memory.hbm_names={','.join(plan.hbm_names)}"
-                  f" --memory.host_names={','.join(plan.host_names)}"
+  lines.append(f"  policy: --remat_policy.remat={plan.policy}"
+               + (f" --remat_policy.hbm_names={','.join(plan.hbm_names)}"
+                  f" --remat_policy.host_names={','.join(plan.host_names)}"
                   if plan.policy == "tiered" else ""))
   return "\n".join(lines)
 

@@ -6,7 +6,7 @@ gradient accumulation, AdamW update). Its inputs are `jax.ShapeDtypeStruct`s car
 the run's shardings: parameters from `state.abstract_arrays`, the optimizer state from
 `jax.eval_shape(optimizer.init)` with `Trainer.optimizer_sharding`, the batch with
 `Trainer.batch_sharding`. No weight is ever materialised. What is compiled is the run's
-configuration with the choices of `hylora.dry_run_setup` (capacity factor, kernels
+configuration with the choices of `hylora.plan.dry_run_setup` (capacity factor, kernels
 whose CPU lowering allocates what the GPU kernels allocate, XLA:CPU flags).
 
 Memory figures (bytes per device):
@@ -35,14 +35,14 @@ import time
 import jax
 import numpy as np
 
-from hylora import param_count
-from hylora.config import Config
-from hylora.compiled_program import (captured_stderr, involuntary_replications,  # noqa: F401
+from hylora.plan import param_count
+from hylora.core.config import Config
+from hylora.plan.compiled_program import (captured_stderr, involuntary_replications,  # noqa: F401
                                      largest_values)
-from hylora.dry_run_setup import (dry_run_config, implementations, set_xla_flags,  # noqa: F401
+from hylora.plan.dry_run_setup import (dry_run_config, implementations, set_xla_flags,  # noqa: F401
                                    stand_ins)
-from hylora.dry_run_text import format_report, format_sweep  # noqa: F401
-from hylora.errors import ConfigError
+from hylora.plan.dry_run_report import format_report, format_sweep  # noqa: F401
+from hylora.core.errors import ConfigError
 from hylora.train import state as st
 from hylora.train.step import BATCH_KEYS
 
@@ -127,7 +127,7 @@ def tokens_per_device(batch: dict) -> int:
 def micro_batch_tokens(cfg: Config, mesh) -> int:
   """Tokens of one micro-batch on one device, as the memory planner counts them (the
   activation rules applied to a micro-batch's [rows, seq])."""
-  from hylora.memory_sizes import tokens_per_device as planned
+  from hylora.plan.save_point_sizes import tokens_per_device as planned
   return planned(cfg, dict(mesh.shape))
 
 
@@ -156,9 +156,9 @@ def xla_bytes(compiled) -> dict:
 
 def memory_plan(cfg: Config, mesh, device_memory: float) -> dict | None:
   """The memory planner's GPU-side prediction for this policy and its best plan, when
-  `hylora.memory_plan` is present (None otherwise; its failure is reported, not raised)."""
+  `hylora.plan.remat_planner` is present (None otherwise; its failure is reported, not raised)."""
   try:
-    from hylora import memory_plan as planner
+    from hylora.plan import remat_planner as planner
   except ImportError:
     return None
   shape = (mesh.shape["fsdp"], mesh.shape["expert"])
@@ -204,11 +204,11 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
             compile_step: bool = True) -> dict:
   """Builds the mesh, compiles the step from abstract inputs, returns the report."""
   from hylora.train.trainer import Trainer
-  from meshes.mesh import build_mesh
+  from hylora.train.mesh import run_mesh
 
   cfg = cfg.validate()
   check_devices(cfg)
-  mesh = build_mesh(cfg.mesh)
+  mesh = run_mesh(cfg.mesh)
   trainer = Trainer(cfg, mesh)
   lora, opt_state, frozen, batch = abstract_inputs(trainer)
   counts = param_count.count_params(cfg, lora, frozen)

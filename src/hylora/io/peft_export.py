@@ -1,7 +1,7 @@
 """LoRA adapters out in the PEFT layout, optionally with merged base weights.
 
 `adapter_model.safetensors` holds, for every adapted module of the Hugging Face layout
-(names from hylora.hf_names),
+(names from hylora.io.hf_names),
   base_model.model.<module>.lora_A.weight  [r, in]   (A transposed, in = flattened input)
   base_model.model.<module>.lora_B.weight  [out, r]  (B transposed)
 so that PEFT computes W x + (lora_alpha / r) * B A x, exactly the model's adapter.
@@ -17,7 +17,7 @@ so that PEFT computes W x + (lora_alpha / r) * B A x, exactly the model's adapte
   `hylora_whole_tensors` (PEFT itself ignores them).
 
 `merge=True` also writes `merged/`: the full model in the HF layout with every adapted
-weight replaced by base + scale * B A (hylora.hf_weights.save), loadable as base weights.
+weight replaced by base + scale * B A (hylora.io.hf_weights.save), loadable as base weights.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from hylora import hf_weights
-from hylora.config import Config
-from hylora.hf_names import Leaf, plan
+from hylora.io import hf_weights
+from hylora.core.config import Config
+from hylora.io.hf_names import Leaf, plan
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"

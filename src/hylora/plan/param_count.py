@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hylora.config import Config
+from hylora.core.config import Config
 
 KINDS = ("experts", "shared_experts", "dense_ffn", "attention", "router", "norms",
          "embeddings", "vision", "other")

@@ -7,7 +7,7 @@ import json
 import typing
 from typing import Any, Iterator
 
-from hylora.errors import ConfigError
+from hylora.core.errors import ConfigError
 
 
 def iter_fields(cfg, prefix: str = "") -> Iterator[tuple[str, type, Any]]:

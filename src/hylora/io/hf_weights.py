@@ -4,7 +4,7 @@ them into the sharded model, and writing a model out in the same layout.
 Loading is lazy and local: every parameter is built with `jax.make_array_from_callback`,
 which asks only for the slices this process's devices own; each slice is read from the
 memory-mapped shards with `safe_open(...).get_slice`, so no host ever holds the whole
-model. Names and layouts come from the one table in `hylora.hf_names`. Every problem
+model. Names and layouts come from the one table in `hylora.io.hf_names`. Every problem
 with the folder is a `WeightsError` naming the tensor (and file) at fault.
 """
 
@@ -22,9 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from hylora.config import Config
-from hylora.errors import ConfigError, WeightsError
-from hylora.hf_names import Leaf, plan
+from hylora.core.config import Config
+from hylora.core.errors import ConfigError, WeightsError
+from hylora.io.hf_names import Leaf, plan
 
 INDEX_FILE = "model.safetensors.index.json"
 ACCEPTED_DTYPES = ("BF16", "F16", "F32")  # cast to the parameter's dtype on load
@@ -99,7 +99,7 @@ def check(files: CheckpointFiles, leaves: list[Leaf], extra: list[Leaf] = ()) ->
     leaf = need.get(name) or may.get(name)
     if leaf is None:
       raise WeightsError(f"unexpected tensor {name!r} in {file}: no model parameter maps to it "
-                         "(see the table in hylora.hf_names; check the model config)")
+                         "(see the table in hylora.io.hf_names; check the model config)")
     want = leaf.tensor_shape()
     if shape != want:
       raise WeightsError(f"tensor {name!r} in {file}: shape {list(shape)}, but the model expects "
@@ -242,7 +242,7 @@ def check_config(directory: Path, cfg: Config) -> None:
 
 def hf_config(cfg: Config) -> dict:
   """The config.json written next to exported weights."""
-  from hylora.overrides import to_dict
+  from hylora.core.overrides import to_dict
 
   out = {key: _field(cfg, field) for key, field in CONFIG_KEYS.items()}
   out.update({"architectures": ["HybridLMForCausalLM"], "model_type": "hylora_hybrid",

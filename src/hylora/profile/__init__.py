@@ -1,0 +1,1 @@
+"""Profiling on the device: compiled schedules, device traces, profile-guided recompiles."""
