@@ -46,6 +46,7 @@ from hylora.profile import hlo_schedule
 from hylora.profile.pgle import compile_with_profile
 from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
+from hylora.model.execution import Execution
 from hylora.model.ffn import expert_parallel as ep
 from hylora.model.ffn.moe import MoE
 from hylora.model.init import ParamInit
@@ -227,11 +228,12 @@ def _with_chunks(cfg, c):
 def _layer_fwd_bwd(cfg, mesh):
   """jit(value_and_grad) of the MoE module in (lora, x, rest, probe): input and LoRA
   gradients, the output and the dropped-token count as aux."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: MoE(cfg, init=ParamInit(0))))
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: MoE(cfg.model, cfg.lora, init=ParamInit(0))))
   b, t = cfg.train.batch_size, cfg.train.seq_len
 
   def loss(lora, x, rest, probe):
-    ctx = ForwardContext(jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32))
+    ctx = ForwardContext(jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32),
+                         execution=Execution(cfg.kernels, cfg.memory))
     y, aux = nnx.merge(graphdef, lora, rest)(x, ctx)
     return jnp.sum((y * probe).astype(jnp.float32)), (y, aux["dropped_tokens"])
 
@@ -242,7 +244,7 @@ def _layer_fwd_bwd(cfg, mesh):
 
 
 def _layer_shardings(cfg, mesh):
-  abstract = nnx.eval_shape(lambda: MoE(cfg, init=ParamInit(0)))
+  abstract = nnx.eval_shape(lambda: MoE(cfg.model, cfg.lora, init=ParamInit(0)))
   params = [state_shardings(s, mesh) for s in nnx.split(abstract, LoRAParam, ...)[1:]]
   b, t = cfg.train.batch_size, cfg.train.seq_len
   spec = logical_to_spec(("batch", "seq"), (b, t), mesh, ACTIVATION_RULES)
@@ -255,7 +257,7 @@ def bench_layer(cfg, mesh, chunks: list[int], repeats: int, pgle: bool = False) 
   (hylora.profile.pgle) and timed again: XLA's scheduler then knows what the expert kernels cost."""
 
   def make():
-    layer = MoE(cfg, init=ParamInit(0))
+    layer = MoE(cfg.model, cfg.lora, init=ParamInit(0))
     if layer.experts.lora_b is not None:
       layer.experts.lora_b[...] = ParamInit(1).normal(layer.experts.lora_b.shape, 0.02)
     return nnx.split(layer, LoRAParam, ...)[1:]
@@ -296,7 +298,7 @@ def schedule_layer(cfg, mesh, chunks: list[int], hlo_dir: str | None = None) -> 
   compute XLA scheduled inside each asynchronous one. Runs wherever the mesh's devices
   can be compiled for, e.g. one GPU standing in for 8 (JAX_MOCK_GPU_TOPOLOGY=1x8x1)."""
   (lora_s, rest_s), x_sharding = _layer_shardings(cfg, mesh)
-  abstract = nnx.eval_shape(lambda: MoE(cfg, init=ParamInit(0)))
+  abstract = nnx.eval_shape(lambda: MoE(cfg.model, cfg.lora, init=ParamInit(0)))
   lora, rest = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              state, shardings)
                 for state, shardings in zip(nnx.split(abstract, LoRAParam, ...)[1:],

@@ -121,10 +121,12 @@ def part_inputs(cfg):
   import jax.numpy as jnp
 
   from hylora.model.context import ForwardContext
+  from hylora.model.execution import Execution
   b, s, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
   x = jax.random.normal(jax.random.key(0), (b, s, d), jnp.float32).astype(jnp.bfloat16)
   segments = jnp.zeros((b, s), jnp.int32)
-  return x, ForwardContext(segments, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  return x, ForwardContext(segments, positions, execution=Execution(cfg.kernels, cfg.memory))
 
 
 def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:

@@ -34,7 +34,7 @@ def two_layer_config(**train) -> Config:
 
 @functools.cache
 def _small_model_parts():
-  build = lambda: HybridLM(small_config(), init=ParamInit(0))
+  build = lambda: HybridLM(small_config().model, small_config().lora, init=ParamInit(0))
   graphdef, _ = nnx.split(nnx.eval_shape(build))
   # One compiled initialiser rather than hundreds of eager ones; built once per process,
   # and the tests that use it share its compile through the persistent cache.
@@ -42,7 +42,7 @@ def _small_model_parts():
 
 
 def small_model() -> HybridLM:
-  """HybridLM(small_config(), init=ParamInit(0)): its initial weights (B factors zero),
+  """HybridLM(small_config().model, small_config().lora, init=ParamInit(0)): its initial weights (B factors zero),
   as a fresh module over shared arrays."""
   graphdef, state = _small_model_parts()
   return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))

@@ -63,7 +63,7 @@ def test_route_to_slots_spreads_a_replicated_expert_over_its_copies():
 
 
 def _skewed_layer(cfg):
-  layer = MoE(cfg, init=ParamInit(0))
+  layer = MoE(cfg.model, cfg.lora, init=ParamInit(0))
   init = ParamInit(1)
   for b in (layer.experts.lora_b, layer.shared.gate_up.lora_b):
     b[...] = init.normal(b.shape, 0.5)

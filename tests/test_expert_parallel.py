@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hylora.core.config import MeshConfig, MoEConfig
+from hylora.core.config import KernelConfig, MeshConfig, MoEConfig
 from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import expert_parallel as ep
@@ -33,7 +33,7 @@ def _config(dispatch, **moe):
 
 def _layer(cfg):
   def build():
-    layer = MoE(cfg, init=ParamInit(0))
+    layer = MoE(cfg.model, cfg.lora, init=ParamInit(0))
     init = ParamInit(1)  # non-zero B: the adapters matter and A gets gradients
     for b in (layer.experts.lora_b, layer.shared.gate_up.lora_b):
       b[...] = init.normal(b.shape, 0.5)
@@ -133,7 +133,7 @@ def test_small_capacity_drops_exactly_the_documented_pairs(transport, monkeypatc
   assert cap < n // 8 * k  # the capacity really binds
   keep = _expected_kept(slots, 8, 1, 4, e // 4, cap)
   assert 0 < (~keep).sum() and (~keep.any(axis=1)).any()  # some tokens lose every pair
-  w, opts = layer.experts.weights(), layer.experts.options()
+  w, opts = layer.experts.weights(), layer.experts.options(KernelConfig())
 
   @jax.jit
   def run(x, weights, slots):
@@ -152,7 +152,7 @@ def _all_to_all_count(chunks):
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   cfg = _config("ep_alltoall", overlap_chunks=chunks)
   layer = _layer(cfg)
-  w, opts = layer.experts.weights(), layer.experts.options()
+  w, opts = layer.experts.weights(), layer.experts.options(KernelConfig())
   x = jnp.zeros((64, cfg.model.d_model))
   weights = jnp.ones((64, 2))
   slots = jnp.zeros((64, 2), jnp.int32)

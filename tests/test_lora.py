@@ -22,14 +22,14 @@ def _ctx(b, t):
 
 @pytest.fixture(scope="module")
 def adapted():
-  """HybridLM(small_config(), init=ParamInit(0)): the model with its initial adapters."""
+  """HybridLM(small_config().model, small_config().lora, init=ParamInit(0)): the model with its initial adapters."""
   return small_model()
 
 
 def test_step0_adapted_model_reproduces_the_base_model_exactly(adapted):
   cfg = small_config()
   base_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, targets=()))
-  base = nnx.eval_shape(lambda: HybridLM(base_cfg, init=ParamInit(0)))
+  base = nnx.eval_shape(lambda: HybridLM(base_cfg.model, base_cfg.lora, init=ParamInit(0)))
   assert not jax.tree.leaves(nnx.state(base, LoRAParam))
   nnx.update(base, nnx.state(adapted, nnx.Not(LoRAParam)))
   tokens = jax.random.randint(jax.random.key(0), (2, 64), 0, cfg.model.vocab_size)
@@ -40,7 +40,8 @@ def test_step0_adapted_model_reproduces_the_base_model_exactly(adapted):
 
 
 def test_adapters_are_fp32_base_is_bf16_and_b_starts_at_zero(adapted):
-  model = nnx.eval_shape(lambda: HybridLM(small_config(), init=ParamInit(0)))
+  model = nnx.eval_shape(lambda: HybridLM(small_config().model, small_config().lora,
+                                              init=ParamInit(0)))
   lora = nnx.to_flat_state(nnx.state(model, LoRAParam))
   frozen = nnx.to_flat_state(nnx.state(model, nnx.Not(LoRAParam)))
   assert lora and all(v.dtype == jnp.float32 for _, v in lora)

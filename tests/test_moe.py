@@ -16,7 +16,7 @@ def _moe_with_trained_adapters(seed=0):
   cfg = small_config()
 
   def build():
-    moe = MoE(cfg, init=ParamInit(seed))
+    moe = MoE(cfg.model, cfg.lora, init=ParamInit(seed))
     # Non-zero B so the adapters change the output and A receives gradients.
     init = ParamInit(seed + 1)
     for b in (moe.experts.lora_b, moe.shared.gate_up.lora_b):

@@ -11,7 +11,7 @@ from flax import nnx
 
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
-from hylora.model import HybridLM, LoRAParam
+from hylora.model import Execution, HybridLM, LoRAParam
 from hylora.model.init import ParamInit
 from hylora.model.residual import DepthMixResidual
 from hylora.data.sources import Packer, make_source
@@ -40,11 +40,11 @@ def _loss_fn(cfg, batch):
   """jitted (mix weights [W + 1] for every layer) -> (loss, its gradient); the model is
   built inside."""
   def loss(weights):
-    model = HybridLM(cfg, init=ParamInit(0))
+    model = HybridLM(cfg.model, cfg.lora, init=ParamInit(0))
     graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
     lora = jax.tree.map_with_path(
         lambda p, x: jnp.broadcast_to(weights, x.shape) if "residual" in str(p) else x, lora)
-    loss_sum, count, _ = nnx.merge(graphdef, lora, rest).loss_terms(batch)
+    loss_sum, count, _ = nnx.merge(graphdef, lora, rest).loss_terms(batch, execution=Execution(cfg.kernels, cfg.memory))
     return loss_sum / count
   return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)
 
@@ -63,9 +63,9 @@ def test_depth_mix_starts_as_the_plain_residual_and_its_weights_learn(batch):
 
 
 def test_history_holds_earlier_outputs_newest_first():
-  mod = DepthMixResidual(_cfg("depth_mix"), init=ParamInit(0))
+  mod = DepthMixResidual(_cfg("depth_mix").model, init=ParamInit(0))
   x0 = jnp.ones((1, 2, 4), jnp.bfloat16)
-  stream = DepthMixResidual.start(_cfg("depth_mix"), x0)
+  stream = DepthMixResidual.start(_cfg("depth_mix").model, x0)
   stream = mod.update(stream, 2 * x0)  # layer 0: input x0, output 2 x0
   stream = mod.update(stream, 3 * x0)  # layer 1: input 2 x0, output 3 x0
   x, history = stream

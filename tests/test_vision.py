@@ -83,16 +83,20 @@ def _with_targets(cfg, targets):
   return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, targets=targets))
 
 
+def _tower(cfg, init):
+  return VisionTower(cfg.model, cfg.lora, init=init)
+
+
 def test_encoder_frozen_by_default_and_adapted_by_option():
   cfg = small_config()  # default targets: the LM's q, k, v, o, gate_up
-  default = nnx.eval_shape(lambda: VisionTower(cfg, init=ParamInit(0)))
+  default = nnx.eval_shape(lambda: _tower(cfg, init=ParamInit(0)))
   assert not jax.tree.leaves(nnx.state(default, LoRAParam))
   assert jax.tree.leaves(nnx.state(default, nnx.Param))
-  opted = nnx.eval_shape(lambda: VisionTower(
+  opted = nnx.eval_shape(lambda: _tower(
       _with_targets(cfg, cfg.lora.targets + ("vision.*",)), init=ParamInit(0)))
   adapted = {str(path[-2]) for path, _ in nnx.to_flat_state(nnx.state(opted, LoRAParam))}
   assert adapted == {"q", "k", "v", "o", "fc1", "fc2", "patch_embed", "proj_in", "proj_out"}
-  only_attention = nnx.eval_shape(lambda: VisionTower(
+  only_attention = nnx.eval_shape(lambda: _tower(
       _with_targets(cfg, ("vision.q", "vision.v")), init=ParamInit(0)))
   adapted = {str(path[-2]) for path, _ in
              nnx.to_flat_state(nnx.state(only_attention, LoRAParam))}
@@ -101,7 +105,7 @@ def test_encoder_frozen_by_default_and_adapted_by_option():
 
 def test_vision_weights_are_fsdp_sharded():
   cfg = small_config()
-  tower = nnx.eval_shape(lambda: VisionTower(cfg, init=ParamInit(0)))
+  tower = nnx.eval_shape(lambda: _tower(cfg, init=ParamInit(0)))
   vision = nnx.to_pure_dict(state_shardings(nnx.state(tower), build_mesh(cfg.mesh)))
   assert vision["encoder"]["blocks"]["fc1"]["kernel"].spec == P(None, ("fsdp", "expert"), None)
   assert vision["encoder"]["blocks"]["q"]["kernel"].spec == P(None, ("fsdp", "expert"), None,
@@ -116,7 +120,8 @@ def test_enabling_vision_leaves_the_language_model_weights_unchanged():
 
   @functools.partial(jax.jit, static_argnums=0)
   def first_and_last_lm_weights(with_vision):
-    model = HybridLM(cfg if with_vision else off, init=ParamInit(3))
+    chosen = cfg if with_vision else off
+    model = HybridLM(chosen.model, chosen.lora, init=ParamInit(3))
     return model.embed[...], model.lm_head[...]  # the LM's first and last draws
 
   for a, b in zip(first_and_last_lm_weights(True), first_and_last_lm_weights(False)):
@@ -124,6 +129,6 @@ def test_enabling_vision_leaves_the_language_model_weights_unchanged():
 
 
 def test_2p8t_encoder_is_about_0p4b():
-  tower = nnx.eval_shape(lambda: VisionTower(get_preset("2p8t"), init=ParamInit(0)))
+  tower = nnx.eval_shape(lambda: _tower(get_preset("2p8t"), init=ParamInit(0)))
   count = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(tower)))
   assert 0.35e9 < count < 0.45e9

@@ -12,7 +12,7 @@ from hylora.model.init import ParamInit
 
 from meshes import logical_axes as ax
 from hylora.core import save_points
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.aux import merge_aux
 from hylora.model.ffn import FFNS
 from hylora.model.mixers import MIXERS
@@ -22,18 +22,19 @@ from meshes.rules import constrain
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: Config, mixer: str, ffn: str, *, init: ParamInit):
-    d, eps = cfg.model.d_model, cfg.model.norm_eps
-    self.model_cfg = cfg.model
-    self.residual = RESIDUALS[cfg.model.residual](cfg, init=init)
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, mixer: str, ffn: str, *,
+               init: ParamInit):
+    d, eps = m.d_model, m.norm_eps
+    self.model_cfg = m
+    self.residual = RESIDUALS[m.residual](m, init=init)
     self.mixer_norm = RMSNorm(d, ax.EMBED, eps=eps)
-    self.mixer = MIXERS[mixer](cfg, init=init)
+    self.mixer = MIXERS[mixer](m, lora, init=init)
     self.ffn_norm = RMSNorm(d, ax.EMBED, eps=eps)
-    self.ffn = FFNS[ffn](cfg, init=init)
+    self.ffn = FFNS[ffn](m, lora, init=init)
 
   def __call__(self, stream, ctx):
     names = (ax.BATCH, ax.SEQ, ax.EMBED)
-    x = save_points.tag(constrain(self.residual.block_input(stream), names), save_points.LAYER_INPUT)
+    x = save_points.tag(constrain(self.residual.block_input(stream, ctx), names), save_points.LAYER_INPUT)
     h, mixer_aux = self.mixer(save_points.tag(self.mixer_norm(x), save_points.MIXER_NORM), ctx)
     x = constrain(x + h, names)
     h, ffn_aux = self.ffn(save_points.tag(self.ffn_norm(x), save_points.FFN_NORM), ctx)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from meshes import logical_axes as ax
 from hylora import ops
-from hylora.core.config import Config
+from hylora.core.config import ModelConfig
 from hylora.model.init import ParamInit, logical
 from hylora.model.lora import LoRAParam
 from meshes.rules import constrain
@@ -29,18 +29,18 @@ _X = (ax.BATCH, ax.SEQ, ax.EMBED)
 class AddResidual(nnx.Module):
   """The usual pre-norm residual: the stream is x itself."""
 
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    del cfg, init
+  def __init__(self, m: ModelConfig, *, init: ParamInit):
+    del m, init
 
   @staticmethod
-  def start(cfg: Config, x: jax.Array):
+  def start(m: ModelConfig, x: jax.Array):
     return x
 
   @staticmethod
   def finish(stream) -> jax.Array:
     return stream
 
-  def block_input(self, stream) -> jax.Array:
+  def block_input(self, stream, ctx) -> jax.Array:
     return stream
 
   def update(self, stream, out: jax.Array):
@@ -54,24 +54,22 @@ class DepthMixResidual(nnx.Module):
   "add" residual; they are tiny and train with the LoRA adapters.
   """
 
-  def __init__(self, cfg: Config, *, init: ParamInit):
+  def __init__(self, m: ModelConfig, *, init: ParamInit):
     del init
-    window = cfg.model.residual_window
-    self.weights = LoRAParam(jnp.zeros((window + 1,), jnp.float32).at[0].set(1.0),
+    self.weights = LoRAParam(jnp.zeros((m.residual_window + 1,), jnp.float32).at[0].set(1.0),
                              **logical(None))
-    self.kernels = cfg.kernels
 
   @staticmethod
-  def start(cfg: Config, x: jax.Array):
-    return x, jnp.zeros((cfg.model.residual_window, *x.shape), x.dtype)
+  def start(m: ModelConfig, x: jax.Array):
+    return x, jnp.zeros((m.residual_window, *x.shape), x.dtype)
 
   @staticmethod
   def finish(stream) -> jax.Array:
     return stream[0]
 
-  def block_input(self, stream) -> jax.Array:
+  def block_input(self, stream, ctx) -> jax.Array:
     x, history = stream
-    mix = ops.resolve("residual_mix", self.kernels)
+    mix = ops.resolve("residual_mix", ctx.execution.kernels)
     return constrain(mix(x, history, self.weights[...]), _X)
 
   def update(self, stream, out: jax.Array):

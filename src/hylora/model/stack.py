@@ -20,7 +20,7 @@ from hylora.model.init import ParamInit
 
 from meshes import logical_axes as ax
 from hylora.model import remat_policy
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.layer import DecoderLayer
 from hylora.model.residual import RESIDUALS
 
@@ -38,27 +38,29 @@ def plan_segments(kinds: list[tuple[str, str]], period: int):
 
 
 class Period(nnx.Module):
-  def __init__(self, cfg: Config, kinds, *, init: ParamInit):
-    self.layers = nnx.List([DecoderLayer(cfg, mixer, ffn, init=init) for mixer, ffn in kinds])
-    self.memory = cfg.memory
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, kinds, *, init: ParamInit):
+    self.layers = nnx.List([DecoderLayer(m, lora, mixer, ffn, init=init)
+                            for mixer, ffn in kinds])
 
   def __call__(self, x, ctx, first_layer):
     auxes = []
     for i, layer in enumerate(self.layers):
       layer_ctx = ctx.for_layer(first_layer + i)
-      x, aux = remat_policy.wrap(lambda x, layer=layer, c=layer_ctx: layer(x, c), self.memory)(x)
+      x, aux = remat_policy.wrap(lambda x, layer=layer, c=layer_ctx: layer(x, c),
+                                ctx.execution.memory)(x)
       auxes.append(aux)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
 
 class Segment(nnx.Module):
-  def __init__(self, cfg: Config, kinds, repeats: int, *, init: ParamInit):
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, kinds, repeats: int, *,
+               init: ParamInit):
     self.period_len = len(kinds)
     self.repeats = repeats
 
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(seed):
-      return Period(cfg, kinds, init=ParamInit(seed))
+      return Period(m, lora, kinds, init=ParamInit(seed))
 
     self.periods = make(init.fork(repeats))
 
@@ -76,12 +78,12 @@ class Segment(nnx.Module):
 
 
 class LayerStack(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    kinds = cfg.model.layer_kinds()
-    self.plan = plan_segments(kinds, len(cfg.model.pattern))
-    self.residual = RESIDUALS[cfg.model.residual]  # the stream the layers carry
-    self.cfg = cfg
-    self.segments = nnx.List([Segment(cfg, chunk, repeats, init=init)
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    kinds = m.layer_kinds()
+    self.plan = plan_segments(kinds, len(m.pattern))
+    self.residual = RESIDUALS[m.residual]  # the stream the layers carry
+    self.cfg = m
+    self.segments = nnx.List([Segment(m, lora, chunk, repeats, init=init)
                               for chunk, repeats in self.plan])
 
   def __call__(self, x, ctx):

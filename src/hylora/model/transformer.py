@@ -10,9 +10,10 @@ from hylora.model.init import ParamInit, logical, weight_std
 
 from meshes import logical_axes as ax
 from hylora import ops
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
+from hylora.model.execution import Execution
 from hylora.model.norms import RMSNorm
 from hylora.model.stack import LayerStack
 from hylora.model.vision.tower import build_vision
@@ -22,17 +23,16 @@ IGNORE_INDEX = -100
 
 
 class HybridLM(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    m = cfg.model
-    self.cfg = cfg
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    self.cfg = m
     emb = init.normal((m.vocab_size, m.d_model), m.init_std or 1.0, jnp.dtype(m.weight_dtype))
     self.embed = nnx.Param(emb, **logical(ax.VOCAB, ax.EMBED))
-    self.stack = LayerStack(cfg, init=init)
+    self.stack = LayerStack(m, lora, init=init)
     self.final_norm = RMSNorm(m.d_model, ax.EMBED, eps=m.norm_eps)
     head = init.normal((m.d_model, m.vocab_size), weight_std(m.init_std, m.d_model),
                        jnp.dtype(m.weight_dtype))
     self.lm_head = nnx.Param(head, **logical(ax.EMBED, ax.VOCAB))
-    self.vision = build_vision(cfg, init)  # built last: the LM's weights do not depend on it
+    self.vision = build_vision(m, lora, init)  # built last: the LM's weights do not depend on it
 
   def hidden(self, tokens: jax.Array, ctx: ForwardContext, images=None, image_positions=None):
     """tokens [B, T] -> (final hidden [B, T, d] bf16, aux stacked over layers).
@@ -44,7 +44,7 @@ class HybridLM(nnx.Module):
       if self.vision is None:
         raise ConfigError("model.vision.enabled: the batch carries images but the model has "
                           "no vision tower")
-      x = self.vision(x, images, image_positions, ctx.dropout_key)
+      x = self.vision(x, images, image_positions, ctx)
     x = constrain(x, (ax.BATCH, ax.SEQ, ax.EMBED))
     x, aux = self.stack(x, ctx)
     return self.final_norm(x), aux
@@ -54,16 +54,17 @@ class HybridLM(nnx.Module):
     h, _ = self.hidden(tokens, ctx, images, image_positions)
     return jnp.einsum("btd,dv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
-  def loss_terms(self, batch: dict, dropout_key=None):
+  def loss_terms(self, batch: dict, dropout_key=None, execution: Execution = Execution()):
     """(summed token loss, counted tokens, aux) for a packed batch.
 
     batch: tokens, labels (IGNORE_INDEX where masked), segment_ids, positions, all [B, T];
-    optionally images and image_positions (see `hidden`).
+    optionally images and image_positions (see `hidden`). `execution`: kernel choices and
+    the remat policy.
     """
-    ctx = ForwardContext(batch["segment_ids"], batch["positions"], dropout_key)
+    ctx = ForwardContext(batch["segment_ids"], batch["positions"], dropout_key, execution)
     h, aux = self.hidden(batch["tokens"], ctx, batch.get("images"), batch.get("image_positions"))
     b, t, d = h.shape
-    ce = ops.resolve("cross_entropy", self.cfg.kernels)
+    ce = ops.resolve("cross_entropy", execution.kernels)
     loss_sum, count = ce(h.reshape(b * t, d), self.lm_head[...], batch["labels"].reshape(-1),
                          ignore_index=IGNORE_INDEX)
     return loss_sum, count, aux

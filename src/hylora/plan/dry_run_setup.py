@@ -62,8 +62,7 @@ def set_xla_flags() -> None:
 def dry_run_config(cfg: Config, explicit=()) -> Config:
   """The configuration a dry run compiles (see the module doc); fields named in
   `explicit` (the command line's overrides) are left as given."""
-  from hylora.model.ffn.dispatch import DISPATCHERS
-  from hylora.model.ffn import moe  # noqa: F401  (registers every dispatcher)
+  from hylora.model.ffn.dispatchers import DISPATCHERS
 
   if cfg.mesh.devices <= 0:
     if cfg.mesh.fsdp < 1:

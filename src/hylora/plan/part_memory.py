@@ -20,6 +20,7 @@ from flax import nnx
 from hylora.core.config import Config
 from hylora.model import LoRAParam
 from hylora.model.context import ForwardContext
+from hylora.model.execution import Execution
 from hylora.model.ffn import FFNS
 from hylora.model.init import ParamInit
 from hylora.model.mixers import MIXERS
@@ -42,11 +43,12 @@ def compiled_part(cfg: Config, part: str, batch: int, seq: int):
   table = MIXERS if part in MIXERS else FFNS
   if part not in table:
     raise ValueError(f"part: unknown {part!r}; choose from {sorted(MIXERS) + sorted(FFNS)}")
-  module = nnx.eval_shape(lambda: table[part](cfg, init=ParamInit(0)))
+  module = nnx.eval_shape(lambda: table[part](cfg.model, cfg.lora, init=ParamInit(0)))
   graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
   x = jax.ShapeDtypeStruct((batch, seq, cfg.model.d_model), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  return part_gradients(graphdef).lower(lora, x, rest, ForwardContext(rows, rows)).compile()
+  ctx = ForwardContext(rows, rows, execution=Execution(cfg.kernels, cfg.memory))
+  return part_gradients(graphdef).lower(lora, x, rest, ctx).compile()
 
 
 def part_temp_bytes(cfg: Config, part: str, tokens: int) -> int:

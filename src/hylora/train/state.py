@@ -35,7 +35,7 @@ def _filled(template: nnx.State, values: dict) -> nnx.State:
 
 
 def _build(cfg: Config, seed: int) -> HybridLM:
-  return HybridLM(cfg, init=ParamInit(seed))
+  return HybridLM(cfg.model, cfg.lora, init=ParamInit(seed))
 
 
 def model_parts(cfg: Config, seed: int = 0) -> ModelParts:

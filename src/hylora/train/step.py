@@ -9,7 +9,7 @@ import optax
 from flax import nnx
 
 from hylora.core.config import Config
-from hylora.model import IGNORE_INDEX
+from hylora.model import IGNORE_INDEX, Execution
 from hylora.train import expert_sites
 from hylora.train.state import ModelParts
 
@@ -30,10 +30,11 @@ def make_loss_fn(cfg: Config, parts: ModelParts):
   moe_layers = _moe_layer_count(cfg)
   moe, accum = cfg.model.moe, cfg.train.grad_accum
   indexer_weight = cfg.model.sparse_attention.indexer_loss_weight
+  execution = Execution(kernels=cfg.kernels, memory=cfg.memory)
 
   def objective(lora, frozen, batch, total_tokens, dropout_key):
     model = parts.merge(lora, frozen)
-    loss_sum, count, aux = model.loss_terms(batch, dropout_key)
+    loss_sum, count, aux = model.loss_terms(batch, dropout_key, execution)
     aux_loss = jnp.sum(aux["moe_aux_loss"]) / moe_layers
     z_loss = jnp.sum(aux["moe_z_loss"]) / moe_layers
     indexer_kl = jnp.mean(aux["indexer_kl"])

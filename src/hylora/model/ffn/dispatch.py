@@ -3,35 +3,17 @@
 A dispatcher takes the flat tokens, the router's choices and the experts, and returns
 the weighted combination of expert outputs per token plus statistics. "dropless" is the
 single-program reference (sort by expert once, grouped matmuls, unsort, combine); the
-expert-parallel all-to-all pipelines register here too, chosen by `moe.dispatch`.
+expert-parallel all-to-all pipeline is `expert_parallel.ep_alltoall`. `dispatchers.py`
+names them for `moe.dispatch`.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from hylora.model.ffn.experts import expert_ffn
 from hylora.model.ffn.permute_rows import gather_rows, permute_rows
-
-DISPATCHERS: dict[str, Callable] = {}
-
-
-def register_dispatcher(name: str):
-  def deco(fn):
-    DISPATCHERS[name] = fn
-    return fn
-  return deco
-
-
-def get_dispatcher(name: str) -> Callable:
-  if name not in DISPATCHERS:
-    raise ValueError(f"model.moe.dispatch: unknown dispatcher {name!r}; "
-                     f"choose one of {sorted(DISPATCHERS)}")
-  return DISPATCHERS[name]
-
 
 def sort_by_expert(experts: jax.Array, num_experts: int):
   """experts [N, k] -> (order [N*k] permutation sorting pairs by expert, group_sizes [E]).
@@ -43,7 +25,6 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
   return order, group_sizes
 
 
-@register_dispatcher("dropless")
 def dropless(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
              options: dict, *, num_experts: int, dropout_key=None, moe=None):
   """x [N, d], weights/experts [N, k] -> (y [N, d], stats). `experts` are the slots of

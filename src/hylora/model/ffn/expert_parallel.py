@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from meshes import logical_axes as ax
 from hylora.core.config import MoEConfig
 from hylora.core.errors import ConfigError
-from hylora.model.ffn.dispatch import dropless, register_dispatcher
+from hylora.model.ffn.dispatch import dropless
 from hylora.model.ffn.experts import expert_ffn
 from hylora.model.ffn.permute_rows import gather_rows, permute_rows
 from meshes.rules import PARAM_RULES, current_mesh, logical_to_spec
@@ -241,7 +241,6 @@ def check_transport(transport: str, mesh) -> None:
                       f"{platform!r} does not implement; use 'padded' there")
 
 
-@register_dispatcher("ep_alltoall")
 def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
                 options: dict, *, num_experts: int, dropout_key=None,
                 moe: MoEConfig | None = None):

@@ -14,15 +14,14 @@ from hylora.model.init import ParamInit, logical, weight_std
 from meshes import logical_axes as ax
 from hylora import ops
 from hylora.core import save_points
-from hylora.core.config import Config
+from hylora.core.config import KernelConfig, LoRAConfig, ModelConfig
 from hylora.model.ffn.placement import initial_placement
 from hylora.model.lora import LoRAParam, dropout, wants_lora
 
 
 class RoutedExperts(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    m, moe, lora = cfg.model, cfg.model.moe, cfg.lora
-    self.kernels = cfg.kernels
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    moe = m.moe
     e, d, f = moe.experts, m.d_model, moe.expert_ffn
 
     # Drawn per expert, then stored per slot: spare slots start as copies (placement.py).
@@ -56,10 +55,11 @@ class RoutedExperts(nnx.Module):
       w["lora_a"], w["lora_b"] = self.lora_a[...], self.lora_b[...]
     return w
 
-  def options(self) -> dict:
+  def options(self, kernels: KernelConfig) -> dict:
+    """`expert_ffn`'s keyword arguments besides the weights."""
     if self.lora_a is None:
-      return {"kernels": self.kernels}
-    return {"kernels": self.kernels, "lora_scale": self.lora_scale,
+      return {"kernels": kernels}
+    return {"kernels": kernels, "lora_scale": self.lora_scale,
             "lora_dropout": self.lora_dropout, "shared_a": self.shared_a}
 
 

@@ -9,7 +9,7 @@ from hylora.model.init import ParamInit
 
 from meshes import logical_axes as ax
 from hylora.core import save_points
-from hylora.core.config import Config, LoRAConfig
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.lora import Linear
 
 
@@ -30,9 +30,8 @@ class SwiGLU(nnx.Module):
 class DenseFFN(nnx.Module):
   """The FFN of the first `dense_layers` layers."""
 
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    m = cfg.model
-    self.mlp = SwiGLU(m.d_model, m.dense_ffn, lora=cfg.lora, init_std=m.init_std, init=init,
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    self.mlp = SwiGLU(m.d_model, m.dense_ffn, lora=lora, init_std=m.init_std, init=init,
                       dtype=m.weight_dtype)
 
   def __call__(self, x: jax.Array, ctx):

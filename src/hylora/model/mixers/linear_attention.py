@@ -12,7 +12,7 @@ from hylora.model.init import ParamInit, logical
 from meshes import logical_axes as ax
 from hylora import ops
 from hylora.core import save_points
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.context import ForwardContext
 from hylora.model.lora import Linear
 from hylora.model.norms import rms_norm
@@ -20,14 +20,13 @@ from meshes.rules import constrain
 
 
 class LinearAttention(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    m, la = cfg.model, cfg.model.linear_attention
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    la = m.linear_attention
     self.cfg = la
-    self.kernels = cfg.kernels
     d, h, hd = m.d_model, la.heads, la.head_dim
     std = m.init_std
 
-    def proj(name, in_shape, out_shape, in_axes, out_axes, lora=cfg.lora):
+    def proj(name, in_shape, out_shape, in_axes, out_axes, lora=lora):
       return Linear(in_shape, out_shape, in_axes, out_axes, name=name, lora=lora, init=init,
                     init_std=std, dtype=m.weight_dtype)
 
@@ -60,10 +59,10 @@ class LinearAttention(nnx.Module):
     q, k, v, g = (constrain(t, names) for t in (q, k, v, g))
     if self.beta is not None:
       beta = save_points.tag(jax.nn.sigmoid(self.beta(x).astype(jnp.float32)), save_points.GATES)
-      kda = ops.resolve("linear_attention.kda", self.kernels)
+      kda = ops.resolve("linear_attention.kda", ctx.execution.kernels)
       o, _ = kda(q, k, v, g, beta, segment_ids=ctx.segment_ids)
     else:
-      gla = ops.resolve("linear_attention.gla", self.kernels)
+      gla = ops.resolve("linear_attention.gla", ctx.execution.kernels)
       o, _ = gla(q, k, v, g, segment_ids=ctx.segment_ids)
     o = save_points.tag(o, save_points.ATTENTION)
     out_gate = save_points.tag(

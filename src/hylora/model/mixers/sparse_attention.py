@@ -12,7 +12,7 @@ from hylora.model.init import ParamInit
 from meshes import logical_axes as ax
 from hylora import ops
 from hylora.core import save_points
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.context import ForwardContext
 from hylora.model.lora import Linear
 from hylora.model.rope import apply_rope
@@ -20,13 +20,12 @@ from meshes.rules import constrain
 
 
 class SparseAttention(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    m, sa = cfg.model, cfg.model.sparse_attention
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    sa = m.sparse_attention
     self.cfg = sa
-    self.kernels = cfg.kernels
     d, std = m.d_model, m.init_std
 
-    def proj(name, in_shape, out_shape, in_axes, out_axes, lora=cfg.lora):
+    def proj(name, in_shape, out_shape, in_axes, out_axes, lora=lora):
       return Linear(in_shape, out_shape, in_axes, out_axes, name=name, lora=lora, init=init,
                     init_std=std, dtype=m.weight_dtype)
 
@@ -55,14 +54,14 @@ class SparseAttention(nnx.Module):
     k_idx = apply_rope(self.index_k(x)[:, :, None, :], pos, sa.rope_theta)[:, :, 0, :]
     w = self.index_w(x).astype(jnp.float32) * (sa.index_heads ** -0.5)
     q_idx, k_idx, w = (save_points.tag(t, save_points.INDEXER) for t in (q_idx, k_idx, w))
-    topk = ops.resolve("sparse_attention.topk_indices", self.kernels)
+    topk = ops.resolve("sparse_attention.topk_indices", ctx.execution.kernels)
     # The selection carries no gradient: stop it at the inputs, so autodiff never
     # linearises the indexer kernel.
     q_sel, k_sel, w_sel = (jax.lax.stop_gradient(t) for t in (q_idx, k_idx, w))
     indices = save_points.tag(topk(q_sel, k_sel, w_sel, top_k=sa.top_k, segment_ids=ctx.segment_ids),
                         save_points.TOPK)
 
-    attend = ops.resolve("sparse_attention.attend", self.kernels)
+    attend = ops.resolve("sparse_attention.attend", ctx.execution.kernels)
     o = save_points.tag(attend(q, k, v, indices), save_points.ATTENTION)
     aux = {}
     if sa.indexer_loss_weight > 0:

@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from meshes import logical_axes as ax
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.init import ParamInit
 from hylora.model.lora import Linear
 from hylora.model.vision.layer_norm import LayerNorm
@@ -22,19 +22,19 @@ from meshes.rules import constrain
 _WIDTH, _HEADS, _HEAD_DIM, _MLP = ax.EMBED, ax.HEADS, ax.HEAD_DIM, ax.MLP
 
 
-def vision_linear(cfg: Config, name: str, in_shape, out_shape, in_axes, out_axes, *,
-                  init: ParamInit) -> Linear:
-  return Linear(in_shape, out_shape, in_axes, out_axes, name=f"vision.{name}", lora=cfg.lora,
-                init=init, init_std=cfg.model.init_std)
+def vision_linear(m: ModelConfig, lora: LoRAConfig | None, name: str, in_shape, out_shape,
+                  in_axes, out_axes, *, init: ParamInit) -> Linear:
+  return Linear(in_shape, out_shape, in_axes, out_axes, name=f"vision.{name}", lora=lora,
+                init=init, init_std=m.init_std)
 
 
 class EncoderBlock(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    v = cfg.model.vision
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    v = m.vision
     w, h, hd = v.width, v.heads, v.width // v.heads
 
     def lin(name, i, o, ia, oa):
-      return vision_linear(cfg, name, i, o, ia, oa, init=init)
+      return vision_linear(m, lora, name, i, o, ia, oa, init=init)
 
     self.attn_norm = LayerNorm(w)
     self.q = lin("q", (w,), (h, hd), (_WIDTH,), (_HEADS, _HEAD_DIM))

@@ -9,7 +9,7 @@ from flax import nnx
 
 from meshes import logical_axes as ax
 from hylora.model import remat_policy
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, MemoryConfig, ModelConfig
 from hylora.model.init import ParamInit, logical
 from hylora.model.vision.block import EncoderBlock, vision_linear
 from hylora.model.vision.layer_norm import LayerNorm
@@ -30,12 +30,11 @@ def normalize_pixels(tiles: jax.Array) -> jax.Array:
 
 
 class VisionEncoder(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    v = cfg.model.vision
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    v = m.vision
     self.cfg = v
-    self.memory = cfg.memory
     pixels = v.patch_size * v.patch_size * 3
-    self.patch_embed = vision_linear(cfg, "patch_embed", (pixels,), (v.width,), (None,),
+    self.patch_embed = vision_linear(m, lora, "patch_embed", (pixels,), (v.width,), (None,),
                                      (ax.EMBED,), init=init)
     self.row_position = nnx.Param(init.normal((v.grid, v.width), 0.02, jnp.bfloat16),
                                   **logical(None, ax.EMBED))
@@ -44,13 +43,15 @@ class VisionEncoder(nnx.Module):
 
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(seed):
-      return EncoderBlock(cfg, init=ParamInit(seed))
+      return EncoderBlock(m, lora, init=ParamInit(seed))
 
     self.blocks = make(init.fork(v.layers))
     self.final_norm = LayerNorm(v.width)
 
-  def __call__(self, tiles: jax.Array, dropout_key=None) -> jax.Array:
-    """tiles [N, S, S, 3] uint8 -> features [N, grid, grid, width]."""
+  def __call__(self, tiles: jax.Array, dropout_key=None,
+               memory: MemoryConfig = MemoryConfig()) -> jax.Array:
+    """tiles [N, S, S, 3] uint8 -> features [N, grid, grid, width]; each block under
+    `memory`'s remat policy."""
     v = self.cfg
     x = self.patch_embed(patchify(normalize_pixels(tiles), v.patch_size), dropout_key)
     pos = self.row_position[...][:, None, :] + self.col_position[...][None, :, :]
@@ -64,6 +65,6 @@ class VisionEncoder(nnx.Module):
       key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
       return nnx.merge(graphdef, block_state)(carry, key), None
 
-    x, _ = jax.lax.scan(remat_policy.wrap(body, self.memory), x, (state, jnp.arange(v.layers)))
+    x, _ = jax.lax.scan(remat_policy.wrap(body, memory), x, (state, jnp.arange(v.layers)))
     x = self.final_norm(x)
     return x.reshape(x.shape[0], v.grid, v.grid, v.width)

@@ -7,7 +7,7 @@ import jax
 from flax import nnx
 
 from meshes import logical_axes as ax
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.init import ParamInit
 from hylora.model.vision.block import vision_linear
 from hylora.model.vision.layer_norm import LayerNorm
@@ -22,14 +22,14 @@ def merge_patches(features: jax.Array, merge: int) -> jax.Array:
 
 
 class Projector(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    v, d = cfg.model.vision, cfg.model.d_model
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    v, d = m.vision, m.d_model
     merged = v.merge * v.merge * v.width
     self.merge = v.merge
     self.norm = LayerNorm(merged)
     # Its hidden width is d: it shards like an MLP width.
-    self.proj_in = vision_linear(cfg, "proj_in", (merged,), (d,), (None,), (ax.MLP,), init=init)
-    self.proj_out = vision_linear(cfg, "proj_out", (d,), (d,), (ax.MLP,), (ax.EMBED,), init=init)
+    self.proj_in = vision_linear(m, lora, "proj_in", (merged,), (d,), (None,), (ax.MLP,), init=init)
+    self.proj_out = vision_linear(m, lora, "proj_out", (d,), (d,), (ax.MLP,), (ax.EMBED,), init=init)
 
   def __call__(self, features: jax.Array, dropout_key=None) -> jax.Array:
     """[N, g, g, w] -> [N, tokens_per_tile, d]."""

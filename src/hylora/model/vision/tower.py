@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from hylora.core.config import Config
+from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.core.errors import DataError
 from hylora.model.init import ParamInit
 from hylora.model.vision.encoder import VisionEncoder
@@ -14,15 +14,15 @@ from hylora.model.vision.projector import Projector
 
 
 class VisionTower(nnx.Module):
-  def __init__(self, cfg: Config, *, init: ParamInit):
-    self.cfg = cfg.model.vision
-    self.encoder = VisionEncoder(cfg, init=init)
-    self.projector = Projector(cfg, init=init)
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+    self.cfg = m.vision
+    self.encoder = VisionEncoder(m, lora, init=init)
+    self.projector = Projector(m, lora, init=init)
 
-  def encode(self, tiles: jax.Array, dropout_key=None) -> jax.Array:
+  def encode(self, tiles: jax.Array, ctx) -> jax.Array:
     """tiles [N, S, S, 3] uint8 -> image tokens [N, tokens_per_tile, d]."""
-    key = None if dropout_key is None else jax.random.fold_in(dropout_key, 0x715)
-    return self.projector(self.encoder(tiles, key), key)
+    key = None if ctx.dropout_key is None else jax.random.fold_in(ctx.dropout_key, 0x715)
+    return self.projector(self.encoder(tiles, key, ctx.execution.memory), key)
 
   def check_shapes(self, x, images, image_positions) -> None:
     v = self.cfg
@@ -40,17 +40,18 @@ class VisionTower(nnx.Module):
       raise DataError(f"batch['images'] has {b} rows but the tokens have {x.shape[0]}")
 
   def __call__(self, x: jax.Array, images: jax.Array, image_positions: jax.Array,
-               dropout_key=None) -> jax.Array:
-    """x [B, T, d] embeddings; images [B, R, S, S, 3] uint8; image_positions [B, R, n]."""
+               ctx) -> jax.Array:
+    """x [B, T, d] embeddings; images [B, R, S, S, 3] uint8; image_positions [B, R, n];
+    ctx the ForwardContext (dropout key, remat policy)."""
     self.check_shapes(x, images, image_positions)
     b, r = images.shape[:2]
-    tokens = self.encode(images.reshape(b * r, *images.shape[2:]), dropout_key)
+    tokens = self.encode(images.reshape(b * r, *images.shape[2:]), ctx)
     return place_image_tokens(x, tokens.reshape(b, r, *tokens.shape[1:]), image_positions)
 
 
-def build_vision(cfg: Config, init: ParamInit):
+def build_vision(m: ModelConfig, lora: LoRAConfig | None, init: ParamInit):
   """The tower when model.vision.enabled, else None; its weights come from their own
   seed stream, so enabling it leaves every language-model weight unchanged."""
-  if not cfg.model.vision.enabled:
+  if not m.vision.enabled:
     return nnx.data(None)
-  return VisionTower(cfg, init=ParamInit(init.fork(1)[0]))
+  return VisionTower(m, lora, init=ParamInit(init.fork(1)[0]))

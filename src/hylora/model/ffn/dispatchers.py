@@ -1,0 +1,17 @@
+"""The dispatchers `model.moe.dispatch` names: how routed tokens reach their experts."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hylora.model.ffn.dispatch import dropless
+from hylora.model.ffn.expert_parallel import ep_alltoall
+
+DISPATCHERS: dict[str, Callable] = {"dropless": dropless, "ep_alltoall": ep_alltoall}
+
+
+def get_dispatcher(name: str) -> Callable:
+  if name not in DISPATCHERS:
+    raise ValueError(f"model.moe.dispatch: unknown dispatcher {name!r}; "
+                     f"choose one of {sorted(DISPATCHERS)}")
+  return DISPATCHERS[name]
