@@ -1,24 +1,28 @@
-"""GPU benchmark: Pallas chunked GLA vs the plain-JAX chunked reference (same run).
+"""GPU benchmark: Pallas chunked GLA (or KDA) vs the plain-JAX chunked reference and the
+peers, all in the same process.
 
-    PYTHONPATH=src:. python3 experiments/bench_linear_attention.py [--peers PEERS_SCRIPT]
+    PYTHONPATH=src:. python3 experiments/bench_linear_attention.py [--peers jla,fla]
     PYTHONPATH=src:. python3 experiments/bench_linear_attention.py --op kda [--shapes 1,8192,64,128] [--breakdown]
 
-Prints forward and forward+backward milliseconds (median of timed calls after warm-up),
-a correctness check against the reference, and (with --peers) the jla / fla figures that
-the given peers comparison script prints at each shape (but the 1M-token one).
+Prints a correctness check against the reference, then per shape forward and
+forward+backward milliseconds of each Pallas setting (`experiments.timing.median_ms`),
+and every comparison as alternating rounds of ours and the other side in this process
+(`experiments.timing.interleaved_ratios`): the plain-JAX reference (`reference_*_ms`,
+`vs_reference_*`) and the peers, jla's Mosaic GPU kernels (`linear_attention(...,
+impl="mosaic_gpu")`) and fla's `chunk_gla` / `chunk_kda` (PyTorch, on the same arrays),
+at every shape but the 1M-token one (`jla_*_ms`, `vs_jla_*`, ...). A peer that is not
+installed is reported as missing; one that fails at a shape, as failed.
 """
 import argparse
 import functools
+import importlib.util
 import json
 import os
-import statistics
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
+from experiments.timing import failed, interleaved_ratios, median_ms, peer, to_torch
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
 from pallas_kernels.linear_attention.gla import Tiling
 
@@ -61,22 +65,79 @@ def inputs(B, T, H, D, seed=0, gates="logsigmoid"):
     return q, k, v, g
 
 
-def timed(f, *args, n=10):
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
-def fwd_and_fwdbwd(fn):
-    fwd = jax.jit(lambda q, k, v, g: fn(q, k, v, g)[0])
-    loss = lambda q, k, v, g: fn(q, k, v, g)[0].astype(jnp.float32).sum()
-    fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+def fwd_and_fwdbwd(fn, inputs=4):
+    """Jitted forward (the output) and forward+backward (gradients of every input)."""
+    fwd = jax.jit(lambda *a: fn(*a)[0])
+    loss = lambda *a: fn(*a)[0].astype(jnp.float32).sum()
+    fwdbwd = jax.jit(jax.grad(loss, argnums=tuple(range(inputs))))
     return fwd, fwdbwd
+
+
+PEERS = ("jla", "fla")
+# Alternating rounds: the reference is ~10x slower than ours (fewer calls a round).
+ROUNDS = {"reference": dict(rounds=5, calls=2), "peer": dict(rounds=15, calls=10)}
+
+
+def peer_fns(name, op, x):
+    """A peer's (forward, forward+backward) on the inputs x, as functions of no arguments
+    (forward+backward: the gradients of every input, as ours), or "missing: ..." where the
+    peer is not installed."""
+    def jla():
+        from jla.ops import linear_attention as la
+        gates = ("g",) if op == "gla" else ("g", "beta")
+        fwd, fwdbwd = fwd_and_fwdbwd(lambda q, k, v, *gs: la(
+            op, q, k, v, impl="mosaic_gpu", **dict(zip(gates, gs))), len(x))
+        return (lambda: fwd(*x)), (lambda: fwdbwd(*x))
+
+    def fla():
+        import torch
+        if op == "gla":
+            from fla.ops.gla import chunk_gla as fn
+        else:
+            from fla.ops.kda import chunk_kda as fn
+        t = [to_torch(a, requires_grad=True) for a in x]
+
+        def fwd():
+            with torch.no_grad():
+                return fn(*t)[0]
+        return fwd, (lambda: torch.autograd.grad(fn(*t)[0].float().sum(), t))
+
+    made, missing = peer({"jla": jla, "fla": fla}[name])
+    return made if made else missing
+
+
+def compare(row, ours, sides, x):
+    """Every one of ours ({name: (fwd, fwdbwd)}, jitted, called on x) against each side
+    ({name: (fwd, fwdbwd) of no arguments, or why it did not run}), forward and
+    forward+backward, in alternating rounds: row[f"{side}_{pass}_ms"] and
+    row[f"vs_{side}_{pass}"] (per candidate: baseline / candidate time, > 1: ours faster)."""
+    for side, fns in sides.items():
+        if isinstance(fns, str):
+            row[side] = fns
+            continue
+        for i, kind in enumerate(("fwd", "fwdbwd")):
+            try:
+                r = interleaved_ratios({name: (lambda f=f[i]: f(*x)) for name, f in ours.items()},
+                                       fns[i], **ROUNDS["reference" if side == "reference"
+                                                        else "peer"])
+                row[f"{side}_{kind}_ms"] = round(r["baseline_ms"], 3)
+                row[f"vs_{side}_{kind}"] = r
+            except Exception as e:  # a peer that fails at this shape does not hide the rest
+                row[f"{side}_{kind}"] = failed(e)
+
+
+def parse_peers(value):
+    """--peers: a comma list of PEERS, or none; an old PEERS_SCRIPT path stands for all
+    of them (they now run in this process)."""
+    if value.endswith(".py") or os.path.isfile(value):
+        print(json.dumps({"peers": f"{value}: the peers now run in this process "
+                                   f"({','.join(PEERS)})"}), flush=True)
+        return list(PEERS)
+    peers = [p for p in value.split(",") if p and p != "none"]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {PEERS} or none")
+    return peers
 
 
 def rel_rms(a, b):
@@ -142,14 +203,14 @@ def kernel_breakdown(shape, tiling):
         q, k, v, b, ci, il, h, ds, do, da, dat, scale=scale, block_k=t.block_k,
         num_stages=t.grad_stages, **gk))
     kernel_ms = {
-        "prepare": round(timed(prep, q, k, v, g), 3),
-        "states": round(timed(states, kp, vp, b), 3),
-        "scores": round(timed(scores, qp, kp, b), 3),
-        "outputs": round(timed(outputs, qp, vp, b, h, a), 3),
-        "state_grads": round(timed(dstates, qp, b, vp), 3),
-        "score_grads": round(timed(dscores, vp, vp), 3),
-        "value_grads": round(timed(value_grads, kp, b, ds, vp), 3),
-        "key_grads": round(timed(key_grads, qp, kp, vp, b, h, ds, vp), 3)}
+        "prepare": round(median_ms(prep, q, k, v, g), 3),
+        "states": round(median_ms(states, kp, vp, b), 3),
+        "scores": round(median_ms(scores, qp, kp, b), 3),
+        "outputs": round(median_ms(outputs, qp, vp, b, h, a), 3),
+        "state_grads": round(median_ms(dstates, qp, b, vp), 3),
+        "score_grads": round(median_ms(dscores, vp, vp), 3),
+        "value_grads": round(median_ms(value_grads, kp, b, ds, vp), 3),
+        "key_grads": round(median_ms(key_grads, qp, kp, vp, b, h, ds, vp), 3)}
     if interp or on_hopper():  # the fused forward's two kernels (Tiling.forward="fused")
         decayed = jax.jit(lambda q, k, b: chunk_scores(
             q, k, b, runs, decayed_with=(ci, il), **sk))
@@ -157,8 +218,8 @@ def kernel_breakdown(shape, tiling):
                                                             interpret=interp))
         try:
             a_d, qg, kg = decayed(qp, kp, b)
-            kernel_ms["fused.scores_with_decayed_rows"] = round(timed(decayed, qp, kp, b), 3)
-            kernel_ms["fused.state_outputs"] = round(timed(fused, qg, kg, vp, a_d, b), 3)
+            kernel_ms["fused.scores_with_decayed_rows"] = round(median_ms(decayed, qp, kp, b), 3)
+            kernel_ms["fused.state_outputs"] = round(median_ms(fused, qg, kg, vp, a_d, b), 3)
         except Exception as e:  # reported, so that the other figures still print
             kernel_ms["fused"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
     return {"shape": list(shape), "state_walk": t.state_walk, "kernel_ms": kernel_ms}
@@ -207,32 +268,64 @@ def kda_kernel_breakdown(shape):
         q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), **kw))
     walk_ms = {}
     for name, (walk_states, walk_grads) in walks.items():
-        walk_ms[f"states_{name}"] = round(timed(jax.jit(
+        walk_ms[f"states_{name}"] = round(median_ms(jax.jit(
             lambda w, u0, kg, b: walk_states(w, u0, kg, b, ci, h0, **kw)), w, u0, kg, b), 3)
-        walk_ms[f"state_grads_{name}"] = round(timed(jax.jit(
+        walk_ms[f"state_grads_{name}"] = round(median_ms(jax.jit(
             lambda qg, kg, w, b, dvl, do: walk_grads(qg, kg, w, b, ci, dvl, do, h0, scale=scale,
                                                      **kw)), qg, kg, w, b, dvl, vp), 3)
     return {"op": "kda", "shape": list(shape), "kernel_ms": walk_ms | {
-        "intra": round(timed(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
-        "intra_with_inverse": round(timed(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
-        "of_which_scores": round(timed(scores, qp, kp, b, beta), 3),
-        "output": round(timed(output, qg, aqk, h, vn), 3),
-        "dv_local": round(timed(dv_local, aqk, vp, vn), 3),
-        "wy_grads": round(timed(wy, inv, dvn, vn, vp, beta), 3),
-        "key_grads": round(timed(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)}}
+        "intra": round(median_ms(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
+        "intra_with_inverse": round(median_ms(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
+        "of_which_scores": round(median_ms(scores, qp, kp, b, beta), 3),
+        "output": round(median_ms(output, qg, aqk, h, vn), 3),
+        "dv_local": round(median_ms(dv_local, aqk, vp, vn), 3),
+        "wy_grads": round(median_ms(wy, inv, dvn, vn, vp, beta), 3),
+        "key_grads": round(median_ms(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)}}
 
 
-def bench_kda(shapes, skip_reference, breakdown=False, gates="logsigmoid"):
-    """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked, fwd and fwd+bwd."""
+def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
+    """One shape: each of ours (impls: [(name, fn)]) timed on its own, then compared with
+    the plain-JAX reference and the peers in alternating rounds (`compare`)."""
+    ours = {}
+    for name, fn in impls:
+        fwd, fwdbwd = fwd_and_fwdbwd(fn, len(x))
+        try:
+            row[f"{name}_fwd_ms"] = round(median_ms(fwd, *x), 3)
+            row[f"{name}_fwdbwd_ms"] = round(median_ms(fwdbwd, *x), 3)
+            ours[name] = (fwd, fwdbwd)
+        except Exception as e:  # one setting that fails does not hide the others
+            row[name] = failed(e)
+    sides = {}
+    if skip_reference:
+        pass
+    elif shape in REFERENCE_SKIP:
+        sides["reference"] = REFERENCE_SKIP[shape]
+    else:
+        fwd, fwdbwd = fwd_and_fwdbwd(reference, len(x))
+        sides["reference"] = (lambda: fwd(*x)), (lambda: fwdbwd(*x))
+    if peers and shape in REFERENCE_SKIP:
+        row["peers"] = "not run at this shape"
+    elif peers:
+        for name in peers:
+            try:
+                sides[name] = peer_fns(name, op, x)
+            except Exception as e:
+                sides[name] = failed(e)
+    if ours:
+        compare(row, ours, sides, x)
+    else:  # nothing of ours to compare: only say why a side did not run
+        row.update({side: why for side, why in sides.items() if isinstance(why, str)})
+    print(json.dumps(row), flush=True)
+
+
+def bench_kda(shapes, skip_reference, breakdown=False, gates="logsigmoid", peers=()):
+    """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
+    fwd+bwd."""
     from pallas_kernels.linear_attention import chunked_kda, kda_chunked
 
     def kda_inputs(shape, seed=0, gates="logsigmoid"):
         beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
         return (*inputs(*shape, seed=seed, gates=gates), beta)
-
-    def fns(fn):
-        loss = lambda *a: fn(*a)[0].astype(jnp.float32).sum()
-        return jax.jit(lambda *a: fn(*a)[0]), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
     x = kda_inputs((1, 4096, 4, 128), seed=1)
     f32 = [a.astype(jnp.float32) for a in x]
@@ -252,14 +345,7 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates="logsigmoid"):
                "unbounded_chunk_share": round(unbounded_share(x[3]), 3)}
         impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
                  for walk in ("auto", "triton", "mosaic")]
-        if not skip_reference and shape not in REFERENCE_SKIP:
-            impls.append(("reference", kda_chunked))
-        for name, fn in impls:
-            fwd, fwdbwd = fns(fn)
-            n = 10 if name.startswith("pallas") else 3
-            row[f"{name}_fwd_ms"] = round(timed(fwd, *x, n=n), 3)
-            row[f"{name}_fwdbwd_ms"] = round(timed(fwdbwd, *x, n=n), 3)
-        print(json.dumps(row), flush=True)
+        bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
         del x
 
 
@@ -273,10 +359,12 @@ def parse_tiling(spec):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--peers", metavar="PEERS_SCRIPT",
-                    help="a script printing the peers' figures: PEERS_SCRIPT linear_attention "
-                         "--shape B,T,H,D (run at every shape but the 1M-token one)")
-    ap.add_argument("--peers-timeout", type=int, default=600, help="seconds per peers run")
+    ap.add_argument("--peers", metavar="PEERS", type=parse_peers, default=list(PEERS),
+                    help=f"peers to compare in this process, of {','.join(PEERS)} (default: "
+                         "all; those not installed are reported as missing), or none; at every "
+                         "shape but the 1M-token one. An old PEERS_SCRIPT path means all.")
+    ap.add_argument("--peers-timeout", type=int, default=600,
+                    help="no longer used: the peers run in this process")
     ap.add_argument("--tiling", nargs="*", default=[parse_tiling("")], type=parse_tiling,
                     help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
     ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
@@ -288,50 +376,23 @@ def main():
                     help="how the timed shapes' gates are drawn: log_sigmoid of a normal, or "
                          "as fla's KDA layer initialises them (some fast-decaying channels)")
     args = ap.parse_args()
+    if "fla" in args.peers and importlib.util.find_spec("fla"):
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
     print(jax.devices(), flush=True)
     if args.op == "kda":
-        return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates)
+        return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers)
     correctness(args.tiling)
     if args.breakdown:
         for _, tiling in args.tiling:
             print(json.dumps(kernel_breakdown(args.shapes[0], tiling)), flush=True)
     for shape in args.shapes:
-        q, k, v, g = inputs(*shape, gates=args.gates)
+        x = inputs(*shape, gates=args.gates)
         row = {"shape": list(shape), "gates": args.gates,
-               "unbounded_chunk_share": round(unbounded_share(g), 3)}
-        for name, tiling in args.tiling:
-            fwd, fwdbwd = fwd_and_fwdbwd(lambda *a, t=tiling: chunked_gla(*a, tiling=t))
-            try:
-                row[f"pallas{name}_fwd_ms"] = round(timed(fwd, q, k, v, g), 3)
-                row[f"pallas{name}_fwdbwd_ms"] = round(timed(fwdbwd, q, k, v, g), 3)
-            except Exception as e:  # one setting that fails does not hide the others
-                row[f"pallas{name}"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-        if args.skip_reference:
-            pass
-        elif shape in REFERENCE_SKIP:
-            row["reference"] = REFERENCE_SKIP[shape]
-        else:
-            fwd, fwdbwd = fwd_and_fwdbwd(gla_chunked)
-            row["reference_fwd_ms"] = round(timed(fwd, q, k, v, g, n=3), 3)
-            row["reference_fwdbwd_ms"] = round(timed(fwdbwd, q, k, v, g, n=3), 3)
-        print(json.dumps(row), flush=True)
-        del q, k, v, g
-    if args.peers:
-        run_peers(args.peers, [s for s in args.shapes if s not in REFERENCE_SKIP],
-                  args.peers_timeout)
-
-
-def run_peers(script, shapes, timeout):
-    """The peers script once per shape, in its own process: without JAX's preallocation
-    there (the peers' PyTorch kernels share the GPU), and stopped after `timeout` seconds."""
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    for shape in shapes:
-        cmd = [sys.executable, script, "linear_attention", "--shape", ",".join(map(str, shape))]
-        try:
-            subprocess.run(cmd, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(json.dumps({"shape": list(shape), "peers": f"no result within {timeout} s"}),
-                  flush=True)
+               "unbounded_chunk_share": round(unbounded_share(x[3]), 3)}
+        impls = [(f"pallas{name}", lambda *a, t=tiling: chunked_gla(*a, tiling=t))
+                 for name, tiling in args.tiling]
+        bench_shape(row, "gla", impls, gla_chunked, x, shape, args.skip_reference, args.peers)
+        del x
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ predictions.
 
 Peak is XLA's figure for the compiled step (arguments + outputs - aliased + temporaries);
 on a GPU the allocator's peak (`peak_bytes_in_use`, cumulative over the run) is recorded
-too. The budget defaults to the device's `bytes_limit` (run with
+too. Step times are medians of --steps timed steps (experiments.timing.median_ms); the
+"vs full" speed-ups come from alternating rounds of every policy that ran and `full`
+after all of them (experiments.timing.interleaved_ratios), not from the separate
+figures. The budget defaults to the device's `bytes_limit` (run with
 XLA_PYTHON_CLIENT_MEM_FRACTION=.95 to give XLA most of the GPU). Without --seq the sequence is the shortest of 8K..128K at which the planner predicts
 that `none` does not fit the budget. The plan's working set of one layer is taken from
 the layer parts compiled on this backend (`hylora.plan.part_memory`), not from the planner's
@@ -25,9 +28,9 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
+
+from experiments.timing import failed, interleaved_ratios, median_ms
 
 GB = 1e9
 HAND_TIERED = {"hbm_names": ("qkv", "attention", "topk_indices", "lora_a"),
@@ -41,7 +44,8 @@ def _args(argv):
   p.add_argument("--batch", type=int, default=None, help="sequences per step (train.batch_size)")
   p.add_argument("--budget", default=None,
                  help="device memory for the planner, e.g. 141GB (default: the device's)")
-  p.add_argument("--steps", type=int, default=5, help="timed steps per policy (after 2 warm-up)")
+  p.add_argument("--steps", type=int, default=5,
+                 help="timed steps per policy (after 2 untimed), and rounds against full")
   p.add_argument("--policies", default="full,minimal,tiered,planned,none",
                  help="run in this order (none last: it may run out of memory); also "
                       "planned_hbm: the planner without the host tier")
@@ -121,9 +125,11 @@ def _random_batch(cfg, seed=0):
           "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()}
 
 
-def measure(cfg, mesh, params, steps: int, budget: float = 0.0) -> dict:
+def measure(cfg, mesh, params, steps: int, budget: float = 0.0):
   """Compile one train step under cfg.memory; XLA's peak, then the median step time
-  (not run when XLA's peak is over a given budget: it would run out of memory)."""
+  (not run when XLA's peak is over a given budget: it would run out of memory).
+  Returns the row and the step as a function of no arguments (None where it did not
+  run), each call one more step on the state the last one left."""
   import jax
   import numpy as np
   from hylora.plan.dry_run import xla_bytes
@@ -134,26 +140,31 @@ def measure(cfg, mesh, params, steps: int, budget: float = 0.0) -> dict:
   lora = jax.tree.map(lambda a: a.copy(), lora0)  # the step donates its adapters
   opt_state = trainer.init_optimizer(lora)
   batch = trainer.put_batch(_random_batch(cfg))
-  row = {}
+  row, one_step = {}, None
   try:
     compiled = trainer.compile(lora, opt_state, frozen, batch)
     row.update(xla_bytes(compiled), compile_s=round(trainer.compile_seconds, 1))
     if budget and row["xla_peak"] > budget:
       row["error"] = f"XLA peak {row['xla_peak'] / GB:.1f} GB over the budget {budget / GB:.1f} GB"
-      return row
-    times = []
-    for i in range(steps + 2):
-      start = time.perf_counter()
-      lora, opt_state, metrics = compiled(lora, opt_state, frozen, batch, np.int32(i))
-      loss = float(metrics["loss"])
-      times.append(time.perf_counter() - start)
-    row.update(step_ms=round(statistics.median(times[2:]) * 1e3, 2), loss=round(loss, 5))
+      return row, None
+    state = {"lora": lora, "opt_state": opt_state, "step": 0}
+
+    def one_step():
+      i = state["step"]
+      state["lora"], state["opt_state"], state["metrics"] = compiled(
+          state["lora"], state["opt_state"], frozen, batch, np.int32(i))
+      state["step"] = i + 1
+      return state["metrics"]
+
+    row.update(step_ms=round(median_ms(one_step, warmup=1, reps=steps), 2),
+               loss=round(float(state["metrics"]["loss"]), 5))
   except Exception as e:  # an OOM is a result here (`none` at a long sequence)
     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    one_step = None
   stats = jax.devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     row["allocator_peak_so_far"] = stats["peak_bytes_in_use"]
-  return row
+  return row, one_step
 
 
 def main(argv=None) -> int:
@@ -215,6 +226,7 @@ def main(argv=None) -> int:
             "working_bytes": plan.working_bytes, "working_compiled": plan.working_compiled,
             "policies": {}}
   params = st.init_params(cfg, st.model_parts(cfg), mesh)
+  steps = {}  # the policies that ran, for the comparison against full
   for name in chosen:
     policy = policies[name]
     replans = []
@@ -222,8 +234,9 @@ def main(argv=None) -> int:
       predicted = estimate_policy(cfg, mesh_shape, budget, policy, working_bytes=working)
       row = {"predicted_peak": predicted.predicted_peak_bytes,
              "predicted_step_ms": float(f"{predicted.predicted_step_seconds * 1e3:.4g}")}
-      row.update(measure(dataclasses.replace(cfg, memory=policy), mesh, params, args.steps,
-                         budget))
+      measured, steps[name] = measure(dataclasses.replace(cfg, memory=policy), mesh, params,
+                                      args.steps, budget)
+      row.update(measured)
       over = row.get("xla_peak", 0) > budget
       if name not in plans or not over or len(replans) == args.replans:
         break
@@ -245,13 +258,29 @@ def main(argv=None) -> int:
       with open(args.json, "w") as f:
         json.dump(report, f, indent=1, default=str)
 
-  full = report["policies"].get("full", {}).get("step_ms")
+  ran = {name: step for name, step in steps.items() if step is not None}
+  if "full" in ran and len(ran) > 1:  # every other policy against full, alternating rounds
+    try:
+      vs = interleaved_ratios({n: f for n, f in ran.items() if n != "full"}, ran["full"],
+                              rounds=args.steps, calls=1)
+      report["vs_full_interleaved"] = vs
+      for name in ran:
+        if name != "full":
+          report["policies"][name]["vs_full"] = vs[name]["median"]
+    except Exception as e:  # an OOM among alternating policies is reported, not fatal
+      report["vs_full_interleaved"] = failed(e)
+    print(json.dumps({"vs_full_interleaved": report["vs_full_interleaved"]}), flush=True)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+  del steps, ran
   print(f"\n{'policy':<9} {'XLA peak GB':>12} {'predicted GB':>13} {'step ms':>9} "
         f"{'predicted ms':>13} {'vs full':>8}")
   for name, row in report["policies"].items():
     peak = row.get("xla_peak")
     ms = row.get("step_ms")
-    speed = f"{full / ms:.2f}x" if full and ms else "-"
+    vs = 1.0 if name == "full" and ms else row.get("vs_full")
+    speed = f"{vs:.2f}x" if vs else "-"
     print(f"{name:<9} {peak / GB if peak else float('nan'):>12.3f} "
           f"{row['predicted_peak'] / GB:>13.3f} {ms if ms else float('nan'):>9.1f} "
           f"{row['predicted_step_ms']:>13.4g} {speed:>8}"

@@ -15,6 +15,11 @@ FLOPs, then one target MoE layer slice forward and forward+backward.
 3. With more than one device: the "ep_alltoall" dispatcher over all of them (fsdp=1,
    expert=devices), forward and forward+backward, dropped fraction.
 
+Every ratio (against dense, XLA's ragged_dot) comes from alternating rounds of one run
+(`experiments.timing.interleaved_ratios`), figures on their own from
+`experiments.timing.median_ms`. Expert TFLOP/s of forward + backward count what a LoRA
+step computes with frozen experts (`expert_fwd_bwd_flops`).
+
 --small shrinks every shape so the whole script runs on CPU in about a minute.
 """
 
@@ -27,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_grouped_matmul import median_ms, rel_err
+from experiments.bench_grouped_matmul import rel_err
+from experiments.timing import interleaved_ratios, median_ms
 from hylora import ops
 from hylora.core.config import KernelConfig, MeshConfig, MoEConfig
 from hylora.model.ffn.dispatch import dropless
@@ -36,9 +42,10 @@ from meshes.mesh import build_mesh
 from meshes.rules import activation_mesh
 
 FULL = dict(m=65536, k=7168, n=4096, groups=14, tokens=16384, d=7168, ffn=2048,
-            experts=896, top_k=16, local=14, rank=16, reps=10)
+            experts=896, top_k=16, local=14, rank=16, reps=10, calls=5)
 SMALL = dict(m=512, k=256, n=128, groups=14, tokens=256, d=128, ffn=64,
-             experts=56, top_k=4, local=14, rank=4, reps=2)
+             experts=56, top_k=4, local=14, rank=4, reps=2, calls=1)
+# reps: timed calls of a figure, and rounds of a comparison; calls: calls per round
 
 
 def group_sizes(m, g, kind):
@@ -69,22 +76,35 @@ def bench_grouped_matmul(s, report):
   dlhs = lambda d, w, gs: dlhs_of(lhs, d, w, gs)
   xla = jax.jit(jax.lax.ragged_dot)
   xla_dlhs = jax.jit(lambda d, w, gs: jax.lax.ragged_dot(d, jnp.swapaxes(w, 1, 2), gs))
-  dense = {"fwd_tflops": tflops(flop, median_ms(jax.jit(jnp.matmul), lhs, rhs[0], reps=reps)),
-           "dlhs_tflops": tflops(flop, median_ms(jax.jit(lambda d, w: d @ w.T), dout, rhs[0],
-                                                 reps=reps))}
+  dense_fwd, dense_dlhs = jax.jit(jnp.matmul), jax.jit(lambda d, w: d @ w.T)
+  dense = {"fwd_tflops": tflops(flop, median_ms(dense_fwd, lhs, rhs[0], reps=reps)),
+           "dlhs_tflops": tflops(flop, median_ms(dense_dlhs, dout, rhs[0], reps=reps))}
   out = report["grouped_matmul"] = {"shape": [m, k, n, g], "impl": getattr(gmm, "__module__", ""),
                                     "dense_same_flops": dense}
+  rounds = dict(rounds=reps, calls=s["calls"])
   for kind in ("balanced", "skewed"):
     gs = group_sizes(m, g, kind)
     r = out[kind] = {"group_sizes": gs.tolist()}
     r["fwd_rel_err_vs_ragged_dot"] = rel_err(fwd(lhs, rhs, gs), xla(lhs, rhs, gs))
     r["fwd_tflops"] = tflops(flop, median_ms(fwd, lhs, rhs, gs, reps=reps))
     r["dlhs_tflops"] = tflops(flop, median_ms(dlhs, dout, rhs, gs, reps=reps))
-    r["xla_ragged_dot_fwd_tflops"] = tflops(flop, median_ms(xla, lhs, rhs, gs, reps=reps))
-    r["xla_ragged_dot_dlhs_tflops"] = tflops(flop, median_ms(xla_dlhs, dout, rhs, gs, reps=reps))
-    r["fwd_vs_dense"] = round(r["fwd_tflops"] / dense["fwd_tflops"], 3)
-    r["dlhs_vs_dense"] = round(r["dlhs_tflops"] / dense["dlhs_tflops"], 3)
-    r["fwd_vs_xla_ragged_dot"] = round(r["fwd_tflops"] / r["xla_ragged_dot_fwd_tflops"], 1)
+    # Ratios from alternating rounds: ours and the other side in the same run.
+    vs_dense_fwd = interleaved_ratios({"grouped": lambda: fwd(lhs, rhs, gs)},
+                                      lambda: dense_fwd(lhs, rhs[0]), **rounds)
+    vs_dense_dlhs = interleaved_ratios({"grouped": lambda: dlhs(dout, rhs, gs)},
+                                       lambda: dense_dlhs(dout, rhs[0]), **rounds)
+    vs_xla_fwd = interleaved_ratios({"grouped": fwd}, xla, lhs, rhs, gs, rounds=reps, calls=1)
+    vs_xla_dlhs = interleaved_ratios({"grouped": dlhs}, xla_dlhs, dout, rhs, gs, rounds=reps,
+                                     calls=1)
+    r["xla_ragged_dot_fwd_tflops"] = tflops(flop, vs_xla_fwd["baseline_ms"])
+    r["xla_ragged_dot_dlhs_tflops"] = tflops(flop, vs_xla_dlhs["baseline_ms"])
+    r["fwd_vs_dense"] = vs_dense_fwd["grouped"]["median"]
+    r["dlhs_vs_dense"] = vs_dense_dlhs["grouped"]["median"]
+    r["fwd_vs_xla_ragged_dot"] = round(vs_xla_fwd["grouped"]["median"], 1)
+    r["dlhs_vs_xla_ragged_dot"] = round(vs_xla_dlhs["grouped"]["median"], 1)
+    r["interleaved"] = {"fwd_vs_dense": vs_dense_fwd, "dlhs_vs_dense": vs_dense_dlhs,
+                        "fwd_vs_xla_ragged_dot": vs_xla_fwd,
+                        "dlhs_vs_xla_ragged_dot": vs_xla_dlhs}
     print(json.dumps({kind: r}), flush=True)
 
 
@@ -107,9 +127,27 @@ def route(x, router, top_k):
   return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
 
 
-def layer_flops(s, pairs):
+def expert_fwd_flops(s, pairs):
+  """FLOPs of the experts' forward over `pairs` routed (token, expert) rows: gate_up
+  [d, 2f] and down [f, d] (frozen), and the rank-r LoRA factors on gate_up, x @ A and
+  (x A) @ B."""
   d, f, r = s["d"], s["ffn"], s["rank"]
-  return 2 * pairs * (d * 2 * f + f * d + r * (d + 2 * f))  # gate_up, down, LoRA A and B
+  return 2 * pairs * (d * 2 * f + f * d + r * (d + 2 * f))
+
+
+def expert_fwd_bwd_flops(s, pairs):
+  """FLOPs of the experts' forward + backward in a LoRA step, as the step computes them.
+
+  The expert weights are frozen, so the backward of each frozen matmul y = x W computes
+  the input gradient dX = dY W^T only (the same FLOPs as the forward), never the weight
+  gradient x^T dY: forward + backward is 2x the forward, not the 3x of a full training
+  step. The LoRA factors on gate_up are trained, so they count as they run: forward
+  x @ A and (x A) @ B, backward dB = (x A)^T dY, d(x A) = dY B^T, dA = x^T d(x A) and
+  the input term d(x A) A^T: 3x their forward."""
+  d, f, r = s["d"], s["ffn"], s["rank"]
+  frozen = 2 * pairs * (d * 2 * f + f * d)  # gate_up and down, forward
+  lora = 2 * pairs * r * (d + 2 * f)  # x @ A and (x A) @ B, forward
+  return 2 * frozen + 3 * lora
 
 
 def time_layer(report_key, s, report, fn, x, lora, pairs):
@@ -117,18 +155,17 @@ def time_layer(report_key, s, report, fn, x, lora, pairs):
   fwd = jax.jit(fn)
   grads = jax.jit(jax.grad(lambda x, l: jnp.sum((fn(x, l)[0] * probe).astype(jnp.float32)),
                            argnums=(0, 1)))
-  flop = layer_flops(s, pairs)
   r = report[report_key] = {"tokens": x.shape[0], "pairs": pairs}
   y, stats = fwd(x, lora)
   r["dropped_fraction"] = float(stats["dropped_tokens"]) / pairs
   r["fwd_ms"] = round(median_ms(fwd, x, lora, reps=s["reps"]), 3)
   r["fwd_bwd_ms"] = round(median_ms(grads, x, lora, reps=s["reps"]), 3)
-  r["expert_fwd_tflops"] = tflops(flop, r["fwd_ms"])
-  # Backward of frozen experts: input gradients only (2x the forward matmuls' FLOPs less
-  # the weight gradients) plus the LoRA factor gradients: ~2x forward in all.
-  r["expert_fwd_bwd_tflops"] = tflops(3 * flop, r["fwd_bwd_ms"])
+  r["expert_fwd_tflops"] = tflops(expert_fwd_flops(s, pairs), r["fwd_ms"])
+  # Frozen experts: input gradients only, plus the LoRA factors' gradients (2x forward
+  # for the frozen matmuls, 3x for the LoRA factors; expert_fwd_bwd_flops).
+  r["expert_fwd_bwd_tflops"] = tflops(expert_fwd_bwd_flops(s, pairs), r["fwd_bwd_ms"])
   print(json.dumps({report_key: r}), flush=True)
-  return r
+  return r, fwd
 
 
 def bench_layer_slice(s, report):
@@ -143,13 +180,16 @@ def bench_layer_slice(s, report):
     return dropless(x, w, slots, {**weights, **lora}, options, num_experts=s["local"])
 
   pairs = s["tokens"] * s["top_k"]
-  r = time_layer("layer_slice", s, report, layer, x, lora, pairs)
+  r, fwd = time_layer("layer_slice", s, report, layer, x, lora, pairs)
   m, d, f = pairs, s["d"], s["ffn"]
   a = jax.random.normal(jax.random.key(4), (m, d), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(5), (d, 3 * f), jnp.bfloat16)
-  dense_ms = median_ms(jax.jit(jnp.matmul), a, w, reps=s["reps"])
-  r["dense_same_flops_ms"] = round(dense_ms, 3)
-  r["fwd_vs_dense"] = round(dense_ms / r["fwd_ms"], 3)
+  dense = jax.jit(jnp.matmul)
+  # The layer's forward and the dense matmul of its frozen FLOPs in alternating rounds.
+  vs = r["fwd_vs_dense_interleaved"] = interleaved_ratios(
+      {"layer": lambda: fwd(x, lora)}, lambda: dense(a, w), rounds=s["reps"], calls=1)
+  r["dense_same_flops_ms"] = round(vs["baseline_ms"], 3)
+  r["fwd_vs_dense"] = vs["layer"]["median"]
 
 
 def bench_expert_parallel(s, report):

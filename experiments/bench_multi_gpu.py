@@ -23,6 +23,11 @@ sets mesh.fsdp / mesh.expert and model.moe.experts = --experts-per-rank (14) x e
 
 --small: a one-layer tiny model on 8 simulated CPU devices, compiled at XLA's cheapest
 level; timings mean nothing there, the run shows that every path works.
+
+Every comparison comes from alternating rounds in this process
+(`experiments.timing.interleaved_ratios`, --repeats rounds of one call each): each
+transport against the plain all-to-all ("of_plain"), each chunk count (and its
+profile-guided compile) against the first ("speedup").
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from experiments.bench_step import H200_BF16_PEAK, _median_ms, flops_per_step, whole_step
+from experiments.bench_step import H200_BF16_PEAK, flops_per_step, whole_step
+from experiments.timing import interleaved_ratios
 from hylora.core.config import MeshConfig
 from hylora.profile import hlo_schedule
 from hylora.profile.pgle import compile_with_profile
@@ -51,9 +57,10 @@ from hylora.model.ffn import expert_parallel as ep
 from hylora.model.ffn.moe import MoE
 from hylora.model.init import ParamInit
 from hylora.model.lora import LoRAParam
+from hylora.train.mesh import run_mesh
 from hylora.core.overrides import apply_overrides, split_overrides
 from hylora.core.presets import gpu_1, tiny
-from meshes.mesh import build_mesh, ensure_cpu_devices
+from meshes.mesh import ensure_cpu_devices
 from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec, state_shardings
 
 DEFAULTS = {"full": dict(experts_per_rank=14, chunks=[1, 2, 4], steps=5, repeats=10),
@@ -124,7 +131,7 @@ def configs(args) -> dict:
     moe = dataclasses.replace(base.model.moe, experts=args.experts_per_rank * expert)
     cfg = dataclasses.replace(base, mesh=MeshConfig(fsdp=fsdp, expert=expert),
                               model=dataclasses.replace(base.model, moe=moe)).validate()
-    mesh = build_mesh(cfg.mesh)  # the mesh must use every device
+    mesh = run_mesh(cfg.mesh)  # the mesh must use every device; a bad shape is a ConfigError
     ep.check_transport(cfg.model.moe.transport, mesh)  # the layer's and the train step's
     tokens = cfg.train.batch_size * cfg.train.seq_len
     for c in args.chunks:
@@ -156,10 +163,12 @@ def _routing(cfg, mesh):
 
 
 def _rate(nbytes, ms, plain=None):
-  """ms, GB/s and, given the plain all-to-all's (bytes, ms), the fraction of its GB/s."""
+  """ms, GB/s and, given the plain all-to-all's bytes and the median over alternating
+  rounds of its time / this leg's, the fraction of its GB/s."""
   out = {"ms": round(ms, 4), "gbps": float(f"{nbytes / ms / 1e6:.4g}")}
   if plain:
-    out["of_plain"] = round(nbytes / ms / (plain[0] / plain[1]), 3)
+    plain_bytes, ratio = plain
+    out["of_plain"] = round(ratio * nbytes / plain_bytes, 3)
   return out
 
 
@@ -202,12 +211,18 @@ def bench_transports(cfg, mesh, repeats: int) -> dict:
     there, back = _smap(there, mesh, options), _smap(back, mesh, options)
     recv = there(x, *sent)
     results[name] = (recv, back(recv, *sent))
-    if name == "padded":  # NCCL's own all-to-all of the same buffer
-      ref = nbytes[name], _median_ms(plain, (recv,), repeats)
-      out["all_to_all"] = {"bytes_per_gpu": nbytes[name], **_rate(*ref)}
-    out[name] = {"bytes_per_gpu": nbytes[name],
-                 "dispatch": _rate(nbytes[name], _median_ms(there, (x, *sent), repeats), ref),
-                 "combine": _rate(nbytes[name], _median_ms(back, (recv, *sent), repeats), ref)}
+    if name == "padded":  # NCCL's own all-to-all of the same buffer: the baseline
+      plain_input, plain_bytes = recv, nbytes[name]
+    # Both legs and the plain all-to-all in alternating rounds, one call each a round.
+    rounds = interleaved_ratios(
+        {"dispatch": lambda: there(x, *sent), "combine": lambda: back(recv, *sent)},
+        lambda: plain(plain_input), rounds=repeats, calls=1)
+    if name == "padded":
+      out["all_to_all"] = {"bytes_per_gpu": plain_bytes,
+                           **_rate(plain_bytes, rounds["baseline_ms"])}
+    out[name] = {"bytes_per_gpu": nbytes[name], **{
+        leg: _rate(nbytes[name], rounds[leg]["ms"], (plain_bytes, rounds[leg]["median"]))
+        for leg in ("dispatch", "combine")}}
   if "ragged" in results:  # both deliver the same [R * C, d] layout, zeros past the rows
     out["ragged"]["matches_padded"] = all(
         bool(jnp.array_equal(a, b)) for a, b in zip(results["ragged"], results["padded"]))
@@ -269,27 +284,38 @@ def bench_layer(cfg, mesh, chunks: list[int], repeats: int, pgle: bool = False) 
               for key in jax.random.split(jax.random.key(3)))
 
   out, first = {"experts": cfg.model.moe.experts, "tokens": b * t, "chunks": {}}, None
+  args = (lora, x, rest, probe)
+  steps = {}  # compiled first, then timed together in alternating rounds
   for c in chunks:
-    args = (lora, x, rest, probe)
     lowered = _layer_fwd_bwd(_with_chunks(cfg, c), mesh).lower(*args)
-    step = lowered.compile()
+    step = steps[str(c)] = lowered.compile()
     (_, (y, dropped)), grads = step(*args)
     row = out["chunks"][str(c)] = {
-        "fwd_bwd_ms": round(_median_ms(step, args, repeats), 3),
         "dropped_fraction": float(dropped) / (b * t * cfg.model.moe.top_k),
         "schedule": hlo_schedule.summary(hlo_schedule.overlap_windows(step.as_text()))}
     if pgle:
       profiled_step, profiled = compile_with_profile(lowered, args)
+      steps[f"{c}_pgle"] = profiled_step
       row["pgle"] = {"profiled": profiled,
-                     "fwd_bwd_ms": round(_median_ms(profiled_step, args, repeats), 3),
                      "schedule": hlo_schedule.summary(
                          hlo_schedule.overlap_windows(profiled_step.as_text()))}
     if first is None:
-      first = (y, grads), row["fwd_bwd_ms"]
+      first = (y, grads)
       continue
-    row["speedup"] = round(first[1] / row["fwd_bwd_ms"], 3)
-    row["max_rel_diff"] = _max_rel_diff((y, grads), first[0])
+    row["max_rel_diff"] = _max_rel_diff((y, grads), first)
     row["matches_first"] = row["max_rel_diff"] <= TOLERANCE
+  # Every variant against the first chunk count, in the same rounds: speed-ups are
+  # medians of per-round ratios, not ratios of separately timed figures.
+  base = str(chunks[0])
+  rounds = interleaved_ratios({k: f for k, f in steps.items() if k != base}, steps[base], *args,
+                              rounds=repeats, calls=1)
+  out["interleaved"] = rounds
+  for key in steps:
+    c, profiled = key.removesuffix("_pgle"), key.endswith("_pgle")
+    row = out["chunks"][c]["pgle"] if profiled else out["chunks"][c]
+    row["fwd_bwd_ms"] = round(rounds["baseline_ms"] if key == base else rounds[key]["ms"], 3)
+    if key != base:
+      row["speedup"] = rounds[key]["median"]
   return out
 
 

@@ -21,19 +21,24 @@ set overlap for every selection), then times, per sequence length:
   by_density.py) and dense cuDNN causal attention over every key (the bar to beat),
   forward and forward + backward;
 - the reference's forward + backward at the first length (--reference);
-with each compiled function's temporary memory. The jla naive gather comes from the
-peers comparison script. Prints one JSON object per measurement; --only keeps and
---skip leaves out measurements by name, --budget-s stops starting new lengths past it.
+with each compiled function's temporary memory (each figure by
+`experiments.timing.median_ms`). Then the comparisons, each in alternating rounds of ours
+and the other side in this process (`experiments.timing.interleaved_ratios`): the Pallas
+forward and forward + backward against dense cuDNN causal attention and against jla's
+naive gather (`jla.ops.dsa_gather.gather_attention`, reported as missing where jla is not
+installed), and with --reference the forward + backward against the reference (COMPARISONS).
+Prints one JSON object per measurement; --only keeps and --skip leaves out measurements
+and comparisons by name, --budget-s stops starting new lengths past it.
 """
 import argparse
 import functools
 import json
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 
+from experiments.timing import failed, interleaved_ratios, median_ms, peer
 from pallas_kernels.sparse_attention import (
     sparse_attention, sparse_attention_reference, topk_indices, topk_indices_reference)
 from pallas_kernels.sparse_attention.attention_backward_by_key import (
@@ -52,18 +57,32 @@ from pallas_kernels.sparse_attention.top_k_kernel import kernel_top_k
 _START = time.perf_counter()
 
 
-def timed(fn, *args, n=5, warmup=2):
+def compiled_with_temp(fn, *args):
+    """jit(fn) compiled for args, and its temporary memory in GB (None where unknown)."""
     compiled = jax.jit(fn).lower(*args).compile()
     mem = compiled.memory_analysis()
-    temp_gb = None if mem is None else round(mem.temp_size_in_bytes / 1e9, 3)
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1e3, 3), temp_gb
+    return compiled, None if mem is None else round(mem.temp_size_in_bytes / 1e9, 3)
+
+
+# (name, ours, the other side): measurement names of `bench`, or of the peer's functions
+COMPARISONS = (
+    ("pallas_fwd_vs_dense_cudnn_causal", "pallas_fwd", "dense_cudnn_causal_fwd"),
+    ("pallas_fwdbwd_vs_dense_cudnn_causal", "pallas_fwdbwd_atomic", "dense_cudnn_causal_fwdbwd"),
+    ("pallas_fwd_vs_jla_gather", "pallas_fwd", "jla_gather_fwd"),
+    ("pallas_fwdbwd_vs_jla_gather", "pallas_fwdbwd_atomic", "jla_gather_fwdbwd"),
+    ("pallas_fwdbwd_vs_reference", "pallas_fwdbwd_atomic", "reference_fwdbwd"),
+)
+
+
+def jla_gather(idx):
+    """jla's naive gather attention (the peer), forward and forward + backward on the
+    same selection, or "missing: ..." where jla is not installed."""
+    def make():
+        from jla.ops.dsa_gather import gather_attention
+        return {"jla_gather_fwd": lambda q, k, v: gather_attention(q, k, v, idx),
+                "jla_gather_fwdbwd": jax.grad(loss_of(gather_attention, idx), (0, 1, 2))}
+    made, missing = peer(make)
+    return made or missing
 
 
 def random_indices(key, b, t, k):
@@ -285,10 +304,29 @@ def bench(t, k_sel=2048, with_reference=False, skip=(), only=(),
         if name in skip or (only and name not in only):
             continue
         try:
-            ms, gb = timed(fn, *args, n=3 if "reference" in name or t > 65536 else 5)
-            res[f"{name}_ms"], res[f"{name}_temp_GB"] = ms, gb
+            compiled, gb = compiled_with_temp(fn, *args)
+            ms = median_ms(compiled, *args, reps=3 if "reference" in name or t > 65536 else 5)
+            res[f"{name}_ms"], res[f"{name}_temp_GB"] = round(ms, 3), gb
         except Exception as e:  # report, keep going
-            res[f"{name}_ms"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            res[f"{name}_ms"] = failed(e)
+        print(json.dumps(res), flush=True)
+    fns = {name: (fn, args) for name, fn, args in runs}
+    peers = jla_gather(idx)
+    for name, ours, other in COMPARISONS:
+        if name in skip or (only and name not in only) or (other == "reference_fwdbwd"
+                                                           and not with_reference):
+            continue
+        if other.startswith("jla_") and isinstance(peers, str):
+            res[name] = peers  # "missing: ..."
+        else:
+            theirs = (peers[other], fns[ours][1]) if other.startswith("jla_") else fns[other]
+            try:
+                mine, theirs = [(jax.jit(f), a) for f, a in (fns[ours], theirs)]
+                res[name] = interleaved_ratios(
+                    {ours: lambda: mine[0](*mine[1])}, lambda: theirs[0](*theirs[1]),
+                    rounds=3 if other.startswith("reference") or t > 65536 else 5, calls=1)
+            except Exception as e:  # report, keep going
+                res[name] = failed(e)
         print(json.dumps(res), flush=True)
     stats = jax.devices()[0].memory_stats() or {}
     res["peak_bytes_in_use_GB"] = round(stats.get("peak_bytes_in_use", 0) / 1e9, 3)

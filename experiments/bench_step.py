@@ -23,68 +23,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fnmatch
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
+
+from experiments.timing import median_ms
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s
 
 
-def _linear(tokens, k, n, lora_rank=0):
-  """Forward + input gradient of a frozen [k, n] matmul, plus its LoRA factors."""
-  flops = 4 * tokens * k * n
-  if lora_rank:
-    flops += 6 * tokens * lora_rank * (k + n)
-  return flops
-
-
 def flops_per_step(cfg) -> dict[str, float]:
-  """Model FLOPs of one optimizer step, split like the timing table."""
-  m, t = cfg.model, cfg.train
-  tokens = t.batch_size * t.seq_len
-  d, lora = m.d_model, cfg.lora
+  """Model FLOPs of one optimizer step, split like the timing table: the architecture's
+  description (hylora.core.architecture.step_flops) grouped by layer kind."""
+  from hylora.core.architecture import step_flops
 
-  def r(name):
-    return lora.rank if any(fnmatch.fnmatchcase(name, p) for p in lora.targets) else 0
-
-  la, sa, moe = m.linear_attention, m.sparse_attention, m.moe
-  hd = la.heads * la.head_dim
-  linear = (3 * _linear(tokens, d, hd, r("q")) + _linear(tokens, hd, d, r("o"))
-            + 2 * _linear(tokens, d, la.gate_rank) + 2 * _linear(tokens, la.gate_rank, hd))
-  if la.delta_rule:
-    linear += _linear(tokens, d, la.heads)
-  # chunked core per token and head: intra-chunk q.k and p.v over half a chunk on
-  # average, plus reading and updating the [Dk, Dv] state; backward = 2 x forward.
-  c, dk = la.chunk_size, la.head_dim
-  core = 2 * (c / 2) * dk * 2 + 2 * dk * dk * 2
-  linear += 3 * tokens * la.heads * core
-
-  q_dim, kv_dim = sa.q_heads * sa.head_dim, sa.kv_heads * sa.head_dim
-  sparse = (_linear(tokens, d, q_dim, r("q")) + 2 * _linear(tokens, d, kv_dim, r("k"))
-            + _linear(tokens, q_dim, d, r("o")))
-  keys = min(sa.top_k, t.seq_len)
-  sparse += 3 * tokens * sa.q_heads * 2 * keys * sa.head_dim * 2  # q.k and p.v over top-K
-  index_proj = (d * sa.index_q_rank + sa.index_q_rank * sa.index_heads * sa.index_head_dim
-                + d * sa.index_head_dim + d * sa.index_heads)
-  # indexer: forward only; scores over the causal half of the row on average
-  sparse += 2 * tokens * index_proj
-  sparse += 2 * tokens * (t.seq_len / 2) * sa.index_heads * sa.index_head_dim
-
-  def swiglu(rows, ffn):
-    return _linear(rows, d, 2 * ffn, r("gate_up")) + _linear(rows, ffn, d, r("down"))
-
-  moe_ffn = (_linear(tokens, d, moe.experts)  # router (input gradient through the weights)
-             + swiglu(tokens * moe.top_k, moe.expert_ffn)
-             + (swiglu(tokens, moe.expert_ffn * moe.shared_experts) if moe.shared_experts else 0))
-  dense_ffn = swiglu(tokens, m.dense_ffn)
-  counts = layer_counts(cfg)
-  return {"linear attention": counts["linear"] * linear,
-          "sparse attention": counts["sparse"] * sparse,
-          "MoE FFN": counts["moe"] * moe_ffn, "dense FFN": counts["dense"] * dense_ffn,
-          "loss (LM head)": _linear(tokens, d, m.vocab_size), "optimizer": 0.0}
+  flops = step_flops(cfg)
+  return {"linear attention": flops.get("linear", 0.0),
+          "sparse attention": flops.get("sparse", 0.0),
+          "MoE FFN": flops.get("moe", 0.0), "dense FFN": flops.get("dense", 0.0),
+          "loss (LM head)": flops["lm_head"], "optimizer": 0.0}
 
 
 def layer_counts(cfg) -> dict[str, int]:
@@ -95,14 +52,9 @@ def layer_counts(cfg) -> dict[str, int]:
 
 
 def _median_ms(fn, args, repeats: int) -> float:
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
+  """experiments.timing.median_ms under the old signature (experiments/profile_part.py
+  imports it)."""
+  return median_ms(fn, *args, reps=repeats)
 
 
 def _module_ms(module, x, ctx, repeats: int) -> float:
@@ -112,7 +64,7 @@ def _module_ms(module, x, ctx, repeats: int) -> float:
 
   graphdef, lora, rest = nnx.split(module, LoRAParam, ...)
   from hylora.plan.part_memory import part_gradients
-  return _median_ms(part_gradients(graphdef), (lora, x, rest, ctx), repeats)
+  return median_ms(part_gradients(graphdef), lora, x, rest, ctx, reps=repeats)
 
 
 def part_inputs(cfg):
@@ -158,7 +110,7 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
   head = (head * d ** -0.5).astype(jnp.bfloat16)
   labels = jax.random.randint(jax.random.key(2), (b * s,), 0, m.vocab_size)
   loss_grad = jax.jit(jax.grad(lambda h, head, labels: ce(h, head, labels)[0] / (b * s)))
-  out["loss (LM head)"] = _median_ms(loss_grad, (x.reshape(b * s, d), head, labels), repeats)
+  out["loss (LM head)"] = median_ms(loss_grad, x.reshape(b * s, d), head, labels, reps=repeats)
 
   from hylora.train.state import model_parts
   parts = model_parts(cfg, t.seed)
@@ -172,7 +124,7 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
     return jax.tree.map(lambda p, u: p + u, lora, updates), state
 
   grads = jax.tree.map(lambda a: jnp.full(a.shape, 1e-3, a.dtype), lora)
-  out["optimizer"] = _median_ms(update, (lora, state, grads), repeats)
+  out["optimizer"] = median_ms(update, lora, state, grads, reps=repeats)
   return out
 
 
@@ -191,24 +143,28 @@ def step_setup(cfg, devices):
 
 
 def whole_step(cfg, steps: int, devices) -> dict:
-  """Seconds per compiled train step (median over `steps` after the first)."""
+  """Seconds per compiled train step: the median of `steps` timed steps after the untimed
+  ones of experiments.timing.median_ms, each step on its own batch (put on the devices
+  beforehand) and the state the step before left."""
   import jax
 
   tc = cfg.train
   trainer, lora, opt_state, frozen, packer = step_setup(cfg, devices)
-  times = []
-  for step in range(steps + 1):
-    batch = trainer.put_batch(packer.next_batch(tc.batch_size))
-    if trainer.compiled is None:
-      trainer.compile(lora, opt_state, frozen, batch)
-    start = time.perf_counter()
-    lora, opt_state, metrics = trainer.step(lora, opt_state, frozen, batch, step)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  seconds = statistics.median(times[1:])
+  batches = [trainer.put_batch(packer.next_batch(tc.batch_size)) for _ in range(steps + 2)]
+  trainer.compile(lora, opt_state, frozen, batches[0])
+  state = {"lora": lora, "opt_state": opt_state, "step": 0}
+
+  def one_step():
+    i = state["step"]
+    state["lora"], state["opt_state"], state["metrics"] = trainer.step(
+        state["lora"], state["opt_state"], frozen, batches[i], i)
+    state["step"] = i + 1
+    return state["metrics"]
+
+  seconds = median_ms(one_step, warmup=1, reps=steps) / 1e3
   return {"step_seconds": seconds, "tokens_per_s": tc.batch_size * tc.seq_len / seconds,
           "compile_seconds": trainer.compile_seconds,
-          "final_loss": float(jax.device_get(metrics["loss"]))}
+          "final_loss": float(jax.device_get(state["metrics"]["loss"]))}
 
 
 def small_config():

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.setdefault(f"kernels.{field.name}", "reference")
     cfg = apply_overrides(cfg, overrides).validate()
     if args.dry_run:
-      from hylora.plan.dry_run import dry_run_config
+      from hylora.plan.dry_run_setup import dry_run_config
       cfg = dry_run_config(cfg, explicit=overrides)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

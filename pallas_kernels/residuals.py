@@ -3,9 +3,10 @@
 Inside `jax.checkpoint` with a names policy (the model's memory policies), a custom_vjp's
 residuals survive to the backward pass only if they carry a saved name; otherwise the
 backward pass runs the kernel's forward again (for the KDA kernels: the in-chunk kernel,
-18 ms of a 70 ms layer on one H200). The attention kernels tag the residuals they
-compute with the save point of the attention core's output, so keeping "attention" keeps
-everything the core's backward reads. hylora.core.save_points takes the name from here.
+docs/kernel_tuning.md, "KDA in-chunk results as residuals"). The attention kernels tag
+the residuals they compute with the save point of the attention core's output, so
+keeping "attention" keeps everything the core's backward reads. hylora.core.save_points
+takes the name from here.
 """
 
 from jax.ad_checkpoint import checkpoint_name

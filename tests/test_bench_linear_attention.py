@@ -11,15 +11,15 @@ from experiments import bench_linear_attention as bench
 from pallas_kernels.linear_attention.gla import Tiling
 
 
-def _once(f, *args, n=10):
-    del n
+def _once(f, *args, **timing):
+    del timing
     start = time.perf_counter()
     jax.block_until_ready(f(*args))
     return (time.perf_counter() - start) * 1e3
 
 
 def test_breakdown_runs_every_kernel(monkeypatch):
-    monkeypatch.setattr(bench, "timed", _once)
+    monkeypatch.setattr(bench, "median_ms", _once)
     ms = bench.kernel_breakdown((1, 128, 2, 64), Tiling())["kernel_ms"]
     for name in ("prepare", "states", "scores", "outputs", "state_grads", "score_grads",
                  "value_grads", "key_grads", "fused.scores_with_decayed_rows",

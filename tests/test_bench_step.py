@@ -3,12 +3,18 @@
 import dataclasses
 
 from experiments import bench_step
+from hylora.core import save_points
+from hylora.core.architecture import frozen_linear
+from hylora.core.config import LoRAConfig
 from tests.helpers import small_config
 
 
 def test_frozen_and_lora_matmul_flops():
-  assert bench_step._linear(10, 3, 5) == 4 * 10 * 3 * 5  # forward + input gradient
-  assert bench_step._linear(10, 3, 5, lora_rank=2) == 4 * 150 + 6 * 10 * 2 * (3 + 5)
+  def step(lora):
+    return sum(w.forward + w.backward
+               for w in frozen_linear(save_points.QKV, 10, 3, 5, lora, "q"))
+  assert step(None) == 4 * 10 * 3 * 5  # forward + input gradient
+  assert step(LoRAConfig(rank=2, targets=("q",))) == 4 * 150 + 6 * 10 * 2 * (3 + 5)
 
 
 def test_lora_targets_and_layer_counts_enter_the_count():

@@ -193,7 +193,8 @@ def test_sweep_varies_one_factor_at_a_time():
 
 
 def test_sizes_and_compiled_program_parsing():
-  from hylora.plan.dry_run import involuntary_replications, largest_values, parse_bytes
+  from hylora.plan.compiled_program import involuntary_replications, largest_values
+  from hylora.plan.dry_run import parse_bytes
   assert parse_bytes("141GB") == 141e9 and parse_bytes("2 GiB") == 2 * 2**30
   assert parse_bytes("80") == 80e9
   hlo = "\n".join([

@@ -170,12 +170,12 @@ def test_tiered_policy_keeps_host_names_on_device_on_cpu_and_says_so():
     ("host_names", "attention"), ("remat", "some"), ("host_offload", "maybe")])
 def test_bad_memory_config_raises_config_error_naming_the_field(field, value):
   cfg = dataclasses.replace(TIERED, **{field: value})
-  with pytest.raises(ConfigError, match=f"remat_policy.{field}"):
+  with pytest.raises(ConfigError, match=f"memory.{field}"):
     remat_policy.remat_policy(cfg)
 
 
 def test_name_in_both_tiers_is_refused():
-  with pytest.raises(ConfigError, match="remat_policy.host_names"):
+  with pytest.raises(ConfigError, match="memory.host_names"):
     remat_policy.check(dataclasses.replace(TIERED, host_names=(save_points.QKV,)))
 
 

@@ -9,9 +9,11 @@ over chunks only when lm_head is perturbed, via symbolic zeros), so the backward
 is just a scale by the incoming cotangent: no second pass recomputes the logits.
 
 Memory: about (2 * token_chunk + 4 * logits_chunk) * V bytes of temporaries (bf16 logit
-gradient of a chunk + fp32 logits of a block; 0.73 GB at V=163840 by default), plus,
-when lm_head is differentiated, its gradient [D, V] accumulated in lm_head's dtype (bf16 accumulation across chunks, as Liger does; a float32 lm_head
-accumulates in float32). All matmuls run in the inputs' dtype with fp32 accumulation.
+gradient of a chunk + fp32 logits of a block; measured: docs/kernel_tuning.md,
+"Cross-entropy temporaries"), plus, when lm_head is differentiated, its gradient [D, V]
+accumulated in lm_head's dtype (bf16 accumulation across chunks, as Liger does; a float32
+lm_head accumulates in float32). All matmuls run in the inputs' dtype with fp32
+accumulation.
 """
 
 import functools

@@ -23,10 +23,10 @@ from .input_checks import check_grouped_matmul_inputs
 def zero_rows_past_groups(out, group_sizes):
     """Rows at or past sum(group_sizes) belong to no group: set them to zero.
 
-    A full-array select would cost a read and a write of the whole output (10% of the
-    input-gradient time at M=65536, K=7168); instead only the row blocks from the one
-    holding sum(group_sizes) to the end are rewritten, in place, so the common case
-    sum(group_sizes) == M costs nothing.
+    A full-array select would cost a read and a write of the whole output (measured:
+    docs/kernel_tuning.md, "Zeroing rows past the groups"); instead only the row blocks
+    from the one holding sum(group_sizes) to the end are rewritten, in place, so the
+    common case sum(group_sizes) == M costs nothing.
     """
     m = out.shape[0]
     block = next(b for b in (128, 64, 32, 16, 8, 4, 2, 1) if m % b == 0)

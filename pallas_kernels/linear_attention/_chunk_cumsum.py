@@ -1,11 +1,11 @@
 """The in-chunk cumulative log decay b = cumsum(g) per 64-token chunk, as a Pallas kernel.
 
-XLA's cumulative sum over an inner axis of [B, T, H, D] takes 1.04 ms on the H200 at
-(1, 32768, 32, 128) fp32; one two-warp program per (chunk, head) scanning its [C, D]
-block in registers takes 0.46, about what a copy of the same blocks takes (0.42). Its
-transpose, the reverse in-chunk sum of the cotangent, is the same kernel's other mode:
-sum(x) - cumsum(x) + x (Triton scans only forwards), 0.49 ms with four warps (with two
-it would spill: experiments/kernel_resources.py).
+One two-warp program per (chunk, head) scans its [C, D] block in registers, in about
+the time a copy of the same blocks takes (XLA's cumulative sum over an inner axis of
+[B, T, H, D] is slower). Its transpose, the reverse in-chunk sum of the cotangent, is the
+same kernel's other mode: sum(x) - cumsum(x) + x (Triton scans only forwards), with four
+warps (with two it would spill: experiments/kernel_resources.py).
+Chosen by measurement: docs/kernel_tuning.md, "In-chunk cumulative sum".
 """
 import functools
 

@@ -21,9 +21,9 @@ from pallas_kernels.linear_attention._mosaic_common import (
     COL, F32, ROW, load, matmul, per_column, per_row, smem)
 from pallas_kernels.linear_attention._mosaic_walk import chunk_walk, publish, state_outputs
 
-BLOCK = 64  # state tile [BLOCK, BLOCK]; H200, (1, 32768, 32, 128): states 0.72 ms (128-wide key
-# tiles: half the programs, 1.13 ms; 32-wide value tiles 1.09)
-STAGES = 4  # chunks in flight through TMA: 0.72 ms (0.80 with 3, 0.89 with 2)
+# chosen by measurement: docs/kernel_tuning.md, "GLA state walks on Mosaic GPU"
+BLOCK = 64  # state tile [BLOCK, BLOCK] (128-wide key tiles: half the programs)
+STAGES = 4  # chunks in flight through TMA
 
 
 def _walk(x, y, b, flags, h0, factors, last, *, toward_end, reverse, scale, block_k, block_v,

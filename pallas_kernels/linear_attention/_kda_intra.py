@@ -100,8 +100,8 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
     if emit_inverse:
         out_specs.append(square)
         out_shape.append(L.shape(cd, B, H, n, C, C))
-    # Four warps: one (more programs per SM) spills 4 KiB a thread; H200, (2, 8192, 64,
-    # 128): KDA fwd+bwd 21.7 ms with 1 warp, 21.4 with 2, 21.0 with 4
+    # Four warps: one (more programs per SM) spills; chosen by measurement:
+    # docs/kernel_tuning.md, "KDA in-chunk solve"
     solved = L.call(functools.partial(_solve_kernel, cd=cd), (B, H, n),
                     [square, keys, values, keys, L.chunk_beta(), L.chunk_flags()],
                     tuple(out_specs), tuple(out_shape), interpret=interpret,

@@ -202,8 +202,8 @@ def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_r
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale,
                     block_k, block_v, cd, interpret, bounded_rows=SUB):
     """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
-    bounded_rows: rows per loop step in bounded chunks; H200, (2, 8192, 64, 128): KDA
-    fwd+bwd 11.8 ms with 16, 13.8 with 32, 15.3 with 64 (more live tiles, spills)."""
+    bounded_rows: rows per loop step in bounded chunks (more rows: more live tiles,
+    spills; chosen by measurement: docs/kernel_tuning.md, "KDA key gradients")."""
     B, Tp, H, Dk = q.shape
     Dv = do.shape[-1]
     nk = Dk // block_k
@@ -218,8 +218,8 @@ def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da,
         (keys, keys, keys, L.kblock_partial_beta()),
         (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk),
          L.shape(F32, B, Tp, H, Dk), L.shape(F32, B, nk, Tp, H)),
-        # two stages keep the sub-chunk loop's loads in flight: H200, (2, 8192, 64, 128):
-        # 6.9 ms, 9.0 with one (three would need 194 KiB of shared memory)
+        # two stages keep the sub-chunk loop's loads in flight (three would need 194 KiB
+        # of shared memory); docs/kernel_tuning.md, "KDA key gradients"
         interpret=interpret, name="kda_key_grads", num_stages=2,
     )(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da)
     return dq, dk, db, jnp.sum(dbeta, axis=1)

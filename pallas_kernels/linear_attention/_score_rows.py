@@ -4,9 +4,8 @@ Keys of each earlier sub-chunk enter as one [16, D] block with the decay split a
 sub-chunk's boundary (the token before `start`): queries carry exp(b_t - b_edge), keys
 exp(b_edge - b_s), both exponents <= 0, so one tensor-core matmul gives each [16, 16]
 block left of the diagonal. One block at a time rather than the whole chunk's keys as
-one [C, D] fp32 tile (with it the KDA score kernel ran at 255 registers per thread, two
-programs per SM; H200: GLA scores 1.9 ms instead of 2.0-2.1 at (1, 32768, 32, 128), KDA
-5.8 instead of 5.9 at (2, 8192, 64, 128)). The diagonal block itself comes from
+one [C, D] fp32 tile, which raises register pressure and leaves fewer programs per SM
+(docs/kernel_tuning.md, "Score row blocks"). The diagonal block itself comes from
 _diagonal_blocks.
 """
 import jax

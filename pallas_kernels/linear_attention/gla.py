@@ -30,34 +30,26 @@ from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
 class Tiling(NamedTuple):
-    """Launch settings (hashable: they are static arguments of the custom VJP)."""
+    """Launch settings (hashable: they are static arguments of the custom VJP).
+    Defaults chosen by measurement: docs/kernel_tuning.md, "GLA tiling"."""
     block_k: int = 64
     block_v: int = 64
     state_warps: int = 4
-    state_stages: int = 3  # H200, (1, 32768, 32, 128): fwd+bwd 10.2 ms, 10.8 with 2
-    # warps of the parallel kernels; H200, (1, 32768, 32, 128): scores 2.9 ms (1 warp 7.0,
-    # 4 warps 3.4), key and value gradients 5.6 ms (2 warps 7.2, 8 warps 8.3)
+    state_stages: int = 3
     chunk_warps: int = 2  # forward outputs
-    # the scores kernel, one program per chunk: 0.73 ms (2 warps 1.03, 8 warps 1.07)
-    score_warps: int = 4
-    # loads in flight in the score kernel's loops: scores 1.9 ms (2.0 with 1, 1.8 with 3),
-    # fwd+bwd 9.4 (9.8 with 1, 9.5 with 3)
-    score_stages: int = 2
+    score_warps: int = 4  # the scores kernel, one program per chunk
+    score_stages: int = 2  # loads in flight in the score kernel's loops
     grad_warps: int = 4  # backward: score gradients, value and key gradients
-    # loads in flight in the key-gradient kernel's sub-chunk loop; H200, first shape: key
-    # and value gradients 5.0 ms (5.4 with 1, 5.35 with 2)
-    grad_stages: int = 3
+    grad_stages: int = 3  # loads in flight in the key-gradient kernel's sub-chunk loop
     # value channels per program of the value-gradient kernel: whole 128-wide heads read
-    # the chunk's keys and decays once; H200, first shape: key and value gradients 4.8 ms
-    # (5.2 with 64; the forward outputs kernel keeps block_v: 1.9 ms with 128, 1.2 with 64)
+    # the chunk's keys and decays once (the forward outputs kernel keeps block_v)
     grad_block_v: int = 128
     # the two sequential kernels (chunk states, state gradients): "mosaic" (Hopper: TMA
-    # and warpgroup matmuls; H200, (1, 32768, 32, 128): states 0.72 ms vs 1.11) or
-    # "triton"; "auto" takes "mosaic" where it runs (state_walk_kind)
+    # and warpgroup matmuls) or "triton"; "auto" takes "mosaic" where it runs
+    # (state_walk_kind)
     state_walk: str = "auto"
     # "split" or "fused" (_FORWARDS; the fused forward runs on Mosaic GPU, Hopper only).
-    # H200, (1, 32768, 32, 128): fwd 3.56 ms fused vs 3.74, but fwd+bwd 9.38 vs 8.49 (the
-    # split forward's state kernel is shared with the backward's recomputation)
+    # "split" by default: its state kernel is shared with the backward's recomputation
     forward: str = "split"
     interpret: bool = False
 

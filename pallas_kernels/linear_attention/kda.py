@@ -58,10 +58,8 @@ def state_walk_kinds(choice, dtypes, Dk, block_v, interpret):
     """(forward, backward) implementations of the state kernels for `choice`. The Mosaic
     GPU walk keeps the whole [Dk, BV] state in one warpgroup's registers: it needs q, k, v
     in one 16-bit dtype, Dk of 64 or 128 and 32-multiple value blocks. "auto" takes it for
-    both walks where it fits. Alone, the forward walk is slower than Triton's (H200, (2,
-    8192, 64, 128): states 1.02 ms vs 0.72; the backward 1.37 vs 1.87), but end to end
-    both on Mosaic GPU measured best: fwd+bwd 11.80 ms vs 12.14 with the Triton forward
-    walk, and 11.70 vs 12.33 at (1, 32768, 32, 128)."""
+    both walks where it fits, the choice that measured best end to end although the
+    forward walk alone is not the faster one (docs/kernel_tuning.md, "KDA state walks")."""
     fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _kda_states_mosaic.MAX_DK
             and block_v % 32 == 0)
     kind = choose_walk(choice, _STATE_WALKS, fits, interpret,
@@ -95,8 +93,8 @@ def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
 
 
 def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
-    # The in-chunk kernel is the costliest of the forward (41% of a layer's forward +
-    # backward when the backward ran it again), so its results are kept for the backward
+    # The in-chunk kernel is the costliest of the forward (docs/kernel_tuning.md, "KDA
+    # in-chunk results as residuals"), so its results are kept for the backward
     # (bf16, 1.8 KB per token and head at D = 128 with the chunk states) instead of
     # recomputed; tagged so that a remat policy keeping "attention" keeps them too.
     intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, True)

@@ -21,8 +21,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention import relaxed_atomics
 
-relaxed_atomics.enable()
-
 
 def _atomic_add_rows(ref, idx, valid, rows, interpret):
     """ref[idx[j]] += rows[j] for the valid j."""
@@ -85,6 +83,7 @@ def sparse_attention_backward(q_groups, k_heads, v_heads, indices, do_groups, ls
     Returns dq [B,T,HK,Gp,D] (q dtype; fp32 with ranges); with atomic_dkdv also fp32
     dk, dv [B,HK,Tk,D].
     """
+    relaxed_atomics.enable()  # before the kernel is lowered: its dk/dv/dq scatters
     b, t, hk, gp, d = q_groups.shape
     kp, tk = indices.shape[2], k_heads.shape[2]
     if ranges is None:

@@ -1,13 +1,11 @@
 """The sparse-attention implementation chosen by how dense the selection is.
 
-Cost model, measured on the H200 (64 query / 8 KV heads, D = 128, K = 2048,
-docs/performance.md): the gather kernels' forward + backward costs about GATHER_NS per
-(query, selected key, KV head) (51.6 ms at T = 8192, 98.0 at 16384, 192.4 at 32768);
-masked dense attention about DENSE_NS per (query, key, query head) pair it computes
-(17.2 ms at 8192 with the causal pass, which the indexer's selections take; twice the
-pairs, and the time, without it; 62.6 at 16384, 244 at 32768). The dense cost grows
-with T^2 and the gather cost with T * K, so for the target's heads and K = 2048 dense
-wins up to T ~ 24K (3.0x faster at 8192, 1.6x at 16384; the gather 1.3x at 32768).
+Cost model: the gather kernels' forward + backward costs about GATHER_NS per (query,
+selected key, KV head); masked dense attention about DENSE_NS per (query, key, query
+head) pair it computes (the causal pass, which the indexer's selections take, computes
+half the pairs). Both constants come from measurements: docs/kernel_tuning.md, "Masked
+dense or gather". The dense cost grows with T^2 and the gather cost with T * K, so for
+the target's heads and K = 2048 dense wins at short T and the gather at long T.
 Past MASK_BYTES of selection mask, or where the fused kernel does not apply (fp32, odd
 lengths, head dims over 256), the gather kernels run.
 """

@@ -109,17 +109,16 @@ def topk_indices(q_idx, k_idx, w, *, top_k: int, segment_ids=None, query_offset=
 
     `selection` picks each chunk's top-K from its score rows: "kernel" (the default;
     top_k_kernel.py: one Pallas program per query over its causal keys only), "threshold"
-    (threshold_top_k.py: the same counting passes under XLA, over whole rows; on the
-    H200 1.2-1.3x faster than the sort from T = 16K to 128K, with 2.7 GB of temporaries
-    instead of 6.4) or "sort" (jax.lax.top_k). All give the same sets.
+    (threshold_top_k.py: the same counting passes under XLA, over whole rows; faster
+    than the sort, with fewer temporaries) or "sort" (jax.lax.top_k). All give the same
+    sets (docs/kernel_tuning.md, "Top-K selection").
 
     `queries_per_program` (a power of 2), `num_warps` and `block_k` (keys per step, a
     power of 2 >= 16) tile the score kernel: one program scores that many consecutive
     queries, loading each key block once for all.
     The kernel is bound by its epilogue (ReLU, weights, head sums), not by the key loads
-    or the matmul (float8 inputs gain nothing): on the H200 at T = 32K / 128K, indexer
-    + top-K take 42.3 / 711 ms with 1 query and 4 warps, 53.2 / 834 with 2 queries,
-    58.6 / 922 with 4 queries and 8 warps.
+    or the matmul (float8 inputs gain nothing); defaults chosen by measurement:
+    docs/kernel_tuning.md, "Indexer score kernel".
     """
     if selection not in SELECTIONS:
         raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")

@@ -1,11 +1,13 @@
 """Relaxed-order atomic adds for the Pallas (Triton) kernels of this package.
 
 Pallas lowers `atomic_add` to an acquire-release atomic that returns the old value.
-Scattering gradient rows needs neither the ordering nor the value; on the H200 the
-relaxed form (a fire-and-forget reduction) makes the sparse-attention dk/dv scatter
-3.4x faster (docs/performance.md). Pallas has no memory-order argument, so `enable()`
-sets the default order of its Triton atomic lowering to relaxed. Acquire-release only
-matters for kernels that synchronise through atomics (locks, flags); none here does.
+Scattering gradient rows needs neither the ordering nor the value; the relaxed form (a
+fire-and-forget reduction) makes the sparse-attention dk/dv scatter faster
+(docs/kernel_tuning.md, "Relaxed atomics"). Pallas has no memory-order argument, so
+`enable()` sets the default order of its Triton atomic lowering to relaxed; the
+backward kernel calls it when it is built (importing this package changes nothing).
+Acquire-release only matters for kernels that synchronise through atomics (locks,
+flags); none here does.
 """
 import warnings
 

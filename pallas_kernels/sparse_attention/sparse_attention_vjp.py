@@ -6,9 +6,9 @@ so a kernel program sees one head as a [T, D] table to gather rows from, and the
 list is padded with -1 to a whole number of key blocks.
 
 Backward: dq comes from the query-major pass; dk and dv from relaxed fp32 atomic adds
-in the same pass (dkdv="atomic", the default: 3.4x faster than the key-major pass on
-random selections at 32K; past `keys_per_range` keys, one pass per key range,
-key_ranges.py) or from the key-major pass over the (query, key) pairs sorted by key
+in the same pass (dkdv="atomic", the default, faster than the key-major pass:
+docs/kernel_tuning.md, "Relaxed atomics"; past `keys_per_range` keys, one pass per key
+range, key_ranges.py) or from the key-major pass over the (query, key) pairs sorted by key
 (dkdv="by_key", no atomics).
 """
 
@@ -26,11 +26,9 @@ from pallas_kernels.sparse_attention.attention_forward import sparse_attention_f
 from pallas_kernels.sparse_attention.kernel_setup import (
     check_head_dim, next_power_of_2, pad_axis, tile_rows, use_interpret)
 
-# Selected keys gathered per step, warps and pipeline stages of each kernel. The tile
-# sweeps on the H200 at 32K (docs/performance.md) picked small two-warp programs for
-# both: forward 36.6 ms (38.2 at 128 keys / 4 warps / 2 stages), backward 151.9 ms
-# (181.6 at 64 / 4 / 2; 663 vs 795 ms at 128K), more programs in flight per SM to hide
-# the gathers' and atomics' latency.
+# Selected keys gathered per step, warps and pipeline stages of each kernel: small
+# two-warp programs for both, more programs in flight per SM to hide the gathers' and
+# atomics' latency (chosen by measurement: docs/kernel_tuning.md, "Gather kernel tiles").
 _FORWARD_TILE = dict(block_k=32, num_warps=2, num_stages=3)
 _BACKWARD_TILE = dict(block_k=32, num_warps=2, num_stages=3)
 

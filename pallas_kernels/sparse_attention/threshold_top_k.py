@@ -1,8 +1,8 @@
 """Top-K of long score rows by finding the K-th largest value, without sorting.
 
 jax.lax.top_k with K = 2048 sorts each row (XLA's GPU top-k kernel covers small K
-only), and sorting [T, T] scores grows as T^2 log T: at T = 131072 the indexer's
-top-K took most of its 1.9 s (docs/performance.md). Selecting by threshold reads each
+only), and sorting [T, T] scores grows as T^2 log T: at long T the sort dominates the
+indexer (docs/kernel_tuning.md, "Top-K selection"). Selecting by threshold reads each
 row a fixed number of times instead: counting passes find the K-th largest value a few
 bits at a time (on an order-preserving integer image of the fp32 scores: 32 passes of
 one bit, or 16 of two, or 8 of four, each of which counts 2^bits - 1 thresholds in one
@@ -52,9 +52,8 @@ def threshold_top_k(scores, k: int, bits_per_pass: int = 2):
     """Indices int32 [..., k] of the k largest fp32 scores of each row (ties: smaller
     index), as a set; entries that would pick a -inf score are -1.
 
-    bits_per_pass: digits of the K-th score found per counting pass (H200, one query
-    chunk of causal scores at T = 128K, K = 2048: 1 bit 12.3 ms, 2 bits 8.6, 4 bits
-    9.9; lax.top_k 18.2)."""
+    bits_per_pass: digits of the K-th score found per counting pass (default chosen by
+    measurement: docs/kernel_tuning.md, "Top-K selection")."""
     *batch, n = scores.shape
     if not 0 < k <= n:
         raise ValueError(f"k must be in [1, {n}] for rows of {n} scores, got {k}")

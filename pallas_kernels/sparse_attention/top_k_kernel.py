@@ -3,11 +3,10 @@
 The algorithm of threshold_top_k.py (find the K-th largest score a few bits at a time
 by counting passes over an order-preserving integer image, then take the scores above
 it and the smallest-index ties), run by one program that owns a row. Under XLA each
-counting pass is a reduction over the whole [rows, T] block from HBM (at T = 128K the
-indexer's selection took about half of its 1.09 s on the H200) and reads the masked
-future half of causal rows too; here a program walks only its row's first `length`
-scores, so a causal row of query t costs t + 1 scores per pass (with the score kernel
-no longer writing the rest, the indexer is 1.36x faster at 32K and 128K on the H200).
+counting pass is a reduction over the whole [rows, T] block from HBM and reads the
+masked future half of causal rows too; here a program walks only its row's first
+`length` scores, so a causal row of query t costs t + 1 scores per pass, and the score
+kernel no longer writes the rest (docs/kernel_tuning.md, "Top-K selection").
 
 Passes per row: 32 / bits_per_pass counting passes (2^bits - 1 thresholds each), one
 counting the scores above the K-th, and one writing the selected indices in ascending

@@ -1,5 +1,6 @@
 """chunked_cross_entropy against the naive fp32-logits reference, values and gradients."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,8 +69,8 @@ def test_bf16_inputs_match_reference():
                  f(cross_entropy_reference)(hidden, lm_head), 1e-3)
     got = jax.grad(f(chunked_cross_entropy, token_chunk=16), argnums=(0, 1))(hidden, lm_head)
     want = jax.grad(f(cross_entropy_reference), argnums=(0, 1))(hidden, lm_head)
+    chex.assert_type(got, jnp.bfloat16)
     for g, w in zip(got, want):
-        assert g.dtype == jnp.bfloat16
         assert_close(g, w, 2e-2)
 
 

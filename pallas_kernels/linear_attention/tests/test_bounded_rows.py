@@ -2,9 +2,9 @@
 bounded chunk covers (one step for the whole chunk, or one per sub-chunk)."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from pallas_kernels.linear_attention import _chunk_prep
@@ -49,5 +49,5 @@ def test_rows_per_step_do_not_change_the_gradients(kernel):
     x = _operands()
     by_sub_chunk = jax.jit(functools.partial(kernel, rows=16))(x)
     for rows in (32, CHUNK):
-        for a, b in zip(jax.jit(functools.partial(kernel, rows=rows))(x), by_sub_chunk):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(jax.jit(functools.partial(kernel, rows=rows))(x),
+                                    by_sub_chunk, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
 """The Pallas GLA kernels (interpret mode on CPU) against the fp32 token-by-token oracle."""
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -15,7 +16,7 @@ def _check(x, out_tol, grad_tol, **kernel_kw):
     f32 = [a.astype(jnp.float32) if a.dtype != jnp.float32 else a for a in args]
     o_ref, s_ref = fast_jit(lambda *a: gla_recurrent(*a, **kw))(*f32)
     o, s = fast_jit(lambda *a: chunked_gla(*a, **kw, **kernel_kw))(*args)
-    assert o.dtype == x["v"].dtype and s.dtype == jnp.float32
+    chex.assert_type([o, s], [x["v"].dtype, jnp.float32])
     assert rel_rms(o_ref, o) < out_tol and rel_rms(s_ref, s) < out_tol
     kernel = lambda *a, **k: chunked_gla(*a, **k, **kernel_kw)
     grads_ref = fast_jit(jax.grad(loss_fn(gla_recurrent, x["segment_ids"]), (0, 1, 2, 3, 4)))(*f32, x["initial_state"])

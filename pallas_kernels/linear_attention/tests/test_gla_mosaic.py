@@ -4,6 +4,7 @@ copies, barriers, warpgroup matmuls, two warpgroups): the state walks
 segment resets inside and at chunk edges, an initial state), the fused forward
 (_gla_forward_mosaic) against the split forward, and chunked_gla through them against
 the token-by-token oracle."""
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -28,7 +29,7 @@ def test_walks_match_the_triton_walks():
     kw = dict(block_k=64, block_v=64, interpret=True)
     h_ref, final_ref = _gla_states.chunk_states(k, v, b, in_last, carry_in, h0, **kw)
     h, final = _gla_states_mosaic.chunk_states(k, v, b, in_last, carry_in, h0, interpret=True)
-    assert h.dtype == h_ref.dtype and final.dtype == jnp.float32
+    chex.assert_type([h, final], [h_ref.dtype, jnp.float32])
     assert rel_rms(h_ref, h) < 1e-4 and rel_rms(final_ref, final) < 1e-5
     ds_ref, dh0_ref = _gla_states.chunk_state_grads(q, b, carry_in, do, h0, scale=0.3, **kw)
     ds, dh0 = _gla_states_mosaic.chunk_state_grads(q, b, carry_in, do, h0, scale=0.3,

@@ -1,4 +1,5 @@
 """The Pallas KDA kernels (interpret mode on CPU) against the fp32 token-by-token oracle."""
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -29,13 +30,14 @@ def _errors(x, **kernel_kw):
     kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
     o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw, **oracle_kw))(*f32[:5])
     o, s = fast_jit(lambda *a: chunked_kda(*a, **kw, **kernel_kw))(*args[:5])
-    assert o.shape == o_ref.shape and o.dtype == x["v"].dtype and s.dtype == jnp.float32
+    chex.assert_equal_shape([o, o_ref])
+    chex.assert_type([o, s], [x["v"].dtype, jnp.float32])
     errs = {"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}
     argnums = tuple(range(6))
     g_ref = fast_jit(jax.grad(_loss(kda_recurrent, x, **oracle_kw), argnums))(*f32)
     g_ker = fast_jit(jax.grad(_loss(chunked_kda, x, **kernel_kw), argnums))(*args)
+    chex.assert_trees_all_equal_dtypes(g_ker, tuple(args))  # each gradient in its input's dtype
     for name, a, b in zip(NAMES, g_ref, g_ker):
-        assert b.dtype == args[NAMES.index(name)].dtype, name
         errs["d" + name] = rel_rms(a, b)
     return errs
 

@@ -1,5 +1,6 @@
 """The Pallas kernels (interpreted on CPU) against the reference."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +59,8 @@ def test_kernel_matches_gather_reference_on_random_indices_bf16():
 def test_split_by_range_gives_each_range_its_slice_of_the_sorted_selection():
     idx = helpers.distinct_causal_indices(5, 2, 40, 12)
     ordered, lo, hi = split_by_range(idx, 40, 16)
-    assert ordered.shape == idx.shape and lo.shape == hi.shape == (2, 40, 3)
+    chex.assert_equal_shape([ordered, idx])
+    chex.assert_shape([lo, hi], (2, 40, 3))
     for b in range(2):
         for t in range(40):
             chosen = sorted(int(i) for i in idx[b, t] if i >= 0)
@@ -138,5 +140,8 @@ def test_kernel_topk_rejects_bad_inputs():
 
 
 def test_the_atomic_backward_runs_with_relaxed_atomics():
-    from pallas_kernels.sparse_attention import attention_backward, relaxed_atomics
-    assert attention_backward.relaxed_atomics is relaxed_atomics and relaxed_atomics.enabled()
+    from pallas_kernels.sparse_attention import relaxed_atomics
+    q, k, v, do = helpers.attention_inputs(3, 1, 16, 2, 1, 16)
+    idx = helpers.distinct_causal_indices(4, 1, 16, 8)
+    helpers.vjp(lambda *a: sparse_attention(*a, dkdv="atomic"), q, k, v, idx, do)
+    assert relaxed_atomics.enabled()

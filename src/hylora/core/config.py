@@ -7,12 +7,10 @@ the field at fault.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from hylora.core.errors import ConfigError
 
-MIXERS = ("linear", "sparse")
 RESIDUALS = ("add", "depth_mix")  # hylora.model.residual
 
 
@@ -189,7 +187,6 @@ class TrainConfig:
   chat_template: str = "chatml"  # hylora.data.chat.TEMPLATES
   tiles_per_row: int = 8  # image tiles each packed row can carry (fixed batch shape)
   skip_bad_records: bool = False  # skip (and count) bad records instead of stopping
-  log_every: int = 1
   max_nonfinite_in_a_row: int = 5  # non-finite steps (update skipped) tolerated in a row
 
 
@@ -217,8 +214,9 @@ class Config:
   def validate(self) -> "Config":
     m, t = self.model, self.train
     _check(m.layers >= 1, "model.layers", f"must be >= 1, got {m.layers}")
-    _check(all(p in MIXERS for p in m.pattern), "model.pattern",
-           f"entries must be in {MIXERS}, got {m.pattern}")
+    from hylora.core.architecture import MIXER_BLOCKS  # the layer kinds described
+    _check(all(p in MIXER_BLOCKS for p in m.pattern), "model.pattern",
+           f"entries must be in {tuple(MIXER_BLOCKS)}, got {m.pattern}")
     _check(len(m.pattern) >= 1, "model.pattern", "must not be empty")
     _check(m.residual in RESIDUALS, "model.residual",
            f"must be one of {RESIDUALS}, got {m.residual!r}")
@@ -291,6 +289,3 @@ def _check(ok: bool, name: str, message: str):
   if not ok:
     raise ConfigError(f"{name}: {message}")
 
-
-def replace(cfg, **changes):
-  return dataclasses.replace(cfg, **changes)

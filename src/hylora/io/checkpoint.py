@@ -27,7 +27,7 @@ from hylora.core.overrides import to_dict
 FORMAT = 1
 # Config fields a resumed run may change: they do not alter a step's math or the data
 # order (train.steps moves the end of the run; the learning-rate schedule follows it).
-MAY_CHANGE = ("train.steps", "train.log_every", "train.max_nonfinite_in_a_row",
+MAY_CHANGE = ("train.steps", "train.max_nonfinite_in_a_row",
               "checkpoint.", "mesh.", "kernels.", "memory.")
 
 

@@ -90,7 +90,7 @@ def check(files: CheckpointFiles, leaves: list[Leaf], extra: list[Leaf] = ()) ->
   """Every tensor present, known, of the right shape and a float dtype; `extra` leaves
   (trainable non-adapter parameters) may be present or not."""
   need, may = _expected(leaves), _expected(extra)
-  missing = [n for n, leaf in need.items() if n not in files.info and not leaf.rule.optional]
+  missing = [n for n, leaf in need.items() if n not in files.info and not leaf.tensor.optional]
   if missing:
     more = f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
     raise WeightsError(f"tensor {missing[0]!r} is missing from {files.dir} (model parameter "
@@ -120,7 +120,7 @@ def _flat_span(bounds, shape) -> tuple[int, int]:
 
 
 def _read_item(leaf: Leaf, files: CheckpointFiles, names, bounds) -> np.ndarray:
-  rule, item = leaf.rule, leaf.item_shape
+  rule, item = leaf.tensor, leaf.item_shape
   cut = tuple(slice(a, b) for a, b in bounds)
   if rule.optional and names[0] not in files.info:
     return np.zeros([b - a for a, b in bounds], np.float32)
@@ -145,7 +145,7 @@ def _read_item(leaf: Leaf, files: CheckpointFiles, names, bounds) -> np.ndarray:
 def read_block(leaf: Leaf, files: CheckpointFiles, index: tuple[slice, ...]) -> np.ndarray:
   """The model-layout block `leaf[index]`, read from the checkpoint."""
   bounds = _bounds(index, leaf.shape)
-  if leaf.rule.fill == "expert_ids":
+  if leaf.tensor.fill == "expert_ids":
     ids = (np.arange(leaf.shape[-1]) % leaf.routed).astype(leaf.dtype)  # initial placement
     return np.broadcast_to(ids, leaf.shape)[tuple(slice(a, b) for a, b in bounds)].copy()
   stack, item = bounds[:leaf.stack_dims], bounds[leaf.stack_dims:]
@@ -272,10 +272,10 @@ def item_reader(array: jax.Array, stack_dims: int):
 
 def to_tensors(leaf: Leaf, item: np.ndarray) -> list[np.ndarray]:
   """One model-layout slice -> its checkpoint tensors (inverse of `_read_item`)."""
-  if not leaf.rule.linear:
+  if not leaf.tensor.linear:
     return [item]
-  n_in = math.prod(leaf.item_shape[:leaf.rule.in_dims])
-  return np.split(item.reshape(n_in, -1).T, len(leaf.rule.names), axis=0)
+  n_in = math.prod(leaf.item_shape[:leaf.tensor.in_dims])
+  return np.split(item.reshape(n_in, -1).T, len(leaf.tensor.names), axis=0)
 
 
 def expert_slots(leaf: Leaf, frozen_flat: dict):
@@ -289,10 +289,10 @@ def expert_slots(leaf: Leaf, frozen_flat: dict):
 
 
 def adapter_paths(leaf: Leaf) -> tuple[tuple, tuple] | None:
-  if leaf.rule.adapter is None:
+  if leaf.tensor.adapter is None:
     return None
-  base = leaf.path[:len(leaf.path) - len(leaf.rule.model.split("/"))]
-  module = base + tuple(leaf.rule.adapter.split("/"))
+  base = leaf.path[:len(leaf.path) - len(leaf.tensor.path.split("/"))]
+  module = base + tuple(leaf.tensor.adapter.split("/"))
   return module + ("lora_a",), module + ("lora_b",)
 
 
@@ -312,7 +312,7 @@ def model_tensors(cfg: Config, frozen: dict, lora: dict | None = None,
   for tree in trees:
     source = flat_paths(tree)
     for leaf in plan(cfg, tree):
-      if leaf.rule.fill:
+      if leaf.tensor.fill:
         continue
       read = item_reader(source[leaf.path], leaf.stack_dims)
       slot = expert_slots(leaf, arrays)
@@ -320,7 +320,7 @@ def model_tensors(cfg: Config, frozen: dict, lora: dict | None = None,
       a_read = b_read = None
       if pair and pair[0] in adapters:
         a, b = adapters[pair[0]], adapters[pair[1]]
-        a_dims = a.ndim - leaf.rule.in_dims - 1  # one less than the leaf's: A shared by experts
+        a_dims = a.ndim - leaf.tensor.in_dims - 1  # one less than the leaf's: A shared by experts
         a_read, b_read = item_reader(a, a_dims), item_reader(b, leaf.stack_dims)
       for index, names in leaf.items():
         index = slot(index)

@@ -49,11 +49,11 @@ def adapter_tensors(cfg: Config, frozen: dict, lora: dict) -> Iterator[tuple[str
   adapters = hf_weights.flat_paths(lora)
   frozen_flat = hf_weights.flat_paths(frozen)
   for leaf in plan(cfg, frozen):
-    pair = hf_weights.adapter_paths(leaf) if not leaf.rule.fill else None
+    pair = hf_weights.adapter_paths(leaf) if not leaf.tensor.fill else None
     if not pair or pair[0] not in adapters:
       continue
     a, b = adapters[pair[0]], adapters[pair[1]]
-    a_dims = a.ndim - leaf.rule.in_dims - 1  # fewer than the leaf's: A shared by experts
+    a_dims = a.ndim - leaf.tensor.in_dims - 1  # fewer than the leaf's: A shared by experts
     read_a = hf_weights.item_reader(a, a_dims)
     read_b = hf_weights.item_reader(b, leaf.stack_dims)
     slot = hf_weights.expert_slots(leaf, frozen_flat)

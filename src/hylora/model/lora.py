@@ -7,7 +7,6 @@ the adapted model reproduces the base model exactly before the first update.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import zlib
 from typing import Sequence
@@ -20,6 +19,7 @@ from hylora.model.init import ParamInit, logical, weight_std
 
 from meshes import logical_axes as ax
 from hylora.core import save_points
+from hylora.core.architecture import lora_targets
 from hylora.core.config import LoRAConfig
 
 
@@ -28,7 +28,7 @@ class LoRAParam(nnx.Variable):
 
 
 def wants_lora(lora: LoRAConfig | None, name: str) -> bool:
-  return lora is not None and any(fnmatch.fnmatchcase(name, p) for p in lora.targets)
+  return lora_targets(lora, name)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None, salt: str) -> jax.Array:

@@ -20,21 +20,10 @@ from hylora.model.init import ParamInit
 
 from meshes import logical_axes as ax
 from hylora.model import remat_policy
+from hylora.core.architecture import plan_segments
 from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.layer import DecoderLayer
 from hylora.model.residual import RESIDUALS
-
-
-def plan_segments(kinds: list[tuple[str, str]], period: int):
-  """[(period kinds, repeats)] covering `kinds` in order."""
-  segments: list[list] = []
-  for start in range(0, len(kinds), period):
-    chunk = tuple(kinds[start:start + period])
-    if segments and segments[-1][0] == chunk:
-      segments[-1][1] += 1
-    else:
-      segments.append([chunk, 1])
-  return [(chunk, repeats) for chunk, repeats in segments]
 
 
 class Period(nnx.Module):

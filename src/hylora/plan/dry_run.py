@@ -36,12 +36,12 @@ import jax
 import numpy as np
 
 from hylora.plan import param_count
+from hylora.core.architecture import stacked_position
 from hylora.core.config import Config
-from hylora.plan.compiled_program import (captured_stderr, involuntary_replications,  # noqa: F401
-                                     largest_values)
-from hylora.plan.dry_run_setup import (dry_run_config, implementations, set_xla_flags,  # noqa: F401
-                                   stand_ins)
-from hylora.plan.dry_run_report import format_report, format_sweep  # noqa: F401
+from hylora.plan.compiled_program import (captured_stderr, involuntary_replications,
+                                          largest_values)
+from hylora.plan.dry_run_report import format_report, format_sweep
+from hylora.plan.dry_run_setup import implementations, set_xla_flags, stand_ins
 from hylora.core.errors import ConfigError
 from hylora.train import state as st
 from hylora.train.step import BATCH_KEYS
@@ -91,7 +91,7 @@ def array_table(lora: dict, frozen: dict) -> list[dict]:
   rows = []
   for tree_name, tree in (("frozen", frozen), ("lora", lora)):
     for keys, a in param_count.leaves(tree):
-      stacked = "segments" in keys  # scanned segments carry a leading layers axis
+      stacked = stacked_position(keys) is not None  # a leading layers axis
       per_layer = math.prod(a.shape[1:] if stacked else a.shape)
       axes = sorted({n for s in a.sharding.spec if s is not None
                      for n in ((s,) if isinstance(s, str) else s)})

@@ -1,7 +1,8 @@
 """Parameter counts by kind, read from the model's own (abstract) parameter trees.
 
 Nothing here is a formula of the architecture: every figure is the sum of the shapes
-that `HybridLM` actually builds, classified by where the array sits in the tree.
+that `HybridLM` actually builds, each classified by the kind the architecture's
+description (`hylora.core.architecture`) gives its tensor.
 
 Kinds: routed `experts`, `shared_experts`, `dense_ffn` (the first dense layers),
 `attention` (every mixer projection, gate and indexer), `router` (kernel and the
@@ -23,10 +24,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from hylora.core.architecture import PARAMETER_KINDS, parameter_kind
 from hylora.core.config import Config
 
-KINDS = ("experts", "shared_experts", "dense_ffn", "attention", "router", "norms",
-         "embeddings", "vision", "other")
+KINDS = PARAMETER_KINDS
 
 # The input embedding table: excluded from the active count (a row lookup).
 INPUT_EMBEDDING = ("embed",)
@@ -42,25 +43,8 @@ def path_keys(path) -> tuple[str, ...]:
 
 
 def kind_of(keys: tuple[str, ...]) -> str:
-  """The parameter kind of the array at `keys` (first matching rule wins)."""
-  names = set(keys)
-  if keys[0] == "vision":
-    return "vision"
-  if "experts" in names:
-    return "experts"
-  if "shared" in names:
-    return "shared_experts"
-  if "router" in names:
-    return "router"
-  if "mlp" in names:
-    return "dense_ffn"
-  if keys[-1] in ("scale", "head_norm"):
-    return "norms"
-  if "mixer" in names:
-    return "attention"
-  if keys[0] in ("embed", "lm_head"):
-    return "embeddings"
-  return "other"
+  """The parameter kind of the array at `keys`, as the architecture's description says."""
+  return parameter_kind(keys)
 
 
 def active_share(cfg: Config, keys: tuple[str, ...]) -> float:

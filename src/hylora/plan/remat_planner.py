@@ -26,7 +26,7 @@ from hylora.model import remat_policy
 from hylora.core import save_points
 from hylora.core.config import Config, MemoryConfig
 from hylora.core.errors import ConfigError
-from hylora.plan.save_point_sizes import layer_save_points, resident_bytes, tokens_per_device
+from hylora.plan.save_point_sizes import layer_work, resident_bytes, tokens_per_device
 
 GB = 1e9
 TIERS = ("hbm", "host", "recompute")
@@ -94,11 +94,6 @@ class MemoryPlan:
 
   def table(self) -> str:
     return format_table(self)
-
-
-# Backward FLOPs per forward FLOP: frozen matmuls need only the input gradient; the
-# attention cores' backward is about twice their forward; top-k is not differentiated.
-_BACKWARD_RATIO = {save_points.ATTENTION: 2.0, save_points.TOPK: 0.0, save_points.LORA_A: 2.0}
 
 
 # ---- evaluating and searching ----------------------------------------------------------
@@ -171,14 +166,14 @@ def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware,
   kinds = m.layer_kinds()
   points: dict[str, list[float]] = {name: [0, 0.0] for name in save_points.ALL}
   forward = backward = 0.0
-  layer_bytes = max(sum(nbytes for nbytes, _ in layer_save_points(cfg, mixer, ffn, n).values())
-                    for mixer, ffn in set(kinds))
-  for mixer, ffn in kinds:
-    for name, (nbytes, flops) in layer_save_points(cfg, mixer, ffn, n).items():
-      points[name][0] += nbytes
-      points[name][1] += flops
-      forward += flops
-      backward += flops * _BACKWARD_RATIO.get(name, 1.0)
+  work = {kind: layer_work(cfg, *kind, n) for kind in set(kinds)}
+  layer_bytes = max(sum(w.nbytes for w in parts.values()) for parts in work.values())
+  for kind in kinds:
+    for name, w in work[kind].items():
+      points[name][0] += w.nbytes
+      points[name][1] += w.forward
+      forward += w.forward
+      backward += w.backward
   head = 2.0 * n * m.d_model * m.vocab_size  # the LM head: forward, recomputed, input grad
   micro = cfg.train.grad_accum
   resident, gathered = resident_bytes(cfg, mesh_shape)
@@ -285,9 +280,9 @@ def format_table(plan: MemoryPlan) -> str:
   lines.append(f"  predicted step {plan.predicted_step_seconds * 1e3:.4g} ms = compute "
                f"{plan.compute_seconds * 1e3:.4g} + recompute {plan.recompute_seconds * 1e3:.4g}"
                f" + exposed host copies {plan.exposed_transfer_seconds * 1e3:.4g}")
-  lines.append(f"  policy: --remat_policy.remat={plan.policy}"
-               + (f" --remat_policy.hbm_names={','.join(plan.hbm_names)}"
-                  f" --remat_policy.host_names={','.join(plan.host_names)}"
+  lines.append(f"  policy: --memory.remat={plan.policy}"
+               + (f" --memory.hbm_names={','.join(plan.hbm_names)}"
+                  f" --memory.host_names={','.join(plan.host_names)}"
                   if plan.policy == "tiered" else ""))
   return "\n".join(lines)
 

@@ -17,7 +17,7 @@ import jax
 
 from hylora.core.config import Config
 from hylora.model.ffn import placement as pl
-from hylora.model.stack import plan_segments
+from hylora.core.architecture import stacked_layers, stacked_position
 
 PLACEMENT = "placement"
 LORA_LEAVES = ("lora_a", "lora_b")
@@ -35,20 +35,14 @@ def _keys(path) -> tuple:
 
 def find_sites(cfg: Config, frozen) -> list[Site]:
   """Every MoE module of the frozen tree (arrays or ShapeDtypeStructs), in layer order."""
-  starts, first = [], 0
-  for chunk, repeats in plan_segments(cfg.model.layer_kinds(), len(cfg.model.pattern)):
-    starts.append((first, len(chunk)))
-    first += len(chunk) * repeats
   sites = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(frozen)[0]:
     keys = _keys(path)
-    if keys[-1] != PLACEMENT:
+    stacked = stacked_position(keys)
+    if keys[-1] != PLACEMENT or stacked is None:
       continue
-    # stack/segments/<s>/periods/layers/<i>/ffn/placement
-    segment, position = keys[2], keys[5]
-    start, period = starts[segment]
-    layers = tuple(start + r * period + position for r in range(leaf.shape[0]))
-    sites.append(Site(keys[:-1], layers))
+    segment, position, _ = stacked
+    sites.append(Site(keys[:-1], stacked_layers(cfg.model, segment, position)))
   return sorted(sites, key=lambda s: s.layers)
 
 

@@ -26,10 +26,6 @@ class ExpertPlacement(nnx.Variable):
   """slot_to_expert [slots] int32; frozen, changed only by a re-placement."""
 
 
-def identity_placement(num_experts: int) -> jax.Array:
-  return jnp.arange(num_experts, dtype=jnp.int32)
-
-
 def initial_placement(num_experts: int, slots: int) -> jax.Array:
   """Slot s holds expert s mod E: every expert once, spare slots copy experts 0, 1, ...
   (a fixed rule, so checkpoint readers know which expert a spare slot starts with)."""
