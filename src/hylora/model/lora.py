@@ -47,9 +47,8 @@ def _contract(x: jax.Array, w: jax.Array, n_in: int, *, fp32_result: bool) -> ja
   transposed products then take fp32 cotangents and run in fp32, as the adapter factors'
   gradients want. Without, the product comes out in x's dtype (XLA's GPU and CPU
   matmuls accumulate bf16 products in fp32 and round once: the same values) and so does
-  the input gradient's product, in bf16 on the tensor cores; the fp32 form made the frozen
-  kernels' input gradients fp32 matmuls, 1.8x the forward's time on the H200 (linear
-  attention's projections, 2 x 8192 tokens: 4.37 vs 2.43 ms each).
+  the input gradient's product, in bf16 on the tensor cores; the fp32 form would make the
+  frozen kernels' input gradients fp32 matmuls (what that cost: docs/performance.md).
   """
   lhs = tuple(range(x.ndim - n_in, x.ndim))
   y = jax.lax.dot_general(x, w.astype(x.dtype), ((lhs, tuple(range(n_in))), ((), ())),

@@ -41,7 +41,7 @@ DRY_RUN_KERNELS = {
 
 # XLA:CPU's default scheduler orders the program for the CPU's threads: it runs the
 # recomputations of every layer of a scanned period side by side, holding four MoE
-# layers' buffers at once (2p8t: 342 GB of temporaries, against 118 GB). The
+# layers' buffers at once (docs/dry_run.md). The
 # memory-optimised scheduler keeps each layer's recomputation next to its backward;
 # XLA:GPU's scheduler also works against a memory limit (the device's). Buffer
 # assignment (every memory figure) comes before LLVM, whose optimisation of a program

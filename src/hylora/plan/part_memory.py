@@ -2,9 +2,8 @@
 
 The planner's analytic working set (the save points of the largest layer plus the stream's
 cotangents) misses what a part's backward holds beyond its save points: transients of
-the attention kernels, the MoE's permuted copies and their cotangents. On XLA:CPU, at
-the gpu-1 widths and 32K tokens, the KDA mixer held 3.3x its save points and the MoE
-2.2x (docs/memory.md). So the working set is measured instead: every distinct mixer
+the attention kernels, the MoE's permuted copies and their cotangents, several times its
+save points (docs/memory.md). So the working set is measured instead: every distinct mixer
 and FFN of the config is compiled, from abstract shapes (nothing is allocated), as
 forward + input and LoRA gradients of one device's tokens, without remat, on the
 current backend; its temporaries are what recomputing and differentiating that part

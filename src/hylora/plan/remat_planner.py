@@ -39,9 +39,7 @@ class Hardware:
   matmul_flops: float = 600e12  # bf16 FLOP/s reached by large matmuls
   hbm_bandwidth: float = 2.8e12  # bytes/s of an elementwise pass (read + write)
   host_bandwidth: float = 52e9  # bytes/s device <-> pinned host, each way
-  # Share of the host copies' time hidden behind compute. Measured on the H200 (gpu-1, 8
-  # layers, 16K x 2, docs/performance.md): offloading 35.8 GB cost ~0.66 s of exposed
-  # time, half of the two ways' 1.38 s.
+  # Share of the host copies' time hidden behind compute (measured: docs/memory.md).
   host_overlap: float = 0.5
   host_memory_bytes: float = 200e9  # pinned host memory one device may fill
 

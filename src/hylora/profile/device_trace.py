@@ -1,9 +1,9 @@
 """What the device did during traced runs: busy time, idle gaps and each HLO instruction's
 kernel time, from the JAX profiler's perfetto trace.
 
-XLA's per-instruction summary (hylora.profile.pgle's profile, what its scheduler reads) undercounts
-instructions that launch several kernels: for the `gpu-1` train step it summed to 794 of
-the step's 1158 ms while the device was busy for all but 9 ms of it. The trace's own
+XLA's per-instruction summary (hylora.profile.pgle's profile, what its scheduler reads)
+undercounts instructions that launch several kernels (docs/performance.md has a step
+where it missed a third of the device's busy time). The trace's own
 kernel and copy events, merged into busy intervals, give the wall-clock account: what the
 device ran, for how long, and where it waited.
 """
