@@ -127,12 +127,7 @@ def compare(row, ours, sides, x):
 
 
 def parse_peers(value):
-    """--peers: a comma list of PEERS, or none; an old PEERS_SCRIPT path stands for all
-    of them (they now run in this process)."""
-    if value.endswith(".py") or os.path.isfile(value):
-        print(json.dumps({"peers": f"{value}: the peers now run in this process "
-                                   f"({','.join(PEERS)})"}), flush=True)
-        return list(PEERS)
+    """--peers: a comma list of PEERS, or none."""
     peers = [p for p in value.split(",") if p and p != "none"]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -362,9 +357,7 @@ def main():
     ap.add_argument("--peers", metavar="PEERS", type=parse_peers, default=list(PEERS),
                     help=f"peers to compare in this process, of {','.join(PEERS)} (default: "
                          "all; those not installed are reported as missing), or none; at every "
-                         "shape but the 1M-token one. An old PEERS_SCRIPT path means all.")
-    ap.add_argument("--peers-timeout", type=int, default=600,
-                    help="no longer used: the peers run in this process")
+                         "shape but the 1M-token one.")
     ap.add_argument("--tiling", nargs="*", default=[parse_tiling("")], type=parse_tiling,
                     help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
     ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),

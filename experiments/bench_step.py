@@ -103,7 +103,8 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
                             ("sparse attention", "sparse", MIXERS),
                             ("MoE FFN", "moe", FFNS), ("dense FFN", "dense", FFNS)):
     if counts[kind]:
-      out[part] = counts[kind] * _module_ms(table[kind](cfg, init=init), x, ctx, repeats)
+      out[part] = counts[kind] * _module_ms(table[kind](cfg.model, cfg.lora, init=init), x, ctx,
+                                                  repeats)
 
   ce = ops.resolve("cross_entropy", cfg.kernels)
   head = jax.random.normal(jax.random.key(1), (d, m.vocab_size), jnp.float32)

@@ -9,7 +9,7 @@ Each part (a mixer: linear / sparse, or an FFN: moe / dense) is compiled from ab
 shapes (nothing is allocated) as forward + input and LoRA gradients of
 [train.batch_size, seq, d_model] on one device, without remat: XLA's temporaries are
 the part's activations plus its backward transients. The planner counts only the
-save points (`hylora.plan.save_point_sizes.layer_save_points`), so the ratio says how much the
+save points (the part's work in `hylora.core.architecture`), so the ratio says how much the
 backward holds beyond them.
 """
 
@@ -21,25 +21,17 @@ import json
 import sys
 from pathlib import Path
 
-MIXER_POINTS = ("layer_input", "mixer_norm", "qkv", "gates", "indexer", "topk_indices",
-                "attention", "mixer_out", "lora_a")
-FFN_POINTS = ("ffn_norm", "router", "mlp_gate_up", "mlp_down", "expert_input",
-              "expert_gate_up", "expert_down")
 
 
 def probe(cfg, part: str) -> dict:
   """XLA's compiled bytes for one part's forward + backward, and the planner's figure."""
+  from hylora.core.architecture import FFN_BLOCKS, MIXER_BLOCKS
   from hylora.plan.part_memory import compiled_part
-  from hylora.plan.save_point_sizes import layer_save_points
-  from hylora.model.mixers import MIXERS
 
   b, seq = cfg.train.batch_size, cfg.train.seq_len
   memory = compiled_part(cfg, part, b, seq).memory_analysis()
-  is_mixer = part in MIXERS
-  mixer, ffn = (part, "dense") if is_mixer else ("linear", part)
-  points = layer_save_points(cfg, mixer, ffn, b * seq)
-  names = MIXER_POINTS if is_mixer else FFN_POINTS
-  planner = sum(nbytes for name, (nbytes, _) in points.items() if name in names)
+  block = MIXER_BLOCKS[part] if part in MIXER_BLOCKS else FFN_BLOCKS[part]
+  planner = sum(w.nbytes for w in block.work(cfg, b * seq))  # this part's save points
   return {"part": part, "batch": b, "seq": seq, "xla_temp_bytes": memory.temp_size_in_bytes,
           "xla_argument_bytes": memory.argument_size_in_bytes,
           "planner_save_point_bytes": planner,

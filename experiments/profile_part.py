@@ -75,7 +75,7 @@ def phase(op_name: str) -> str:
 def _part_program(cfg, part: str):
   """(compiled part, run_once) for one mixer / FFN's forward + gradients."""
   table = MIXERS if part in MIXERS else FFNS
-  graphdef, lora, rest = nnx.split(table[part](cfg, init=ParamInit(0)), LoRAParam, ...)
+  graphdef, lora, rest = nnx.split(table[part](cfg.model, cfg.lora, init=ParamInit(0)), LoRAParam, ...)
   x, ctx = part_inputs(cfg)
   args = (lora, x, rest, ctx)
   compiled = part_gradients(graphdef).lower(*args).compile()
