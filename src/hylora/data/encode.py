@@ -14,8 +14,9 @@ from hylora.core.errors import DataError
 
 
 class ExampleEncoder:
-  def __init__(self, tokenizer: ChatTokenizer, vision: VisionConfig, tiles_per_row: int,
-               base_dir, skip_bad: bool = False):
+
+  def __init__(self, tokenizer: ChatTokenizer, vision: VisionConfig, tiles_per_row: int, base_dir,
+               skip_bad: bool = False):
     self.tok, self.vision = tokenizer, vision
     self.tiles_per_row = tiles_per_row if vision.enabled else 0
     self.base_dir, self.skip_bad = base_dir, skip_bad

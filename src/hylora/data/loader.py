@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class ConversationLoader:
+
   def __init__(self, path: str, cfg: Config, *, process_index: int = 0, process_count: int = 1,
                threads: int = 4):
     tc, vision = cfg.train, cfg.model.vision
@@ -38,11 +39,11 @@ class ConversationLoader:
     self.row_shape = (tc.tiles_per_row, vision.image_size, vision.tokens_per_tile)
     tokenizer = ChatTokenizer(find_tokenizer(tc.tokenizer, path), tc.chat_template,
                               cfg.model.vocab_size)
-    self.encoder = ExampleEncoder(tokenizer, vision, tc.tiles_per_row, Path(path).parent,
-                                  tc.skip_bad_records)
+    self.encoder = ExampleEncoder(tokenizer, vision, tc.tiles_per_row,
+                                  Path(path).parent, tc.skip_bad_records)
     self.records = RecordFile(path)
-    self._stream = (grain.MapDataset.source(self.records).shuffle(seed=tc.seed).repeat()
-                    [process_index::process_count].map(self.encoder))
+    self._stream = (grain.MapDataset.source(self.records).shuffle(
+        seed=tc.seed).repeat()[process_index::process_count].map(self.encoder))
     self._read = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=4 * threads)
     self.truncated = self.skipped = 0
     self._start(0)
@@ -55,9 +56,14 @@ class ConversationLoader:
 
   def state(self) -> dict:
     """This host's position and counters (plain ints: saved with the checkpoint)."""
-    return {"next_example": self.next_example, "truncated": self.truncated,
-            "skipped": self.skipped, "process_index": self.process_index,
-            "process_count": self.process_count, "seed": self.seed}
+    return {
+        "next_example": self.next_example,
+        "truncated": self.truncated,
+        "skipped": self.skipped,
+        "process_index": self.process_index,
+        "process_count": self.process_count,
+        "seed": self.seed
+    }
 
   def restore(self, state: dict) -> None:
     for key in ("process_index", "process_count", "seed"):
@@ -96,6 +102,13 @@ class ConversationLoader:
     if row.segments == 0:  # unreachable: encode() bounds the tiles, truncation the length
       raise DataError(f"{self._pending.where}: the example fits no row")
     return row.arrays(self.with_images)
+
+  def keep_rows(self, rows) -> None:
+    """Nothing to do: this loader reads only this host's records (contiguous rows)."""
+    del rows
+
+  def summary(self) -> dict:
+    return self.state()
 
   def next_batch(self, global_rows: int) -> dict[str, np.ndarray]:
     """This host's share of a global batch of `global_rows` rows."""

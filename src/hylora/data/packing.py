@@ -25,6 +25,7 @@ def example_labels(example: Example) -> np.ndarray:
 
 
 class Row:
+
   def __init__(self, seq_len: int, tiles_per_row: int, tile_side: int, tokens_per_tile: int):
     self.seq_len, self.tiles_per_row, self.tokens_per_tile = seq_len, tiles_per_row, tokens_per_tile
     self.tokens = np.zeros(seq_len, np.int32)
@@ -36,8 +37,8 @@ class Row:
     self.fill = self.segments = self.tiles = 0
 
   def fits(self, example: Example) -> bool:
-    return (self.fill + len(example) <= self.seq_len
-            and self.tiles + len(example.tiles) <= self.tiles_per_row)
+    return (self.fill + len(example) <= self.seq_len and
+            self.tiles + len(example.tiles) <= self.tiles_per_row)
 
   def add(self, example: Example) -> None:
     n, start = len(example), self.fill
@@ -54,8 +55,12 @@ class Row:
     self.fill += n
 
   def arrays(self, with_images: bool) -> dict[str, np.ndarray]:
-    out = {"tokens": self.tokens, "labels": self.labels, "segment_ids": self.segment_ids,
-           "positions": self.positions}
+    out = {
+        "tokens": self.tokens,
+        "labels": self.labels,
+        "segment_ids": self.segment_ids,
+        "positions": self.positions
+    }
     if with_images:
       out.update(images=self.images, image_positions=self.image_positions)
     return out

@@ -85,7 +85,8 @@ def parse_record(line: str, where: str, base: Path) -> Record:
   if not any(t.strip() for t in texts):
     raise DataError(f"{where}: record has no text")
   if not any(m.role == "assistant" and any(p.kind == "text" and p.value.strip()
-                                           for p in m.parts) for m in messages):
+                                           for p in m.parts)
+             for m in messages):
     raise DataError(f"{where}: record has no assistant text: nothing to train on")
   return Record(where, messages=messages)
 

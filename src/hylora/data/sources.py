@@ -154,8 +154,7 @@ class Packer:
     labels = np.full(t, IGNORE_INDEX, np.int32)
     same = (segments[1:] == segments[:-1]) & (segments[1:] > 0)
     labels[:-1] = np.where(same, tokens[1:], IGNORE_INDEX)
-    return {"tokens": tokens, "labels": labels, "segment_ids": segments,
-            "positions": positions}
+    return {"tokens": tokens, "labels": labels, "segment_ids": segments, "positions": positions}
 
   def next_batch(self, rows: int) -> dict[str, np.ndarray]:
     items = [self.next_row() for _ in range(rows)]

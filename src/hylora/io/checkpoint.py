@@ -27,8 +27,8 @@ from hylora.core.overrides import to_dict
 FORMAT = 1
 # Config fields a resumed run may change: they do not alter a step's math or the data
 # order (train.steps moves the end of the run; the learning-rate schedule follows it).
-MAY_CHANGE = ("train.steps", "train.max_nonfinite_in_a_row",
-              "checkpoint.", "mesh.", "kernels.", "memory.")
+MAY_CHANGE = ("train.steps", "train.max_nonfinite_in_a_row", "checkpoint.", "mesh.", "kernels.",
+              "memory.")
 
 
 @dataclasses.dataclass
@@ -44,12 +44,20 @@ class Position:
   balance: dict = dataclasses.field(default_factory=dict)
 
   def meta(self, cfg: Config) -> dict:
-    return {"format": FORMAT, "step": self.step, "data": self.data,
-            "nonfinite_total": self.nonfinite_total,
-            "nonfinite_in_a_row": self.nonfinite_in_a_row, "balance": self.balance,
-            # The step RNG is jax.random.fold_in(key(seed), step): seed + step restore it.
-            "rng": {"seed": cfg.train.seed, "derivation": "fold_in(key(train.seed), step)"},
-            "config": to_dict(cfg)}
+    return {
+        "format": FORMAT,
+        "step": self.step,
+        "data": self.data,
+        "nonfinite_total": self.nonfinite_total,
+        "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        "balance": self.balance,
+        # The step RNG is jax.random.fold_in(key(seed), step): seed + step restore it.
+        "rng": {
+            "seed": cfg.train.seed,
+            "derivation": "fold_in(key(train.seed), step)"
+        },
+        "config": to_dict(cfg)
+    }
 
   @classmethod
   def from_meta(cls, meta: dict) -> "Position":
@@ -68,14 +76,18 @@ def data_state(stream) -> dict:
     from jax.experimental import multihost_utils
     counters = multihost_utils.process_allgather(counters)
   rows = np.asarray(counters).reshape(jax.process_count(), 3).tolist()
-  return {"loader": {k: state[k] for k in ("process_count", "seed")},
-          "per_process": [dict(zip(("next_example", "truncated", "skipped"), r)) for r in rows]}
+  return {
+      "loader": {
+          k: state[k] for k in ("process_count", "seed")
+      },
+      "per_process": [dict(zip(("next_example", "truncated", "skipped"), r)) for r in rows]
+  }
 
 
 def restore_data(stream, data: dict):
   """The stream continued from a saved `data_state` (a new Packer, or the loader)."""
   if "packer" in data and hasattr(stream, "position"):
-    return type(stream)(stream.source, stream.seq_len, tuple(data["packer"]))
+    return stream.resumed_at(data["packer"])
   if "per_process" in data and hasattr(stream, "restore"):
     saved = data["per_process"]
     mine = saved[jax.process_index()] if jax.process_index() < len(saved) else {}
@@ -124,8 +136,10 @@ def config_differences(stored: dict, cfg: Config) -> list[str]:
 
 def _shapes(tree) -> dict[str, tuple]:
   """"/"-joined path -> (shape, dtype); named tuples and dicts give the same paths."""
+
   def name(k):
     return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {"/".join(map(name, p)): (tuple(x.shape), str(x.dtype)) for p, x in flat}
 
@@ -136,14 +150,18 @@ def _private_copy(tree):
 
 
 class Checkpoints:
+
   def __init__(self, out_dir: str | Path, *, every: int = 0, keep: int = 3,
                async_save: bool = True):
     self.directory = Path(out_dir).absolute() / "checkpoints"
     self.every = every
     options = ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1), create=True,
                                            enable_async_checkpointing=async_save)
-    handlers = {"lora": ocp.StandardCheckpointHandler(),
-                "opt_state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    handlers = {
+        "lora": ocp.StandardCheckpointHandler(),
+        "opt_state": ocp.StandardCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler()
+    }
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def due(self, steps_done: int, total: int) -> bool:
@@ -169,8 +187,8 @@ class Checkpoints:
 
   def _refuse(self, step: int, why: str) -> CheckpointError:
     earlier = [s for s in self.steps() if s < step]
-    hint = (f"; delete it to resume from step {earlier[-1]}" if earlier
-            else "; delete it (or use a new --out) to start afresh")
+    hint = (f"; delete it to resume from step {earlier[-1]}"
+            if earlier else "; delete it (or use a new --out) to start afresh")
     return CheckpointError(f"checkpoint {self._where(step)}: {why}{hint}")
 
   def meta(self, step: int) -> dict:
@@ -190,9 +208,9 @@ class Checkpoints:
     diffs = config_differences(meta["config"], cfg)
     if diffs:
       raise CheckpointError(f"checkpoint {self._where(step)} belongs to a run with a different "
-                            f"configuration: {'; '.join(diffs[:4])}"
-                            + (f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else "")
-                            + "; resume with the same settings or use a new --out")
+                            f"configuration: {'; '.join(diffs[:4])}" +
+                            (f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else "") +
+                            "; resume with the same settings or use a new --out")
     return meta
 
   def restore(self, step: int, cfg: Config, lora_abstract, opt_abstract):
@@ -200,7 +218,10 @@ class Checkpoints:
     meta = self.check_config(step, cfg)
     try:
       stored = self.manager.item_metadata(step)
-      stored = {"lora": _shapes(stored["lora"].tree), "opt_state": _shapes(stored["opt_state"].tree)}
+      stored = {
+          "lora": _shapes(stored["lora"].tree),
+          "opt_state": _shapes(stored["opt_state"].tree)
+      }
     except Exception as e:  # noqa: BLE001
       raise self._refuse(step, f"its array metadata is unreadable ({_brief(e)})") from None
     for name, want in (("lora", _shapes(lora_abstract)), ("opt_state", _shapes(opt_abstract))):
@@ -215,9 +236,9 @@ class Checkpoints:
                                 f"{got[key][1]}{list(got[key][0])} there, this model needs "
                                 f"{dtype}{list(shape)}")
     try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          lora=ocp.args.StandardRestore(lora_abstract),
-          opt_state=ocp.args.StandardRestore(opt_abstract)))
+      restored = self.manager.restore(
+          step, args=ocp.args.Composite(lora=ocp.args.StandardRestore(lora_abstract),
+                                        opt_state=ocp.args.StandardRestore(opt_abstract)))
       lora, opt_state = restored["lora"], restored["opt_state"]
       jax.block_until_ready((lora, opt_state))
     except Exception as e:  # noqa: BLE001

@@ -19,9 +19,8 @@ from hylora.core.config import Config
 from hylora.io.distributed import local_rows
 from hylora.core.errors import ConfigError, TrainingHalted
 from hylora.core.overrides import to_dict
-from hylora.data import ConversationLoader, is_conversation_file
+from hylora.data.stream import open_stream
 from hylora.train.balancer import ExpertBalancer
-from hylora.data.sources import Packer, make_source
 from hylora.train.trainer import Trainer
 from hylora.train.mesh import run_mesh
 
@@ -47,17 +46,6 @@ def plot_loss(metrics_path: Path, png_path: Path) -> None:
   plt.close(fig)
 
 
-def data_stream(cfg: Config):
-  """Conversation / plain-text JSONL through hylora.data (this host's share of every
-  batch); token files and the synthetic source through the Packer."""
-  tc = cfg.train
-  if is_conversation_file(tc.data):
-    return ConversationLoader(tc.data, cfg, process_index=jax.process_index(),
-                              process_count=jax.process_count())
-  return Packer(make_source(tc.data, cfg.model.vocab_size, tc.seed, tc.synthetic_docs),
-                tc.seq_len)
-
-
 def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bool = False,
           export_adapter: str | Path | None = None, merge: bool = False) -> dict:
   """Trains to `train.steps` total steps; `resume` continues from the latest checkpoint
@@ -68,7 +56,7 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
   primary = jax.process_index() == 0  # one process writes the run's files
   mesh = run_mesh(cfg.mesh)
   tc, cc = cfg.train, cfg.checkpoint
-  packer = data_stream(cfg)  # before the model: bad data fails fast
+  stream = open_stream(cfg)  # before the model: bad data fails fast
   ckpt = Checkpoints(out, every=cc.every, keep=cc.keep, async_save=cc.async_save)
   position, latest = Position(), ckpt.latest()
   if latest is not None and not resume:
@@ -84,23 +72,20 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
     abstract = lambda tree: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     lora, opt_state, position = ckpt.restore(latest, cfg, abstract(lora), abstract(opt_state))
-    packer = restore_data(packer, position.data)
+    stream = restore_data(stream, position.data)
   balancer = ExpertBalancer(cfg, mesh, frozen)
   frozen = balancer.restore(position.balance, frozen)  # a checkpoint's expert placement
   metrics_path = out / "metrics.jsonl"
   if primary:
     trim_metrics(metrics_path, position.step)
-  rows = local_rows(trainer.batch_sharding, (tc.batch_size, tc.seq_len))
+  stream.keep_rows(local_rows(trainer.batch_sharding, (tc.batch_size, tc.seq_len)))
   bar = tqdm(range(position.step, tc.steps), desc=f"{cfg.preset} on {mesh.size} devices",
              disable=not (progress and primary), dynamic_ncols=True, initial=position.step,
              total=tc.steps)
   first_step, step_times = position.step, []
   with open(metrics_path, "a") if primary else contextlib.nullcontext() as log:
     for step in bar:
-      batch = packer.next_batch(tc.batch_size)
-      if isinstance(packer, Packer):  # the full global batch: feed this process's rows
-        batch = {k: v[rows] for k, v in batch.items()}
-      batch = trainer.put_batch(batch)
+      batch = trainer.put_batch(stream.next_batch(tc.batch_size))  # this process's rows
       if trainer.compiled is None:
         trainer.compile(lora, opt_state, frozen, batch)
       start = time.perf_counter()
@@ -113,16 +98,23 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
       position.step = step + 1
       position.nonfinite_total += skipped
       position.nonfinite_in_a_row = position.nonfinite_in_a_row + 1 if skipped else 0
-      record = {"step": step, **{k: float(v) for k, v in metrics.items()},
-                **balance, **changes, "nonfinite_total": position.nonfinite_total,
-                "step_seconds": seconds, "tokens_per_s": float(metrics["tokens"]) / seconds}
+      record = {
+          "step": step,
+          **{
+              k: float(v) for k, v in metrics.items()
+          },
+          **balance,
+          **changes, "nonfinite_total": position.nonfinite_total,
+          "step_seconds": seconds,
+          "tokens_per_s": float(metrics["tokens"]) / seconds
+      }
       if primary:
         log.write(json.dumps(record) + "\n")
         log.flush()
       step_times.append(seconds)
       halted = position.nonfinite_in_a_row >= tc.max_nonfinite_in_a_row
       if halted or ckpt.due(position.step, tc.steps):
-        position.data = data_state(packer)
+        position.data = data_state(stream)
         position.balance = balancer.state(frozen)
         ckpt.save(position, cfg, lora, opt_state)
       if halted:
@@ -136,27 +128,31 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
   ckpt.close()
   if export_adapter is not None:
     peft_export.export(export_adapter, cfg, frozen, lora, merge=merge)
-  return _summary(cfg, mesh, trainer, out, metrics_path, first_step, step_times, packer, primary)
+  return _summary(cfg, mesh, trainer, out, metrics_path, first_step, step_times, stream, primary)
 
 
-def _summary(cfg, mesh, trainer, out, metrics_path, first_step, step_times, packer, primary):
+def _summary(cfg, mesh, trainer, out, metrics_path, first_step, step_times, stream, primary):
   tc = cfg.train
   rows = ([json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
           if primary else [])
   losses = [r["loss"] for r in rows] or [math.nan]
   steady = step_times[1:] or step_times or [math.nan]
   summary = {
-      "preset": cfg.preset, "devices": mesh.size, "mesh": dict(mesh.shape), "steps": tc.steps,
-      "resumed_from": first_step, "processes": jax.process_count(),
-      "first_loss": losses[0], "final_loss": losses[-1],
+      "preset": cfg.preset,
+      "devices": mesh.size,
+      "mesh": dict(mesh.shape),
+      "steps": tc.steps,
+      "resumed_from": first_step,
+      "processes": jax.process_count(),
+      "first_loss": losses[0],
+      "final_loss": losses[-1],
       "skipped_steps": int(sum(r.get("skipped", 0) for r in rows)),
       "compile_seconds": trainer.compile_seconds,
       "steps_per_s": 1.0 / float(np.mean(steady)),
       "tokens_per_s": tc.batch_size * tc.seq_len / float(np.mean(steady)),
       "out": str(out),
   }
-  if isinstance(packer, ConversationLoader):
-    summary["data"] = packer.state()  # position, truncated and skipped examples
+  summary["data"] = stream.summary()  # where the data stands (conversations: truncated, skipped)
   if primary:
     plot_loss(metrics_path, out / "loss.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
