@@ -12,9 +12,10 @@ import tempfile
 # XLA:CPU's LLVM optimisation dominates most tests' compiles and changes no HLO
 # program: without it the suite took 790 s instead of 954 s on two cores (a few tests that
 # run many interpreted kernel steps get slower, the compile-bound ones much faster).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_backend_optimization_level=0 "
-                      "--xla_llvm_disable_expensive_passes=true")
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+    "--xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same tiny train step (in-process and in the CLI runs they
 # launch); a persistent cache compiles it once per test session. Environment variables,
@@ -55,7 +56,6 @@ _keep_worker_to_its_cpus()
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-
 
 # Under -n, xdist hands out whole files (pyproject.toml: --dist loadfile) in collection
 # order, the next one to a worker about to run out. These files take longest (runs of the

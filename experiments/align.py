@@ -20,8 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-_FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0,
-                     "xla_llvm_disable_expensive_passes": True}
+_FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 DEFAULT_BOUND = 1e-2
 """Max |fast - reference| per-step loss (nats/token) that `main` accepts by default.
@@ -67,8 +66,8 @@ def train_losses(cfg, batches, mesh, start) -> list[float]:
     if trainer.compiled is None and jax.default_backend() == "cpu":
       # XLA:CPU's full optimisation costs most of a small run; both runs skip it alike.
       step_shape = jax.ShapeDtypeStruct((), np.int32)
-      trainer.compiled = trainer.jitted_step(opt_state).lower(
-          lora, opt_state, frozen, batch, step_shape).compile(_FAST_CPU_COMPILE)
+      trainer.compiled = trainer.jitted_step(opt_state).lower(lora, opt_state, frozen, batch,
+                                                              step_shape).compile(_FAST_CPU_COMPILE)
     lora, opt_state, metrics = trainer.step(lora, opt_state, frozen, batch, step)
     losses.append(float(jax.device_get(metrics["loss"])))
   return losses
@@ -94,17 +93,26 @@ def align(cfg, steps: int, devices=None) -> dict:
   fast = train_losses(cfg, batches, mesh, jax.tree.map(jnp.copy, start))
   reference = train_losses(reference_kernels(cfg), batches, mesh, start)
   diffs = [f - r for f, r in zip(fast, reference)]
-  return {"steps": steps, "fast": fast, "reference": reference, "diff": diffs,
-          "max_abs_diff": max(abs(d) for d in diffs),
-          "differing_ops": {op: list(v) for op, v in kernel_differences(cfg).items()}}
+  return {
+      "steps": steps,
+      "fast": fast,
+      "reference": reference,
+      "diff": diffs,
+      "max_abs_diff": max(abs(d) for d in diffs),
+      "differing_ops": {
+          op: list(v) for op, v in kernel_differences(cfg).items()
+      }
+  }
 
 
 def format_report(report: dict) -> str:
   differing = report["differing_ops"]
-  lines = ["ops that differ: " + (", ".join(f"{op} ({fast} vs reference)"
-                                            for op, (fast, _) in differing.items())
-                                  or "none (both runs execute the same implementations)"),
-           f"{'step':>4}  {'fast':>10}  {'reference':>10}  {'difference':>11}"]
+  lines = [
+      "ops that differ: " +
+      (", ".join(f"{op} ({fast} vs reference)" for op, (fast, _) in differing.items()) or
+       "none (both runs execute the same implementations)"),
+      f"{'step':>4}  {'fast':>10}  {'reference':>10}  {'difference':>11}"
+  ]
   for i, (f, r, d) in enumerate(zip(report["fast"], report["reference"], report["diff"])):
     lines.append(f"{i:>4}  {f:>10.5f}  {r:>10.5f}  {d:>+11.2e}")
   lines.append(f"max |difference| {report['max_abs_diff']:.2e}")

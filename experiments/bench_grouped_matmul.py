@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.timing import interleaved_ratios, median_ms
-from pallas_kernels.grouped_matmul import (
-    grouped_lora, grouped_lora_reference, grouped_matmul, grouped_matmul_reference)
+from pallas_kernels.grouped_matmul import (grouped_lora, grouped_lora_reference, grouped_matmul,
+                                           grouped_matmul_reference)
 from pallas_kernels.grouped_matmul.grouped_matmul import zero_rows_past_groups
 from pallas_kernels.grouped_matmul.mosaic_kernel import mosaic_ragged_dot
 
@@ -30,180 +30,196 @@ M, K, N, G, RANK = 65536, 7168, 4096, 14, 16
 
 
 def large_copies(fn, *args, min_elements):
-    """Shapes of the copies XLA kept in the compiled program (a copy of the output would
+  """Shapes of the copies XLA kept in the compiled program (a copy of the output would
     cost a read and a write of it)."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    shapes = re.findall(r"= (\w+\[[\d,]+\])\{[^}]*\} copy\(", text)
-    return [s for s in shapes
-            if np.prod([int(d) for d in re.findall(r"\d+", s.split("[")[1])]) >= min_elements]
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  shapes = re.findall(r"= (\w+\[[\d,]+\])\{[^}]*\} copy\(", text)
+  return [
+      s for s in shapes if np.prod([int(d) for d in re.findall(r"\d+",
+                                                               s.split("[")[1])]) >= min_elements
+  ]
 
 
 def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def group_sizes(kind):
-    m, g = M, G
-    if kind == "balanced":
-        sizes = np.full(g, m // g)
-    else:  # skewed: Zipf-like 1/(i+1), one expert gets ~30% of the rows
-        weights = 1.0 / np.arange(1, g + 1)
-        sizes = np.floor(weights / weights.sum() * m).astype(np.int64)
-    sizes[-1] += m - sizes.sum()
-    return jnp.asarray(sizes, jnp.int32)
+  m, g = M, G
+  if kind == "balanced":
+    sizes = np.full(g, m // g)
+  else:  # skewed: Zipf-like 1/(i+1), one expert gets ~30% of the rows
+    weights = 1.0 / np.arange(1, g + 1)
+    sizes = np.floor(weights / weights.sum() * m).astype(np.int64)
+  sizes[-1] += m - sizes.sum()
+  return jnp.asarray(sizes, jnp.int32)
 
 
 def check_small_shapes(report):
-    """GPU path vs the ragged_dot reference on awkward shapes (padding, empty groups)."""
-    keys = jax.random.split(jax.random.key(0), 3)
-    m, k, n = 1000, 512, 384
-    gs = jnp.array([0, 300, 0, 411, 200], jnp.int32)  # 911 rows; 89 past the groups
-    lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-    rhs = (jax.random.normal(keys[1], (5, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    cot = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
-    loss = lambda f: (lambda l, r: jnp.sum((f(l, r, gs) * cot).astype(jnp.float32)))
-    out = jax.jit(grouped_matmul)(lhs, rhs, gs)
-    report["small_fwd_rel_err"] = rel_err(out, grouped_matmul_reference(lhs, rhs, gs))
-    report["small_rows_past_groups_zero"] = bool(jnp.all(out[911:] == 0))
-    got = jax.jit(jax.grad(loss(grouped_matmul), argnums=(0, 1)))(lhs, rhs)
-    want = jax.jit(jax.grad(loss(grouped_matmul_reference), argnums=(0, 1)))(lhs, rhs)
-    report["small_dlhs_rel_err"] = rel_err(got[0], want[0])
-    report["small_drhs_rel_err"] = rel_err(got[1], want[1])
+  """GPU path vs the ragged_dot reference on awkward shapes (padding, empty groups)."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  m, k, n = 1000, 512, 384
+  gs = jnp.array([0, 300, 0, 411, 200], jnp.int32)  # 911 rows; 89 past the groups
+  lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  rhs = (jax.random.normal(keys[1], (5, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  cot = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  loss = lambda f: (lambda l, r: jnp.sum((f(l, r, gs) * cot).astype(jnp.float32)))
+  out = jax.jit(grouped_matmul)(lhs, rhs, gs)
+  report["small_fwd_rel_err"] = rel_err(out, grouped_matmul_reference(lhs, rhs, gs))
+  report["small_rows_past_groups_zero"] = bool(jnp.all(out[911:] == 0))
+  got = jax.jit(jax.grad(loss(grouped_matmul), argnums=(0, 1)))(lhs, rhs)
+  want = jax.jit(jax.grad(loss(grouped_matmul_reference), argnums=(0, 1)))(lhs, rhs)
+  report["small_dlhs_rel_err"] = rel_err(got[0], want[0])
+  report["small_drhs_rel_err"] = rel_err(got[1], want[1])
 
 
 def bench_shape(report, kind, lhs, rhs, dout, dense_w):
-    gs = group_sizes(kind)
-    tflop = 2 * M * K * N / 1e12
-    tf = lambda ms: float(f"{tflop / (ms / 1e3):.4g}")
-    r = report[kind] = {"group_sizes": gs.tolist()}
-    fwd = jax.jit(grouped_matmul)
-    raw_fwd = jax.jit(lambda l, w, g: mosaic_ragged_dot(l, w, g))
-    raw_dlhs = jax.jit(lambda d, w, g: mosaic_ragged_dot(d, w, g, transpose_rhs=True))
-    dlhs = jax.jit(lambda d, w, g: zero_rows_past_groups(
-        mosaic_ragged_dot(d, w, g, transpose_rhs=True), g))
-    xla = jax.jit(jax.lax.ragged_dot)
-    xla_dlhs = jax.jit(lambda d, w, g: jax.lax.ragged_dot(d, jnp.swapaxes(w, 1, 2), g))
-    out = fwd(lhs, rhs, gs)
-    r["fwd_rel_err_vs_ragged_dot"] = rel_err(out, xla(lhs, rhs, gs))
-    r["dlhs_rel_err_vs_ragged_dot"] = rel_err(dlhs(dout, rhs, gs), xla_dlhs(dout, rhs, gs))
-    r["fwd_tflops"] = tf(median_ms(fwd, lhs, rhs, gs))
-    r["fwd_kernel_only_tflops"] = tf(median_ms(raw_fwd, lhs, rhs, gs))
-    r["dlhs_tflops"] = tf(median_ms(dlhs, dout, rhs, gs))
-    r["dlhs_kernel_only_tflops"] = tf(median_ms(raw_dlhs, dout, rhs, gs))
-    # Next to XLA's ragged_dot, in alternating rounds (it is ~12x slower: one call a round).
-    for name, ours, theirs, x in (("fwd", fwd, xla, lhs), ("dlhs", dlhs, xla_dlhs, dout)):
-        vs = r[f"{name}_vs_xla_ragged_dot_interleaved"] = interleaved_ratios(
-            {"public": ours}, theirs, x, rhs, gs, rounds=5, calls=1)
-        r[f"xla_ragged_dot_{name}_tflops"] = tf(vs["baseline_ms"])
-        r[f"{name}_vs_xla_ragged_dot"] = round(vs["public"]["median"], 1)
-    # One MoE training step's use: forward + input gradient (frozen weights), end to end,
-    # in alternating rounds with the dense matmul of the same FLOPs.
-    step = jax.jit(jax.grad(lambda l, w, g: jnp.sum(
-        (grouped_matmul(l, w, g) * dout).astype(jnp.float32))))
-    dense_step = jax.jit(jax.grad(lambda l, w: jnp.sum(((l @ w) * dout).astype(jnp.float32))))
-    both = r["fwd_plus_dlhs_vs_dense_interleaved"] = interleaved_ratios(
-        {"grouped": lambda: step(lhs, rhs, gs)}, lambda: dense_step(lhs, dense_w))
-    r["fwd_plus_dlhs_ms"] = round(both["grouped"]["ms"], 3)
-    r["dense_fwd_plus_dlhs_ms"] = round(both["baseline_ms"], 3)
-    # The public input gradient exactly as the model takes it (the vjp in lhs), timed
-    # interleaved with the dense matmul so the ratio is free of run-to-run drift.
-    public_dlhs = lambda d, w, g: jax.vjp(lambda l: grouped_matmul(l, w, g), lhs)[1](d)[0]
-    r["dlhs_copies_in_compiled_program"] = large_copies(public_dlhs, dout, rhs, gs,
-                                                        min_elements=M * N)
-    dense_dlhs = jax.jit(lambda d, w, g: d @ w[0].T)
-    r["dlhs_vs_dense_interleaved"] = interleaved_ratios(
-        {"public": jax.jit(public_dlhs), "kernel_only": raw_dlhs}, dense_dlhs, dout, rhs, gs)
-    dense_fwd = jax.jit(lambda l, w, g: l @ w[0])
-    r["fwd_vs_dense_interleaved"] = interleaved_ratios(
-        {"public": fwd, "kernel_only": raw_fwd}, dense_fwd, lhs, rhs, gs)
-    # Fractions of dense from those rounds (not from the separately timed figures above).
-    r["fwd_vs_dense"] = r["fwd_vs_dense_interleaved"]["public"]["median"]
-    r["dlhs_vs_dense"] = r["dlhs_vs_dense_interleaved"]["public"]["median"]
+  gs = group_sizes(kind)
+  tflop = 2 * M * K * N / 1e12
+  tf = lambda ms: float(f"{tflop / (ms / 1e3):.4g}")
+  r = report[kind] = {"group_sizes": gs.tolist()}
+  fwd = jax.jit(grouped_matmul)
+  raw_fwd = jax.jit(lambda l, w, g: mosaic_ragged_dot(l, w, g))
+  raw_dlhs = jax.jit(lambda d, w, g: mosaic_ragged_dot(d, w, g, transpose_rhs=True))
+  dlhs = jax.jit(
+      lambda d, w, g: zero_rows_past_groups(mosaic_ragged_dot(d, w, g, transpose_rhs=True), g))
+  xla = jax.jit(jax.lax.ragged_dot)
+  xla_dlhs = jax.jit(lambda d, w, g: jax.lax.ragged_dot(d, jnp.swapaxes(w, 1, 2), g))
+  out = fwd(lhs, rhs, gs)
+  r["fwd_rel_err_vs_ragged_dot"] = rel_err(out, xla(lhs, rhs, gs))
+  r["dlhs_rel_err_vs_ragged_dot"] = rel_err(dlhs(dout, rhs, gs), xla_dlhs(dout, rhs, gs))
+  r["fwd_tflops"] = tf(median_ms(fwd, lhs, rhs, gs))
+  r["fwd_kernel_only_tflops"] = tf(median_ms(raw_fwd, lhs, rhs, gs))
+  r["dlhs_tflops"] = tf(median_ms(dlhs, dout, rhs, gs))
+  r["dlhs_kernel_only_tflops"] = tf(median_ms(raw_dlhs, dout, rhs, gs))
+  # Next to XLA's ragged_dot, in alternating rounds (it is ~12x slower: one call a round).
+  for name, ours, theirs, x in (("fwd", fwd, xla, lhs), ("dlhs", dlhs, xla_dlhs, dout)):
+    vs = r[f"{name}_vs_xla_ragged_dot_interleaved"] = interleaved_ratios({"public": ours}, theirs,
+                                                                         x, rhs, gs, rounds=5,
+                                                                         calls=1)
+    r[f"xla_ragged_dot_{name}_tflops"] = tf(vs["baseline_ms"])
+    r[f"{name}_vs_xla_ragged_dot"] = round(vs["public"]["median"], 1)
+  # One MoE training step's use: forward + input gradient (frozen weights), end to end,
+  # in alternating rounds with the dense matmul of the same FLOPs.
+  step = jax.jit(
+      jax.grad(lambda l, w, g: jnp.sum((grouped_matmul(l, w, g) * dout).astype(jnp.float32))))
+  dense_step = jax.jit(jax.grad(lambda l, w: jnp.sum(((l @ w) * dout).astype(jnp.float32))))
+  both = r["fwd_plus_dlhs_vs_dense_interleaved"] = interleaved_ratios(
+      {"grouped": lambda: step(lhs, rhs, gs)}, lambda: dense_step(lhs, dense_w))
+  r["fwd_plus_dlhs_ms"] = round(both["grouped"]["ms"], 3)
+  r["dense_fwd_plus_dlhs_ms"] = round(both["baseline_ms"], 3)
+  # The public input gradient exactly as the model takes it (the vjp in lhs), timed
+  # interleaved with the dense matmul so the ratio is free of run-to-run drift.
+  public_dlhs = lambda d, w, g: jax.vjp(lambda l: grouped_matmul(l, w, g), lhs)[1](d)[0]
+  r["dlhs_copies_in_compiled_program"] = large_copies(public_dlhs, dout, rhs, gs,
+                                                      min_elements=M * N)
+  dense_dlhs = jax.jit(lambda d, w, g: d @ w[0].T)
+  r["dlhs_vs_dense_interleaved"] = interleaved_ratios(
+      {
+          "public": jax.jit(public_dlhs),
+          "kernel_only": raw_dlhs
+      }, dense_dlhs, dout, rhs, gs)
+  dense_fwd = jax.jit(lambda l, w, g: l @ w[0])
+  r["fwd_vs_dense_interleaved"] = interleaved_ratios({
+      "public": fwd,
+      "kernel_only": raw_fwd
+  }, dense_fwd, lhs, rhs, gs)
+  # Fractions of dense from those rounds (not from the separately timed figures above).
+  r["fwd_vs_dense"] = r["fwd_vs_dense_interleaved"]["public"]["median"]
+  r["dlhs_vs_dense"] = r["dlhs_vs_dense_interleaved"]["public"]["median"]
 
 
 def bench_lora(report, lhs):
-    keys = jax.random.split(jax.random.key(2), 3)
-    a = (jax.random.normal(keys[0], (G, K, RANK), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
-    b = (jax.random.normal(keys[1], (G, RANK, N), jnp.float32) * 0.1).astype(jnp.bfloat16)
-    gs = group_sizes("skewed")
-    r = report["lora_rank16"] = {}
-    ours = jax.jit(lambda x, a, b: grouped_lora(x, a, b, gs, 2.0))
-    ref = jax.jit(lambda x, a, b: grouped_lora_reference(x, a, b, gs, 2.0))
-    r["fwd_rel_err_vs_reference"] = rel_err(ours(lhs, a, b), ref(lhs, a, b))
-    fwd = r["fwd_vs_reference_interleaved"] = interleaved_ratios(
-        {"grouped_lora": ours}, ref, lhs, a, b, rounds=5, calls=2)
-    r["fwd_ms"] = round(fwd["grouped_lora"]["ms"], 3)
-    r["ragged_dot_reference_fwd_ms"] = round(fwd["baseline_ms"], 3)
-    cot = jax.random.normal(keys[2], (M, N), jnp.bfloat16)
-    grads = lambda f: jax.jit(jax.grad(lambda x, a, b: jnp.sum(
-        (f(x, a, b, gs, 2.0) * cot).astype(jnp.float32)), argnums=(0, 1, 2)))
-    both = r["fwd_bwd_vs_reference_interleaved"] = interleaved_ratios(
-        {"grouped_lora": grads(grouped_lora)}, grads(grouped_lora_reference), lhs, a, b,
-        rounds=5, calls=2)
-    r["fwd_bwd_dx_da_db_ms"] = round(both["grouped_lora"]["ms"], 3)
-    r["ragged_dot_reference_fwd_bwd_ms"] = round(both["baseline_ms"], 3)
+  keys = jax.random.split(jax.random.key(2), 3)
+  a = (jax.random.normal(keys[0], (G, K, RANK), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+  b = (jax.random.normal(keys[1], (G, RANK, N), jnp.float32) * 0.1).astype(jnp.bfloat16)
+  gs = group_sizes("skewed")
+  r = report["lora_rank16"] = {}
+  ours = jax.jit(lambda x, a, b: grouped_lora(x, a, b, gs, 2.0))
+  ref = jax.jit(lambda x, a, b: grouped_lora_reference(x, a, b, gs, 2.0))
+  r["fwd_rel_err_vs_reference"] = rel_err(ours(lhs, a, b), ref(lhs, a, b))
+  fwd = r["fwd_vs_reference_interleaved"] = interleaved_ratios({"grouped_lora": ours}, ref, lhs, a,
+                                                               b, rounds=5, calls=2)
+  r["fwd_ms"] = round(fwd["grouped_lora"]["ms"], 3)
+  r["ragged_dot_reference_fwd_ms"] = round(fwd["baseline_ms"], 3)
+  cot = jax.random.normal(keys[2], (M, N), jnp.bfloat16)
+  grads = lambda f: jax.jit(
+      jax.grad(lambda x, a, b: jnp.sum(
+          (f(x, a, b, gs, 2.0) * cot).astype(jnp.float32)), argnums=(0, 1, 2)))
+  both = r["fwd_bwd_vs_reference_interleaved"] = interleaved_ratios(
+      {"grouped_lora": grads(grouped_lora)}, grads(grouped_lora_reference), lhs, a, b, rounds=5,
+      calls=2)
+  r["fwd_bwd_dx_da_db_ms"] = round(both["grouped_lora"]["ms"], 3)
+  r["ragged_dot_reference_fwd_bwd_ms"] = round(both["baseline_ms"], 3)
 
 
 TILE_CONFIGS = [  # (block_m, block_n, block_k, pipeline stages, column tiles per snake step)
-    (128, 128, 64, 4, 8), (128, 128, 64, 6, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 8),
-    (128, 128, 128, 3, 8), (128, 256, 64, 3, 4), (128, 128, 64, 5, 7), (128, 128, 64, 4, 14),
+    (128, 128, 64, 4, 8),
+    (128, 128, 64, 6, 8),
+    (128, 128, 64, 4, 4),
+    (64, 128, 64, 4, 8),
+    (128, 128, 128, 3, 8),
+    (128, 256, 64, 3, 4),
+    (128, 128, 64, 5, 7),
+    (128, 128, 64, 4, 14),
 ]
 
 
 def sweep_tiles(report, lhs, rhs, dout):
-    """Mosaic kernel alone, skewed groups: forward (lhs @ rhs) and input gradient
+  """Mosaic kernel alone, skewed groups: forward (lhs @ rhs) and input gradient
     (dout @ rhs^T, 56 column tiles of K=7168), per tile setting."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-    gs = group_sizes("skewed")
-    tflop = 2 * M * K * N / 1e12
-    for direction, x, transpose, cols in (("fwd", lhs, False, N), ("dlhs", dout, True, K)):
-        r = report[f"tile_sweep_{direction}_tflops"] = {}
-        for bm, bn, bk, stages, gbn in TILE_CONFIGS:
-            if (cols // bn) % gbn:
-                continue  # the snake's column group must divide the column tiles
-            name = f"bm{bm}_bn{bn}_bk{bk}_s{stages}_g{gbn}"
-            f = jax.jit(lambda l, w, g, bm=bm, bn=bn, bk=bk, s=stages, c=gbn, t=transpose:
-                        ragged_dot_mgpu.ragged_dot(
-                            l, w, group_sizes=g, block_m=bm, block_n=bn, block_k=bk,
-                            max_concurrent_steps=s, grid_block_n=c, transpose_rhs=t))
-            try:
-                r[name] = round(tflop / (median_ms(f, x, rhs, gs) / 1e3), 1)
-            except Exception as e:  # a config that does not fit shared memory, say
-                r[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        print(json.dumps({direction: r}), flush=True)
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+  gs = group_sizes("skewed")
+  tflop = 2 * M * K * N / 1e12
+  for direction, x, transpose, cols in (("fwd", lhs, False, N), ("dlhs", dout, True, K)):
+    r = report[f"tile_sweep_{direction}_tflops"] = {}
+    for bm, bn, bk, stages, gbn in TILE_CONFIGS:
+      if (cols // bn) % gbn:
+        continue  # the snake's column group must divide the column tiles
+      name = f"bm{bm}_bn{bn}_bk{bk}_s{stages}_g{gbn}"
+      f = jax.jit(lambda l, w, g, bm=bm, bn=bn, bk=bk, s=stages, c=gbn, t=transpose: ragged_dot_mgpu
+                  .ragged_dot(l, w, group_sizes=g, block_m=bm, block_n=bn, block_k=bk,
+                              max_concurrent_steps=s, grid_block_n=c, transpose_rhs=t))
+      try:
+        r[name] = round(tflop / (median_ms(f, x, rhs, gs) / 1e3), 1)
+      except Exception as e:  # a config that does not fit shared memory, say
+        r[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    print(json.dumps({direction: r}), flush=True)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
-    args = parser.parse_args()
-    report = {"device": str(jax.devices()[0]), "shape": [M, K, N, G], "jax": jax.__version__}
-    check_small_shapes(report)
-    print(json.dumps(report), flush=True)
-    keys = jax.random.split(jax.random.key(1), 3)
-    lhs = jax.random.normal(keys[0], (M, K), jnp.bfloat16)
-    rhs = (jax.random.normal(keys[1], (G, K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
-    dout = jax.random.normal(keys[2], (M, N), jnp.bfloat16)
-    dense_w = rhs[0]
-    tflop = 2 * M * K * N / 1e12
-    report["dense_same_flops"] = {
-        "fwd_tflops": float(f"{tflop / (median_ms(jax.jit(jnp.matmul), lhs, dense_w) / 1e3):.4g}"),
-        "dlhs_tflops": float(f"{tflop / (median_ms(jax.jit(lambda d, w: d @ w.T), dout, dense_w) / 1e3):.4g}"),
-    }
-    for kind in ("balanced", "skewed"):
-        bench_shape(report, kind, lhs, rhs, dout, dense_w)
-        print(json.dumps(report[kind]), flush=True)
-    bench_lora(report, lhs)
-    print(json.dumps(report["lora_rank16"]), flush=True)
-    if not args.no_sweep:
-        sweep_tiles(report, lhs, rhs, dout)
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--json", default=None)
+  parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+  args = parser.parse_args()
+  report = {"device": str(jax.devices()[0]), "shape": [M, K, N, G], "jax": jax.__version__}
+  check_small_shapes(report)
+  print(json.dumps(report), flush=True)
+  keys = jax.random.split(jax.random.key(1), 3)
+  lhs = jax.random.normal(keys[0], (M, K), jnp.bfloat16)
+  rhs = (jax.random.normal(keys[1], (G, K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+  dout = jax.random.normal(keys[2], (M, N), jnp.bfloat16)
+  dense_w = rhs[0]
+  tflop = 2 * M * K * N / 1e12
+  report["dense_same_flops"] = {
+      "fwd_tflops":
+          float(f"{tflop / (median_ms(jax.jit(jnp.matmul), lhs, dense_w) / 1e3):.4g}"),
+      "dlhs_tflops":
+          float(f"{tflop / (median_ms(jax.jit(lambda d, w: d @ w.T), dout, dense_w) / 1e3):.4g}"),
+  }
+  for kind in ("balanced", "skewed"):
+    bench_shape(report, kind, lhs, rhs, dout, dense_w)
+    print(json.dumps(report[kind]), flush=True)
+  bench_lora(report, lhs)
+  print(json.dumps(report["lora_rank16"]), flush=True)
+  if not args.no_sweep:
+    sweep_tiles(report, lhs, rhs, dout)
+  print(json.dumps(report, indent=1))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+  main()

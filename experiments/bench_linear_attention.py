@@ -27,50 +27,51 @@ from pallas_kernels.linear_attention import chunked_gla, gla_chunked
 from pallas_kernels.linear_attention.gla import Tiling
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
-REFERENCE_SKIP = {(1, 1048576, 8, 128): "reference skipped: its fwd+bwd alone would take seconds per call"}
-
+REFERENCE_SKIP = {
+    (1, 1048576, 8, 128): "reference skipped: its fwd+bwd alone would take seconds per call"
+}
 
 GATES = ("logsigmoid", "kda_init")
 
 
 def kda_init_gates(key, B, T, H, D):
-    """Gates as fla's KDA layer draws them at initialisation: g = -A softplus(x + dt_bias),
+  """Gates as fla's KDA layer draws them at initialisation: g = -A softplus(x + dt_bias),
     A ~ U(1, 16) per head, dt = softplus(dt_bias) log-uniform in [1e-3, 0.1] per channel,
     x a small projection (0.1 N(0, 1)): down to about -1.6 to -2.5 per token, so heads with a large A hold
     channels that decay by more than the bounded chunks allow (2 * FACTOR_LIMIT)."""
-    ka, kd, kx = jax.random.split(key, 3)
-    a = jax.random.uniform(ka, (H, 1), jnp.float32, 1.0, 16.0)
-    dt = jnp.exp(jax.random.uniform(kd, (H, D), jnp.float32, jnp.log(1e-3), jnp.log(0.1)))
-    dt_bias = dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1
-    x = 0.1 * jax.random.normal(kx, (B, T, H, D), jnp.float32)
-    return -a * jax.nn.softplus(x + dt_bias)
+  ka, kd, kx = jax.random.split(key, 3)
+  a = jax.random.uniform(ka, (H, 1), jnp.float32, 1.0, 16.0)
+  dt = jnp.exp(jax.random.uniform(kd, (H, D), jnp.float32, jnp.log(1e-3), jnp.log(0.1)))
+  dt_bias = dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1
+  x = 0.1 * jax.random.normal(kx, (B, T, H, D), jnp.float32)
+  return -a * jax.nn.softplus(x + dt_bias)
 
 
 def unbounded_share(g, chunk=64):
-    """The share of (chunk, head) blocks in which some channel decays by more than
+  """The share of (chunk, head) blocks in which some channel decays by more than
     2 * FACTOR_LIMIT over the chunk: those take the sub-chunk path (an upper bound where
     a kernel tests per key block, a subset of the channels)."""
-    from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
-    B, T, H, D = g.shape
-    span = -jnp.sum(g[:, : T // chunk * chunk].reshape(B, T // chunk, chunk, H, D), axis=2)
-    return float(jnp.mean(jnp.max(span, axis=-1) > 2.0 * FACTOR_LIMIT))
+  from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
+  B, T, H, D = g.shape
+  span = -jnp.sum(g[:, :T // chunk * chunk].reshape(B, T // chunk, chunk, H, D), axis=2)
+  return float(jnp.mean(jnp.max(span, axis=-1) > 2.0 * FACTOR_LIMIT))
 
 
 def inputs(B, T, H, D, seed=0, gates="logsigmoid"):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks[:3])
-    if gates == "kda_init":
-        return q, k, v, kda_init_gates(ks[3], B, T, H, D)
-    g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, T, H, D), jnp.float32))
-    return q, k, v, g
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks[:3])
+  if gates == "kda_init":
+    return q, k, v, kda_init_gates(ks[3], B, T, H, D)
+  g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, T, H, D), jnp.float32))
+  return q, k, v, g
 
 
 def fwd_and_fwdbwd(fn, inputs=4):
-    """Jitted forward (the output) and forward+backward (gradients of every input)."""
-    fwd = jax.jit(lambda *a: fn(*a)[0])
-    loss = lambda *a: fn(*a)[0].astype(jnp.float32).sum()
-    fwdbwd = jax.jit(jax.grad(loss, argnums=tuple(range(inputs))))
-    return fwd, fwdbwd
+  """Jitted forward (the output) and forward+backward (gradients of every input)."""
+  fwd = jax.jit(lambda *a: fn(*a)[0])
+  loss = lambda *a: fn(*a)[0].astype(jnp.float32).sum()
+  fwdbwd = jax.jit(jax.grad(loss, argnums=tuple(range(inputs))))
+  return fwd, fwdbwd
 
 
 PEERS = ("jla", "fla")
@@ -79,314 +80,357 @@ ROUNDS = {"reference": dict(rounds=5, calls=2), "peer": dict(rounds=15, calls=10
 
 
 def peer_fns(name, op, x):
-    """A peer's (forward, forward+backward) on the inputs x, as functions of no arguments
+  """A peer's (forward, forward+backward) on the inputs x, as functions of no arguments
     (forward+backward: the gradients of every input, as ours), or "missing: ..." where the
     peer is not installed."""
-    def jla():
-        from jla.ops import linear_attention as la
-        gates = ("g",) if op == "gla" else ("g", "beta")
-        fwd, fwdbwd = fwd_and_fwdbwd(lambda q, k, v, *gs: la(
-            op, q, k, v, impl="mosaic_gpu", **dict(zip(gates, gs))), len(x))
-        return (lambda: fwd(*x)), (lambda: fwdbwd(*x))
 
-    def fla():
-        import torch
-        if op == "gla":
-            from fla.ops.gla import chunk_gla as fn
-        else:
-            from fla.ops.kda import chunk_kda as fn
-        t = [to_torch(a, requires_grad=True) for a in x]
+  def jla():
+    from jla.ops import linear_attention as la
+    gates = ("g",) if op == "gla" else ("g", "beta")
+    fwd, fwdbwd = fwd_and_fwdbwd(
+        lambda q, k, v, *gs: la(op, q, k, v, impl="mosaic_gpu", **dict(zip(gates, gs))), len(x))
+    return (lambda: fwd(*x)), (lambda: fwdbwd(*x))
 
-        def fwd():
-            with torch.no_grad():
-                return fn(*t)[0]
-        return fwd, (lambda: torch.autograd.grad(fn(*t)[0].float().sum(), t))
+  def fla():
+    import torch
+    if op == "gla":
+      from fla.ops.gla import chunk_gla as fn
+    else:
+      from fla.ops.kda import chunk_kda as fn
+    t = [to_torch(a, requires_grad=True) for a in x]
 
-    made, missing = peer({"jla": jla, "fla": fla}[name])
-    return made if made else missing
+    def fwd():
+      with torch.no_grad():
+        return fn(*t)[0]
+
+    return fwd, (lambda: torch.autograd.grad(fn(*t)[0].float().sum(), t))
+
+  made, missing = peer({"jla": jla, "fla": fla}[name])
+  return made if made else missing
 
 
 def compare(row, ours, sides, x):
-    """Every one of ours ({name: (fwd, fwdbwd)}, jitted, called on x) against each side
+  """Every one of ours ({name: (fwd, fwdbwd)}, jitted, called on x) against each side
     ({name: (fwd, fwdbwd) of no arguments, or why it did not run}), forward and
     forward+backward, in alternating rounds: row[f"{side}_{pass}_ms"] and
     row[f"vs_{side}_{pass}"] (per candidate: baseline / candidate time, > 1: ours faster)."""
-    for side, fns in sides.items():
-        if isinstance(fns, str):
-            row[side] = fns
-            continue
-        for i, kind in enumerate(("fwd", "fwdbwd")):
-            try:
-                r = interleaved_ratios({name: (lambda f=f[i]: f(*x)) for name, f in ours.items()},
-                                       fns[i], **ROUNDS["reference" if side == "reference"
-                                                        else "peer"])
-                row[f"{side}_{kind}_ms"] = round(r["baseline_ms"], 3)
-                row[f"vs_{side}_{kind}"] = r
-            except Exception as e:  # a peer that fails at this shape does not hide the rest
-                row[f"{side}_{kind}"] = failed(e)
+  for side, fns in sides.items():
+    if isinstance(fns, str):
+      row[side] = fns
+      continue
+    for i, kind in enumerate(("fwd", "fwdbwd")):
+      try:
+        r = interleaved_ratios({
+            name: (lambda f=f[i]: f(*x)) for name, f in ours.items()
+        }, fns[i], **ROUNDS["reference" if side == "reference" else "peer"])
+        row[f"{side}_{kind}_ms"] = round(r["baseline_ms"], 3)
+        row[f"vs_{side}_{kind}"] = r
+      except Exception as e:  # a peer that fails at this shape does not hide the rest
+        row[f"{side}_{kind}"] = failed(e)
 
 
 def parse_peers(value):
-    """--peers: a comma list of PEERS, or none."""
-    peers = [p for p in value.split(",") if p and p != "none"]
-    unknown = [p for p in peers if p not in PEERS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {PEERS} or none")
-    return peers
+  """--peers: a comma list of PEERS, or none."""
+  peers = [p for p in value.split(",") if p and p != "none"]
+  unknown = [p for p in peers if p not in PEERS]
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {PEERS} or none")
+  return peers
 
 
 def rel_rms(a, b):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(a ** 2)))
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return float(jnp.sqrt(jnp.mean((a - b)**2) / jnp.mean(a**2)))
 
 
 def correctness(tilings, shape=(1, 4096, 4, 128)):
-    """Each setting's output and gradients against the fp32 plain-JAX chunked version."""
-    q, k, v, g = inputs(*shape, seed=1)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
-    o_ref = jax.jit(lambda *a: gla_chunked(*a)[0])(*f32, g)
-    g_ref = jax.jit(jax.grad(loss(gla_chunked), (0, 1, 2, 3)))(*f32, g)
-    for name, tiling in tilings:
-        kernel = functools.partial(chunked_gla, tiling=tiling)
-        o = jax.jit(lambda *a: kernel(*a)[0])(q, k, v, g)
-        g_pal = jax.jit(jax.grad(loss(kernel), (0, 1, 2, 3)))(q, k, v, g)
-        errs = {"o": rel_rms(o_ref, o)} | {
-            f"d{n}": rel_rms(a, b) for n, a, b in zip("qkvg", g_ref, g_pal)}
-        print(json.dumps({"correctness_vs_fp32_reference": list(shape), "setting": name,
-                          "rel_rms": errs}), flush=True)
+  """Each setting's output and gradients against the fp32 plain-JAX chunked version."""
+  q, k, v, g = inputs(*shape, seed=1)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
+  o_ref = jax.jit(lambda *a: gla_chunked(*a)[0])(*f32, g)
+  g_ref = jax.jit(jax.grad(loss(gla_chunked), (0, 1, 2, 3)))(*f32, g)
+  for name, tiling in tilings:
+    kernel = functools.partial(chunked_gla, tiling=tiling)
+    o = jax.jit(lambda *a: kernel(*a)[0])(q, k, v, g)
+    g_pal = jax.jit(jax.grad(loss(kernel), (0, 1, 2, 3)))(q, k, v, g)
+    errs = {
+        "o": rel_rms(o_ref, o)
+    } | {
+        f"d{n}": rel_rms(a, b) for n, a, b in zip("qkvg", g_ref, g_pal)
+    }
+    print(
+        json.dumps({
+            "correctness_vs_fp32_reference": list(shape),
+            "setting": name,
+            "rel_rms": errs
+        }), flush=True)
 
 
 def kernel_breakdown(shape, tiling):
-    """Milliseconds of each kernel (and the plain-JAX preparation) alone; on Hopper (or
+  """Milliseconds of each kernel (and the plain-JAX preparation) alone; on Hopper (or
     interpreted) also the fused forward's two kernels."""
-    from pallas_kernels.linear_attention import _chunk_prep
-    from pallas_kernels.linear_attention._gla_chunks import (
-        chunk_key_grads, chunk_outputs, chunk_value_grads)
-    from pallas_kernels.linear_attention._gla_forward_mosaic import gla_forward
-    from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
-    from pallas_kernels.linear_attention._mosaic_common import on_hopper
-    from pallas_kernels.linear_attention._pallas_common import interpret_mode
-    from pallas_kernels.linear_attention.gla import state_walk_kind, state_walks
-    interp = interpret_mode()  # a CPU smoke run interprets the kernels
-    B, T, H, D = shape
-    q, k, v, g = inputs(*shape)
-    t = tiling._replace(interpret=interp)
-    t = t._replace(state_walk=state_walk_kind(t, (q.dtype, k.dtype, v.dtype), D, D))
-    chunk_states, chunk_state_grads = state_walks(t)
-    prep = jax.jit(lambda q, k, v, g: _chunk_prep.prepare(q, k, v, g, None, B, T))
-    qp, kp, vp, b, runs = prep(q, k, v, g)
-    ci, il = _chunk_prep.segment_masks(runs)
-    h0 = jnp.zeros((B, H, D, D), jnp.float32)
-    scale = D ** -0.5
-    ck = dict(interpret=interp, num_warps=t.chunk_warps)
-    gk = dict(interpret=interp, num_warps=t.grad_warps)
-    states = jax.jit(lambda k, v, b: chunk_states(k, v, b, il, ci, h0))
-    h, _ = states(kp, vp, b)
-    dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=scale))
-    ds, _ = dstates(qp, b, vp)
-    sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
-    scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
-    a = scores(qp, kp, b)
-    outputs = jax.jit(lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale,
-                                                          block_v=t.block_v, **ck))
-    dscores = jax.jit(lambda v, do: chunk_score_grads(v, runs, do, scale=scale, **gk))
-    da, dat = dscores(vp, vp)
-    value_grads = jax.jit(lambda k, b, ds, do: chunk_value_grads(
-        k, b, il, ds, a, do, scale=scale, block_v=min(t.grad_block_v, D), **gk))
-    key_grads = jax.jit(lambda q, k, v, b, h, ds, do: chunk_key_grads(
-        q, k, v, b, ci, il, h, ds, do, da, dat, scale=scale, block_k=t.block_k,
-        num_stages=t.grad_stages, **gk))
-    kernel_ms = {
-        "prepare": round(median_ms(prep, q, k, v, g), 3),
-        "states": round(median_ms(states, kp, vp, b), 3),
-        "scores": round(median_ms(scores, qp, kp, b), 3),
-        "outputs": round(median_ms(outputs, qp, vp, b, h, a), 3),
-        "state_grads": round(median_ms(dstates, qp, b, vp), 3),
-        "score_grads": round(median_ms(dscores, vp, vp), 3),
-        "value_grads": round(median_ms(value_grads, kp, b, ds, vp), 3),
-        "key_grads": round(median_ms(key_grads, qp, kp, vp, b, h, ds, vp), 3)}
-    if interp or on_hopper():  # the fused forward's two kernels (Tiling.forward="fused")
-        decayed = jax.jit(lambda q, k, b: chunk_scores(
-            q, k, b, runs, decayed_with=(ci, il), **sk))
-        fused = jax.jit(lambda qg, kg, v, a, b: gla_forward(qg, kg, v, a, b, ci, h0, scale=scale,
-                                                            interpret=interp))
-        try:
-            a_d, qg, kg = decayed(qp, kp, b)
-            kernel_ms["fused.scores_with_decayed_rows"] = round(median_ms(decayed, qp, kp, b), 3)
-            kernel_ms["fused.state_outputs"] = round(median_ms(fused, qg, kg, vp, a_d, b), 3)
-        except Exception as e:  # reported, so that the other figures still print
-            kernel_ms["fused"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-    return {"shape": list(shape), "state_walk": t.state_walk, "kernel_ms": kernel_ms}
+  from pallas_kernels.linear_attention import _chunk_prep
+  from pallas_kernels.linear_attention._gla_chunks import (chunk_key_grads, chunk_outputs,
+                                                           chunk_value_grads)
+  from pallas_kernels.linear_attention._gla_forward_mosaic import gla_forward
+  from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
+  from pallas_kernels.linear_attention._mosaic_common import on_hopper
+  from pallas_kernels.linear_attention._pallas_common import interpret_mode
+  from pallas_kernels.linear_attention.gla import state_walk_kind, state_walks
+  interp = interpret_mode()  # a CPU smoke run interprets the kernels
+  B, T, H, D = shape
+  q, k, v, g = inputs(*shape)
+  t = tiling._replace(interpret=interp)
+  t = t._replace(state_walk=state_walk_kind(t, (q.dtype, k.dtype, v.dtype), D, D))
+  chunk_states, chunk_state_grads = state_walks(t)
+  prep = jax.jit(lambda q, k, v, g: _chunk_prep.prepare(q, k, v, g, None, B, T))
+  qp, kp, vp, b, runs = prep(q, k, v, g)
+  ci, il = _chunk_prep.segment_masks(runs)
+  h0 = jnp.zeros((B, H, D, D), jnp.float32)
+  scale = D**-0.5
+  ck = dict(interpret=interp, num_warps=t.chunk_warps)
+  gk = dict(interpret=interp, num_warps=t.grad_warps)
+  states = jax.jit(lambda k, v, b: chunk_states(k, v, b, il, ci, h0))
+  h, _ = states(kp, vp, b)
+  dstates = jax.jit(lambda q, b, do: chunk_state_grads(q, b, ci, do, h0, scale=scale))
+  ds, _ = dstates(qp, b, vp)
+  sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
+  scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
+  a = scores(qp, kp, b)
+  outputs = jax.jit(
+      lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale, block_v=t.block_v, **ck))
+  dscores = jax.jit(lambda v, do: chunk_score_grads(v, runs, do, scale=scale, **gk))
+  da, dat = dscores(vp, vp)
+  value_grads = jax.jit(lambda k, b, ds, do: chunk_value_grads(
+      k, b, il, ds, a, do, scale=scale, block_v=min(t.grad_block_v, D), **gk))
+  key_grads = jax.jit(lambda q, k, v, b, h, ds, do:
+                      chunk_key_grads(q, k, v, b, ci, il, h, ds, do, da, dat, scale=scale, block_k=t
+                                      .block_k, num_stages=t.grad_stages, **gk))
+  kernel_ms = {
+      "prepare": round(median_ms(prep, q, k, v, g), 3),
+      "states": round(median_ms(states, kp, vp, b), 3),
+      "scores": round(median_ms(scores, qp, kp, b), 3),
+      "outputs": round(median_ms(outputs, qp, vp, b, h, a), 3),
+      "state_grads": round(median_ms(dstates, qp, b, vp), 3),
+      "score_grads": round(median_ms(dscores, vp, vp), 3),
+      "value_grads": round(median_ms(value_grads, kp, b, ds, vp), 3),
+      "key_grads": round(median_ms(key_grads, qp, kp, vp, b, h, ds, vp), 3)
+  }
+  if interp or on_hopper():  # the fused forward's two kernels (Tiling.forward="fused")
+    decayed = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, decayed_with=(ci, il), **sk))
+    fused = jax.jit(
+        lambda qg, kg, v, a, b: gla_forward(qg, kg, v, a, b, ci, h0, scale=scale, interpret=interp))
+    try:
+      a_d, qg, kg = decayed(qp, kp, b)
+      kernel_ms["fused.scores_with_decayed_rows"] = round(median_ms(decayed, qp, kp, b), 3)
+      kernel_ms["fused.state_outputs"] = round(median_ms(fused, qg, kg, vp, a_d, b), 3)
+    except Exception as e:  # reported, so that the other figures still print
+      kernel_ms["fused"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+  return {"shape": list(shape), "state_walk": t.state_walk, "kernel_ms": kernel_ms}
 
 
 def kda_kernel_breakdown(shape):
-    """Milliseconds of each KDA kernel alone (forward: intra = scores + solve, states,
+  """Milliseconds of each KDA kernel alone (forward: intra = scores + solve, states,
     output; backward adds the recomputed intra with the inverse, dv_local, state_grads,
     wy_grads, key_grads); the state kernels in every implementation that runs here."""
-    from pallas_kernels.linear_attention import _chunk_prep
-    from pallas_kernels.linear_attention._kda_intra import chunk_intra
-    from pallas_kernels.linear_attention._kda_scores import chunk_scores
-    from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
-    from pallas_kernels.linear_attention.kda import available_state_walks
-    from pallas_kernels.linear_attention._kda_value_side import (
-        chunk_dv_local, chunk_output, chunk_wy_grads)
-    from pallas_kernels.linear_attention._pallas_common import interpret_mode
-    interp = interpret_mode()  # a CPU smoke run interprets the kernels
-    B, T, H, D = shape
-    q, k, v, g = inputs(*shape)
-    beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), shape[:3], jnp.float32))
-    qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, None, B, T)
-    beta = jnp.pad(beta, ((0, 0), (0, qp.shape[1] - T), (0, 0)))
-    ci, il = _chunk_prep.segment_masks(runs)
-    h0 = jnp.zeros((B, H, D, D), jnp.float32)
-    cd, scale = jnp.bfloat16, D ** -0.5
-    kw = dict(block_v=min(D, 64 if D <= 128 else 32), cd=cd, interpret=interp)
-    intra = jax.jit(lambda *a, e: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e,
-                                              interpret=interp), static_argnames="e")
-    qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
-    scores = jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp))
-    walks = available_state_walks(interp)
-    chunk_states, chunk_state_grads = walks["triton"]
-    states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
-    h, vn, _ = states(w, u0, kg, b)
-    output = jax.jit(lambda qg, aqk, h, vn: chunk_output(qg, aqk, h, vn, scale=scale,
-                                                         out_dtype=vp.dtype, **kw))
-    dv_local = jax.jit(lambda aqk, do, vn: chunk_dv_local(aqk, do, vn, runs, scale=scale, **kw))
-    dvl, dp = dv_local(aqk, vp, vn)
-    dstates = jax.jit(lambda qg, kg, w, b, dvl, do: chunk_state_grads(
-        qg, kg, w, b, ci, dvl, do, h0, scale=scale, **kw))
-    dh, dvn, _ = dstates(qg, kg, w, b, dvl, vp)
-    wy = jax.jit(lambda inv, dvn, vn, v, beta: chunk_wy_grads(inv, dvn, vn, v, beta, runs, **kw))
-    _, dx, da, _ = wy(inv, dvn, vn, vp, beta)
-    key = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
-        q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), **kw))
-    walk_ms = {}
-    for name, (walk_states, walk_grads) in walks.items():
-        walk_ms[f"states_{name}"] = round(median_ms(jax.jit(
-            lambda w, u0, kg, b: walk_states(w, u0, kg, b, ci, h0, **kw)), w, u0, kg, b), 3)
-        walk_ms[f"state_grads_{name}"] = round(median_ms(jax.jit(
-            lambda qg, kg, w, b, dvl, do: walk_grads(qg, kg, w, b, ci, dvl, do, h0, scale=scale,
-                                                     **kw)), qg, kg, w, b, dvl, vp), 3)
-    return {"op": "kda", "shape": list(shape), "kernel_ms": walk_ms | {
-        "intra": round(median_ms(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
-        "intra_with_inverse": round(median_ms(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
-        "of_which_scores": round(median_ms(scores, qp, kp, b, beta), 3),
-        "output": round(median_ms(output, qg, aqk, h, vn), 3),
-        "dv_local": round(median_ms(dv_local, aqk, vp, vn), 3),
-        "wy_grads": round(median_ms(wy, inv, dvn, vn, vp, beta), 3),
-        "key_grads": round(median_ms(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)}}
+  from pallas_kernels.linear_attention import _chunk_prep
+  from pallas_kernels.linear_attention._kda_intra import chunk_intra
+  from pallas_kernels.linear_attention._kda_scores import chunk_scores
+  from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
+  from pallas_kernels.linear_attention.kda import available_state_walks
+  from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
+                                                               chunk_wy_grads)
+  from pallas_kernels.linear_attention._pallas_common import interpret_mode
+  interp = interpret_mode()  # a CPU smoke run interprets the kernels
+  B, T, H, D = shape
+  q, k, v, g = inputs(*shape)
+  beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), shape[:3], jnp.float32))
+  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, None, B, T)
+  beta = jnp.pad(beta, ((0, 0), (0, qp.shape[1] - T), (0, 0)))
+  ci, il = _chunk_prep.segment_masks(runs)
+  h0 = jnp.zeros((B, H, D, D), jnp.float32)
+  cd, scale = jnp.bfloat16, D**-0.5
+  kw = dict(block_v=min(D, 64 if D <= 128 else 32), cd=cd, interpret=interp)
+  intra = jax.jit(
+      lambda *a, e: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e, interpret=interp),
+      static_argnames="e")
+  qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
+  scores = jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp))
+  walks = available_state_walks(interp)
+  chunk_states, chunk_state_grads = walks["triton"]
+  states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
+  h, vn, _ = states(w, u0, kg, b)
+  output = jax.jit(
+      lambda qg, aqk, h, vn: chunk_output(qg, aqk, h, vn, scale=scale, out_dtype=vp.dtype, **kw))
+  dv_local = jax.jit(lambda aqk, do, vn: chunk_dv_local(aqk, do, vn, runs, scale=scale, **kw))
+  dvl, dp = dv_local(aqk, vp, vn)
+  dstates = jax.jit(lambda qg, kg, w, b, dvl, do: chunk_state_grads(qg, kg, w, b, ci, dvl, do, h0,
+                                                                    scale=scale, **kw))
+  dh, dvn, _ = dstates(qg, kg, w, b, dvl, vp)
+  wy = jax.jit(lambda inv, dvn, vn, v, beta: chunk_wy_grads(inv, dvn, vn, v, beta, runs, **kw))
+  _, dx, da, _ = wy(inv, dvn, vn, vp, beta)
+  key = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
+      q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), **kw))
+  walk_ms = {}
+  for name, (walk_states, walk_grads) in walks.items():
+    walk_ms[f"states_{name}"] = round(
+        median_ms(jax.jit(lambda w, u0, kg, b: walk_states(w, u0, kg, b, ci, h0, **kw)), w, u0, kg,
+                  b), 3)
+    walk_ms[f"state_grads_{name}"] = round(
+        median_ms(
+            jax.jit(lambda qg, kg, w, b, dvl, do: walk_grads(
+                qg, kg, w, b, ci, dvl, do, h0, scale=scale, **kw)), qg, kg, w, b, dvl, vp), 3)
+  return {
+      "op":
+          "kda",
+      "shape":
+          list(shape),
+      "kernel_ms":
+          walk_ms | {
+              "intra":
+                  round(median_ms(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
+              "intra_with_inverse":
+                  round(median_ms(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
+              "of_which_scores":
+                  round(median_ms(scores, qp, kp, b, beta), 3),
+              "output":
+                  round(median_ms(output, qg, aqk, h, vn), 3),
+              "dv_local":
+                  round(median_ms(dv_local, aqk, vp, vn), 3),
+              "wy_grads":
+                  round(median_ms(wy, inv, dvn, vn, vp, beta), 3),
+              "key_grads":
+                  round(median_ms(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
+          }
+  }
 
 
 def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
-    """One shape: each of ours (impls: [(name, fn)]) timed on its own, then compared with
+  """One shape: each of ours (impls: [(name, fn)]) timed on its own, then compared with
     the plain-JAX reference and the peers in alternating rounds (`compare`)."""
-    ours = {}
-    for name, fn in impls:
-        fwd, fwdbwd = fwd_and_fwdbwd(fn, len(x))
-        try:
-            row[f"{name}_fwd_ms"] = round(median_ms(fwd, *x), 3)
-            row[f"{name}_fwdbwd_ms"] = round(median_ms(fwdbwd, *x), 3)
-            ours[name] = (fwd, fwdbwd)
-        except Exception as e:  # one setting that fails does not hide the others
-            row[name] = failed(e)
-    sides = {}
-    if skip_reference:
-        pass
-    elif shape in REFERENCE_SKIP:
-        sides["reference"] = REFERENCE_SKIP[shape]
-    else:
-        fwd, fwdbwd = fwd_and_fwdbwd(reference, len(x))
-        sides["reference"] = (lambda: fwd(*x)), (lambda: fwdbwd(*x))
-    if peers and shape in REFERENCE_SKIP:
-        row["peers"] = "not run at this shape"
-    elif peers:
-        for name in peers:
-            try:
-                sides[name] = peer_fns(name, op, x)
-            except Exception as e:
-                sides[name] = failed(e)
-    if ours:
-        compare(row, ours, sides, x)
-    else:  # nothing of ours to compare: only say why a side did not run
-        row.update({side: why for side, why in sides.items() if isinstance(why, str)})
-    print(json.dumps(row), flush=True)
+  ours = {}
+  for name, fn in impls:
+    fwd, fwdbwd = fwd_and_fwdbwd(fn, len(x))
+    try:
+      row[f"{name}_fwd_ms"] = round(median_ms(fwd, *x), 3)
+      row[f"{name}_fwdbwd_ms"] = round(median_ms(fwdbwd, *x), 3)
+      ours[name] = (fwd, fwdbwd)
+    except Exception as e:  # one setting that fails does not hide the others
+      row[name] = failed(e)
+  sides = {}
+  if skip_reference:
+    pass
+  elif shape in REFERENCE_SKIP:
+    sides["reference"] = REFERENCE_SKIP[shape]
+  else:
+    fwd, fwdbwd = fwd_and_fwdbwd(reference, len(x))
+    sides["reference"] = (lambda: fwd(*x)), (lambda: fwdbwd(*x))
+  if peers and shape in REFERENCE_SKIP:
+    row["peers"] = "not run at this shape"
+  elif peers:
+    for name in peers:
+      try:
+        sides[name] = peer_fns(name, op, x)
+      except Exception as e:
+        sides[name] = failed(e)
+  if ours:
+    compare(row, ours, sides, x)
+  else:  # nothing of ours to compare: only say why a side did not run
+    row.update({side: why for side, why in sides.items() if isinstance(why, str)})
+  print(json.dumps(row), flush=True)
 
 
 def bench_kda(shapes, skip_reference, breakdown=False, gates="logsigmoid", peers=()):
-    """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
+  """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
-    from pallas_kernels.linear_attention import chunked_kda, kda_chunked
+  from pallas_kernels.linear_attention import chunked_kda, kda_chunked
 
-    def kda_inputs(shape, seed=0, gates="logsigmoid"):
-        beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
-        return (*inputs(*shape, seed=seed, gates=gates), beta)
+  def kda_inputs(shape, seed=0, gates="logsigmoid"):
+    beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
+    return (*inputs(*shape, seed=seed, gates=gates), beta)
 
-    x = kda_inputs((1, 4096, 4, 128), seed=1)
-    f32 = [a.astype(jnp.float32) for a in x]
-    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
-    o_ref, o = jax.jit(lambda *a: kda_chunked(*a)[0])(*f32), jax.jit(lambda *a: chunked_kda(*a)[0])(*x)
-    g_ref = jax.jit(jax.grad(loss(kda_chunked), range(5)))(*f32)
-    g_pal = jax.jit(jax.grad(loss(chunked_kda), range(5)))(*x)
-    errs = {"o": rel_rms(o_ref, o)} | {f"d{n}": rel_rms(a, b) for n, a, b in
-                                       zip(("q", "k", "v", "g", "beta"), g_ref, g_pal)}
-    print(json.dumps({"kda_correctness_vs_fp32_reference": [1, 4096, 4, 128], "rel_rms": errs}),
-          flush=True)
-    if breakdown:
-        print(json.dumps(kda_kernel_breakdown(shapes[0])), flush=True)
-    for shape in shapes:
-        x = kda_inputs(shape, gates=gates)
-        row = {"op": "kda", "shape": list(shape), "gates": gates,
-               "unbounded_chunk_share": round(unbounded_share(x[3]), 3)}
-        impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
-                 for walk in ("auto", "triton", "mosaic")]
-        bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
-        del x
+  x = kda_inputs((1, 4096, 4, 128), seed=1)
+  f32 = [a.astype(jnp.float32) for a in x]
+  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
+  o_ref, o = jax.jit(lambda *a: kda_chunked(*a)[0])(*f32), jax.jit(lambda *a: chunked_kda(*a)[0])(
+      *x)
+  g_ref = jax.jit(jax.grad(loss(kda_chunked), range(5)))(*f32)
+  g_pal = jax.jit(jax.grad(loss(chunked_kda), range(5)))(*x)
+  errs = {
+      "o": rel_rms(o_ref, o)
+  } | {
+      f"d{n}": rel_rms(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta"), g_ref, g_pal)
+  }
+  print(json.dumps({
+      "kda_correctness_vs_fp32_reference": [1, 4096, 4, 128],
+      "rel_rms": errs
+  }), flush=True)
+  if breakdown:
+    print(json.dumps(kda_kernel_breakdown(shapes[0])), flush=True)
+  for shape in shapes:
+    x = kda_inputs(shape, gates=gates)
+    row = {
+        "op": "kda",
+        "shape": list(shape),
+        "gates": gates,
+        "unbounded_chunk_share": round(unbounded_share(x[3]), 3)
+    }
+    impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
+             for walk in ("auto", "triton", "mosaic")]
+    bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
+    del x
 
 
 def parse_tiling(spec):
-    """"block_k=64,state_walk=triton" -> ("[block_k=64,state_walk=triton]", Tiling(...));
+  """"block_k=64,state_walk=triton" -> ("[block_k=64,state_walk=triton]", Tiling(...));
     "" -> defaults."""
-    fields = dict(kv.split("=") for kv in spec.split(",") if kv)
-    return (f"[{spec}]" if spec else ""), Tiling(**{
-        k: int(v) if v.isdigit() else v for k, v in fields.items()})
+  fields = dict(kv.split("=") for kv in spec.split(",") if kv)
+  return (f"[{spec}]" if spec else ""), Tiling(**{
+      k: int(v) if v.isdigit() else v for k, v in fields.items()
+  })
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--peers", metavar="PEERS", type=parse_peers, default=list(PEERS),
-                    help=f"peers to compare in this process, of {','.join(PEERS)} (default: "
-                         "all; those not installed are reported as missing), or none; at every "
-                         "shape but the 1M-token one.")
-    ap.add_argument("--tiling", nargs="*", default=[parse_tiling("")], type=parse_tiling,
-                    help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
-    ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
-                    default=SHAPES, help="B,T,H,D")
-    ap.add_argument("--skip-reference", action="store_true")
-    ap.add_argument("--breakdown", action="store_true", help="also time each kernel alone")
-    ap.add_argument("--op", choices=("gla", "kda"), default="gla")
-    ap.add_argument("--gates", choices=GATES, default="logsigmoid",
-                    help="how the timed shapes' gates are drawn: log_sigmoid of a normal, or "
-                         "as fla's KDA layer initialises them (some fast-decaying channels)")
-    args = ap.parse_args()
-    if "fla" in args.peers and importlib.util.find_spec("fla"):
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
-    print(jax.devices(), flush=True)
-    if args.op == "kda":
-        return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers)
-    correctness(args.tiling)
-    if args.breakdown:
-        for _, tiling in args.tiling:
-            print(json.dumps(kernel_breakdown(args.shapes[0], tiling)), flush=True)
-    for shape in args.shapes:
-        x = inputs(*shape, gates=args.gates)
-        row = {"shape": list(shape), "gates": args.gates,
-               "unbounded_chunk_share": round(unbounded_share(x[3]), 3)}
-        impls = [(f"pallas{name}", lambda *a, t=tiling: chunked_gla(*a, tiling=t))
-                 for name, tiling in args.tiling]
-        bench_shape(row, "gla", impls, gla_chunked, x, shape, args.skip_reference, args.peers)
-        del x
+  ap = argparse.ArgumentParser()
+  ap.add_argument(
+      "--peers", metavar="PEERS", type=parse_peers, default=list(PEERS),
+      help=f"peers to compare in this process, of {','.join(PEERS)} (default: "
+      "all; those not installed are reported as missing), or none; at every "
+      "shape but the 1M-token one.")
+  ap.add_argument("--tiling", nargs="*", default=[parse_tiling("")], type=parse_tiling,
+                  help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
+  ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
+                  default=SHAPES, help="B,T,H,D")
+  ap.add_argument("--skip-reference", action="store_true")
+  ap.add_argument("--breakdown", action="store_true", help="also time each kernel alone")
+  ap.add_argument("--op", choices=("gla", "kda"), default="gla")
+  ap.add_argument(
+      "--gates", choices=GATES, default="logsigmoid",
+      help="how the timed shapes' gates are drawn: log_sigmoid of a normal, or "
+      "as fla's KDA layer initialises them (some fast-decaying channels)")
+  args = ap.parse_args()
+  if "fla" in args.peers and importlib.util.find_spec("fla"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
+  print(jax.devices(), flush=True)
+  if args.op == "kda":
+    return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers)
+  correctness(args.tiling)
+  if args.breakdown:
+    for _, tiling in args.tiling:
+      print(json.dumps(kernel_breakdown(args.shapes[0], tiling)), flush=True)
+  for shape in args.shapes:
+    x = inputs(*shape, gates=args.gates)
+    row = {
+        "shape": list(shape),
+        "gates": args.gates,
+        "unbounded_chunk_share": round(unbounded_share(x[3]), 3)
+    }
+    impls = [(f"pallas{name}", lambda *a, t=tiling: chunked_gla(*a, tiling=t))
+             for name, tiling in args.tiling]
+    bench_shape(row, "gla", impls, gla_chunked, x, shape, args.skip_reference, args.peers)
+    del x
 
 
 if __name__ == "__main__":
-    main()
+  main()

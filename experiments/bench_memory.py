@@ -33,8 +33,10 @@ import sys
 from experiments.timing import failed, interleaved_ratios, median_ms
 
 GB = 1e9
-HAND_TIERED = {"hbm_names": ("qkv", "attention", "topk_indices", "lora_a"),
-               "host_names": ("expert_gate_up", "mlp_gate_up", "gates")}
+HAND_TIERED = {
+    "hbm_names": ("qkv", "attention", "topk_indices", "lora_a"),
+    "host_names": ("expert_gate_up", "mlp_gate_up", "gates")
+}
 
 
 def _args(argv):
@@ -46,15 +48,17 @@ def _args(argv):
                  help="device memory for the planner, e.g. 141GB (default: the device's)")
   p.add_argument("--steps", type=int, default=5,
                  help="timed steps per policy (after 2 untimed), and rounds against full")
-  p.add_argument("--policies", default="full,minimal,tiered,planned,none",
-                 help="run in this order (none last: it may run out of memory); also "
-                      "planned_hbm: the planner without the host tier")
+  p.add_argument(
+      "--policies", default="full,minimal,tiered,planned,none",
+      help="run in this order (none last: it may run out of memory); also "
+      "planned_hbm: the planner without the host tier")
   p.add_argument("--json", default=None, help="write the report here")
   p.add_argument("--replans", type=int, default=2,
                  help="times to plan again when XLA's compiled peak is over the budget")
-  p.add_argument("--analytic-working-set", action="store_true",
-                 help="plan with the planner's analytic working set instead of compiling "
-                      "each layer part on this backend (hylora.plan.part_memory)")
+  p.add_argument(
+      "--analytic-working-set", action="store_true",
+      help="plan with the planner's analytic working set instead of compiling "
+      "each layer part on this backend (hylora.plan.part_memory)")
   from hylora.core.overrides import split_overrides
   overrides, rest = split_overrides(argv)
   args = p.parse_args(rest)
@@ -72,10 +76,9 @@ def _small():
   from hylora.core.config import MeshConfig
   from hylora.core.presets import tiny
   cfg = tiny()
-  return dataclasses.replace(
-      cfg, model=dataclasses.replace(cfg.model, layers=4, dense_layers=1),
-      mesh=MeshConfig(fsdp=2, expert=4),
-      train=dataclasses.replace(cfg.train, seq_len=64, batch_size=8))
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=4, dense_layers=1),
+                             mesh=MeshConfig(fsdp=2, expert=4),
+                             train=dataclasses.replace(cfg.train, seq_len=64, batch_size=8))
 
 
 def _config(args):
@@ -121,8 +124,12 @@ def _random_batch(cfg, seed=0):
   tokens = rng.integers(0, cfg.model.vocab_size, (b, t)).astype(np.int32)
   labels = np.roll(tokens, -1, axis=1)
   labels[:, -1] = -100
-  return {"tokens": tokens, "labels": labels, "segment_ids": np.ones((b, t), np.int32),
-          "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()}
+  return {
+      "tokens": tokens,
+      "labels": labels,
+      "segment_ids": np.ones((b, t), np.int32),
+      "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+  }
 
 
 def measure(cfg, mesh, params, steps: int, budget: float = 0.0):
@@ -151,8 +158,9 @@ def measure(cfg, mesh, params, steps: int, budget: float = 0.0):
 
     def one_step():
       i = state["step"]
-      state["lora"], state["opt_state"], state["metrics"] = compiled(
-          state["lora"], state["opt_state"], frozen, batch, np.int32(i))
+      state["lora"], state["opt_state"], state["metrics"] = compiled(state["lora"],
+                                                                     state["opt_state"], frozen,
+                                                                     batch, np.int32(i))
       state["step"] = i + 1
       return state["metrics"]
 
@@ -194,8 +202,8 @@ def main(argv=None) -> int:
       working = measured_working_bytes(cfg, tokens_per_device(cfg, mesh_shape))
     if args.small and not budget:
       # a budget between `full` and `none`, so that the plan has to choose
-      lo, hi = (estimate_policy(cfg, mesh_shape, 1e12, MemoryConfig(remat=r),
-                                working_bytes=working) for r in ("full", "none"))
+      lo, hi = (estimate_policy(cfg, mesh_shape, 1e12, MemoryConfig(remat=r), working_bytes=working)
+                for r in ("full", "none"))
       budget = (lo.predicted_peak_bytes + hi.predicted_peak_bytes) / 2
     plan = plan_memory(cfg, mesh_shape, budget, working_bytes=working)
   except ConfigError as e:
@@ -203,10 +211,13 @@ def main(argv=None) -> int:
     return 2
   print(plan.table(), flush=True)
 
-  policies = {"none": MemoryConfig(remat="none"), "full": MemoryConfig(remat="full"),
-              "minimal": MemoryConfig(remat="minimal"),
-              "tiered": MemoryConfig(remat="tiered", **HAND_TIERED),
-              "planned": plan.policy_config()}
+  policies = {
+      "none": MemoryConfig(remat="none"),
+      "full": MemoryConfig(remat="full"),
+      "minimal": MemoryConfig(remat="minimal"),
+      "tiered": MemoryConfig(remat="tiered", **HAND_TIERED),
+      "planned": plan.policy_config()
+  }
   chosen = [p for p in args.policies.split(",") if p]
   # The planner's choice without the host tier shows what the host copies cost or gain.
   hardware = {"planned": H200, "planned_hbm": dataclasses.replace(H200, host_memory_bytes=0)}
@@ -217,14 +228,21 @@ def main(argv=None) -> int:
   policies.update({name: p.policy_config() for name, p in plans.items()})
   unknown = [p for p in chosen if p not in policies]
   if unknown:
-    print(f"error: --policies: unknown {unknown}; choose from {sorted(policies)}",
-          file=sys.stderr)
+    print(f"error: --policies: unknown {unknown}; choose from {sorted(policies)}", file=sys.stderr)
     return 2
-  report = {"device": str(jax.devices()[0]), "jax": jax.__version__, "preset": cfg.preset,
-            "seq_len": cfg.train.seq_len, "batch_size": cfg.train.batch_size,
-            "mesh": mesh_shape, "budget_bytes": budget, "plan": plan.policy_config().__dict__,
-            "working_bytes": plan.working_bytes, "working_compiled": plan.working_compiled,
-            "policies": {}}
+  report = {
+      "device": str(jax.devices()[0]),
+      "jax": jax.__version__,
+      "preset": cfg.preset,
+      "seq_len": cfg.train.seq_len,
+      "batch_size": cfg.train.batch_size,
+      "mesh": mesh_shape,
+      "budget_bytes": budget,
+      "plan": plan.policy_config().__dict__,
+      "working_bytes": plan.working_bytes,
+      "working_compiled": plan.working_compiled,
+      "policies": {}
+  }
   params = st.init_params(cfg, st.model_parts(cfg), mesh)
   steps = {}  # the policies that ran, for the comparison against full
   for name in chosen:
@@ -232,8 +250,10 @@ def main(argv=None) -> int:
     replans = []
     while True:
       predicted = estimate_policy(cfg, mesh_shape, budget, policy, working_bytes=working)
-      row = {"predicted_peak": predicted.predicted_peak_bytes,
-             "predicted_step_ms": float(f"{predicted.predicted_step_seconds * 1e3:.4g}")}
+      row = {
+          "predicted_peak": predicted.predicted_peak_bytes,
+          "predicted_step_ms": float(f"{predicted.predicted_step_seconds * 1e3:.4g}")
+      }
       measured, steps[name] = measure(dataclasses.replace(cfg, memory=policy), mesh, params,
                                       args.steps, budget)
       row.update(measured)
@@ -241,12 +261,13 @@ def main(argv=None) -> int:
       if name not in plans or not over or len(replans) == args.replans:
         break
       # XLA needs more than the planner predicted: plan again with its error taken off.
-      replans.append({k: row.get(k) for k in ("predicted_peak", "xla_peak")}
-                     | {"policy": policy.__dict__})
+      replans.append({k: row.get(k) for k in ("predicted_peak", "xla_peak")} |
+                     {"policy": policy.__dict__})
       plans[name] = replan_after_compile(cfg, mesh_shape, budget, plans[name], row["xla_peak"],
                                          hardware=hardware[name], working_bytes=working)
-      print(f"XLA peak {row['xla_peak'] / GB:.1f} GB over the budget; planned again:\n"
-            + plans[name].table(), flush=True)
+      print(
+          f"XLA peak {row['xla_peak'] / GB:.1f} GB over the budget; planned again:\n" +
+          plans[name].table(), flush=True)
       policy = plans[name].policy_config()
     if name in plans:
       row["policy"] = policy.__dict__
@@ -261,8 +282,9 @@ def main(argv=None) -> int:
   ran = {name: step for name, step in steps.items() if step is not None}
   if "full" in ran and len(ran) > 1:  # every other policy against full, alternating rounds
     try:
-      vs = interleaved_ratios({n: f for n, f in ran.items() if n != "full"}, ran["full"],
-                              rounds=args.steps, calls=1)
+      vs = interleaved_ratios({
+          n: f for n, f in ran.items() if n != "full"
+      }, ran["full"], rounds=args.steps, calls=1)
       report["vs_full_interleaved"] = vs
       for name in ran:
         if name != "full":
@@ -283,8 +305,8 @@ def main(argv=None) -> int:
     speed = f"{vs:.2f}x" if vs else "-"
     print(f"{name:<9} {peak / GB if peak else float('nan'):>12.3f} "
           f"{row['predicted_peak'] / GB:>13.3f} {ms if ms else float('nan'):>9.1f} "
-          f"{row['predicted_step_ms']:>13.4g} {speed:>8}"
-          + (f"  ({row['error'][:60]})" if "error" in row else ""))
+          f"{row['predicted_step_ms']:>13.4g} {speed:>8}" +
+          (f"  ({row['error'][:60]})" if "error" in row else ""))
   return 0
 
 

@@ -41,10 +41,10 @@ from hylora.model.ffn.expert_parallel import ep_alltoall
 from meshes.mesh import build_mesh
 from meshes.rules import activation_mesh
 
-FULL = dict(m=65536, k=7168, n=4096, groups=14, tokens=16384, d=7168, ffn=2048,
-            experts=896, top_k=16, local=14, rank=16, reps=10, calls=5)
-SMALL = dict(m=512, k=256, n=128, groups=14, tokens=256, d=128, ffn=64,
-             experts=56, top_k=4, local=14, rank=4, reps=2, calls=1)
+FULL = dict(m=65536, k=7168, n=4096, groups=14, tokens=16384, d=7168, ffn=2048, experts=896,
+            top_k=16, local=14, rank=16, reps=10, calls=5)
+SMALL = dict(m=512, k=256, n=128, groups=14, tokens=256, d=128, ffn=64, experts=56, top_k=4,
+             local=14, rank=4, reps=2, calls=1)
 # reps: timed calls of a figure, and rounds of a comparison; calls: calls per round
 
 
@@ -77,10 +77,15 @@ def bench_grouped_matmul(s, report):
   xla = jax.jit(jax.lax.ragged_dot)
   xla_dlhs = jax.jit(lambda d, w, gs: jax.lax.ragged_dot(d, jnp.swapaxes(w, 1, 2), gs))
   dense_fwd, dense_dlhs = jax.jit(jnp.matmul), jax.jit(lambda d, w: d @ w.T)
-  dense = {"fwd_tflops": tflops(flop, median_ms(dense_fwd, lhs, rhs[0], reps=reps)),
-           "dlhs_tflops": tflops(flop, median_ms(dense_dlhs, dout, rhs[0], reps=reps))}
-  out = report["grouped_matmul"] = {"shape": [m, k, n, g], "impl": getattr(gmm, "__module__", ""),
-                                    "dense_same_flops": dense}
+  dense = {
+      "fwd_tflops": tflops(flop, median_ms(dense_fwd, lhs, rhs[0], reps=reps)),
+      "dlhs_tflops": tflops(flop, median_ms(dense_dlhs, dout, rhs[0], reps=reps))
+  }
+  out = report["grouped_matmul"] = {
+      "shape": [m, k, n, g],
+      "impl": getattr(gmm, "__module__", ""),
+      "dense_same_flops": dense
+  }
   rounds = dict(rounds=reps, calls=s["calls"])
   for kind in ("balanced", "skewed"):
     gs = group_sizes(m, g, kind)
@@ -102,22 +107,29 @@ def bench_grouped_matmul(s, report):
     r["dlhs_vs_dense"] = vs_dense_dlhs["grouped"]["median"]
     r["fwd_vs_xla_ragged_dot"] = round(vs_xla_fwd["grouped"]["median"], 1)
     r["dlhs_vs_xla_ragged_dot"] = round(vs_xla_dlhs["grouped"]["median"], 1)
-    r["interleaved"] = {"fwd_vs_dense": vs_dense_fwd, "dlhs_vs_dense": vs_dense_dlhs,
-                        "fwd_vs_xla_ragged_dot": vs_xla_fwd,
-                        "dlhs_vs_xla_ragged_dot": vs_xla_dlhs}
+    r["interleaved"] = {
+        "fwd_vs_dense": vs_dense_fwd,
+        "dlhs_vs_dense": vs_dense_dlhs,
+        "fwd_vs_xla_ragged_dot": vs_xla_fwd,
+        "dlhs_vs_xla_ragged_dot": vs_xla_dlhs
+    }
     print(json.dumps({kind: r}), flush=True)
 
 
 def expert_arrays(s, experts, seed=1):
   d, f, r = s["d"], s["ffn"], s["rank"]
   keys = jax.random.split(jax.random.key(seed), 5)
-  normal = lambda key, shape, std, dtype=jnp.bfloat16: (
-      jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
-  weights = {"gate_up": normal(keys[0], (experts, d, 2 * f), d ** -0.5),
-             "down": normal(keys[1], (experts, f, d), f ** -0.5)}
-  lora = {"lora_a": normal(keys[2], (experts, d, r), d ** -0.5, jnp.float32),
-          "lora_b": normal(keys[3], (experts, r, 2 * f), 0.02, jnp.float32)}
-  router = normal(keys[4], (d, s["experts"]), d ** -0.5)
+  normal = lambda key, shape, std, dtype=jnp.bfloat16: (jax.random.normal(key, shape, jnp.float32) *
+                                                        std).astype(dtype)
+  weights = {
+      "gate_up": normal(keys[0], (experts, d, 2 * f), d**-0.5),
+      "down": normal(keys[1], (experts, f, d), f**-0.5)
+  }
+  lora = {
+      "lora_a": normal(keys[2], (experts, d, r), d**-0.5, jnp.float32),
+      "lora_b": normal(keys[3], (experts, r, 2 * f), 0.02, jnp.float32)
+  }
+  router = normal(keys[4], (d, s["experts"]), d**-0.5)
   return weights, lora, router
 
 
@@ -153,8 +165,8 @@ def expert_fwd_bwd_flops(s, pairs):
 def time_layer(report_key, s, report, fn, x, lora, pairs):
   probe = jax.random.normal(jax.random.key(7), x.shape, x.dtype)
   fwd = jax.jit(fn)
-  grads = jax.jit(jax.grad(lambda x, l: jnp.sum((fn(x, l)[0] * probe).astype(jnp.float32)),
-                           argnums=(0, 1)))
+  grads = jax.jit(
+      jax.grad(lambda x, l: jnp.sum((fn(x, l)[0] * probe).astype(jnp.float32)), argnums=(0, 1)))
   r = report[report_key] = {"tokens": x.shape[0], "pairs": pairs}
   y, stats = fwd(x, lora)
   r["dropped_fraction"] = float(stats["dropped_tokens"]) / pairs
@@ -186,8 +198,9 @@ def bench_layer_slice(s, report):
   w = jax.random.normal(jax.random.key(5), (d, 3 * f), jnp.bfloat16)
   dense = jax.jit(jnp.matmul)
   # The layer's forward and the dense matmul of its frozen FLOPs in alternating rounds.
-  vs = r["fwd_vs_dense_interleaved"] = interleaved_ratios(
-      {"layer": lambda: fwd(x, lora)}, lambda: dense(a, w), rounds=s["reps"], calls=1)
+  vs = r["fwd_vs_dense_interleaved"] = interleaved_ratios({"layer": lambda: fwd(x, lora)},
+                                                          lambda: dense(a, w), rounds=s["reps"],
+                                                          calls=1)
   r["dense_same_flops_ms"] = round(vs["baseline_ms"], 3)
   r["fwd_vs_dense"] = vs["layer"]["median"]
 
@@ -223,8 +236,12 @@ def main():
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   s = SMALL if args.small else FULL
-  report = {"device": str(jax.devices()[0]), "devices": jax.device_count(),
-            "jax": jax.__version__, "small": args.small}
+  report = {
+      "device": str(jax.devices()[0]),
+      "devices": jax.device_count(),
+      "jax": jax.__version__,
+      "small": args.small
+  }
   bench_grouped_matmul(s, report)
   bench_layer_slice(s, report)
   bench_expert_parallel(s, report)

@@ -63,8 +63,10 @@ from hylora.core.presets import gpu_1, tiny
 from meshes.mesh import ensure_cpu_devices
 from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec, state_shardings
 
-DEFAULTS = {"full": dict(experts_per_rank=14, chunks=[1, 2, 4], steps=5, repeats=10),
-            "small": dict(experts_per_rank=2, chunks=[1, 2], steps=1, repeats=2)}
+DEFAULTS = {
+    "full": dict(experts_per_rank=14, chunks=[1, 2, 4], steps=5, repeats=10),
+    "small": dict(experts_per_rank=2, chunks=[1, 2], steps=1, repeats=2)
+}
 SMALL_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 PARTS = ("transport", "moe_layer", "train_step")
 TOLERANCE = 2e-2  # max |difference| / max |first|: bf16 sums taken in another order
@@ -82,18 +84,21 @@ def _args(argv):
   p.add_argument("--repeats", type=int, help="timed runs per benchmark (10; small 2)")
   p.add_argument("--peak", type=float, default=H200_BF16_PEAK, help="peak FLOP/s per GPU")
   p.add_argument("--json", default=None, help="write the report here")
-  p.add_argument("--pgle", action="store_true",
-                 help="also time the MoE layer recompiled with its measured instruction "
-                      "profile (profile-guided scheduling; NVIDIA GPUs)")
+  p.add_argument(
+      "--pgle", action="store_true",
+      help="also time the MoE layer recompiled with its measured instruction "
+      "profile (profile-guided scheduling; NVIDIA GPUs)")
   p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                  help="which benchmarks to run per mesh (all three by default)")
-  p.add_argument("--schedule-only", action="store_true",
-                 help="compile the MoE layer per --chunks and report which compute XLA "
-                      "scheduled under each asynchronous all-to-all; run nothing")
+  p.add_argument(
+      "--schedule-only", action="store_true",
+      help="compile the MoE layer per --chunks and report which compute XLA "
+      "scheduled under each asynchronous all-to-all; run nothing")
   p.add_argument("--hlo-dir", default=None, help="with --schedule-only: write the HLO here")
-  p.add_argument("--mock-gpus", type=int, default=0,
-                 help="with --schedule-only: compile for N GPUs on one (XLA's mock NCCL "
-                      "topology: 1 slice x N hosts x 1 GPU), so one GPU shows the 8-GPU schedule")
+  p.add_argument(
+      "--mock-gpus", type=int, default=0,
+      help="with --schedule-only: compile for N GPUs on one (XLA's mock NCCL "
+      "topology: 1 slice x N hosts x 1 GPU), so one GPU shows the 8-GPU schedule")
   overrides, rest = split_overrides(argv)
   args = p.parse_args(rest)
   for name, value in DEFAULTS["small" if args.small else "full"].items():
@@ -159,6 +164,7 @@ def _routing(cfg, mesh):
     x = jax.random.normal(kx, (n, cfg.model.d_model), jnp.bfloat16)
     slots = jnp.argsort(jax.random.uniform(ks, (n, moe.experts)), axis=1)[:, :moe.top_k]
     return x, slots.astype(jnp.int32)
+
   return jax.jit(make, out_shardings=(split, split))()
 
 
@@ -189,15 +195,24 @@ def bench_transports(cfg, mesh, repeats: int) -> dict:
   p, rows, sizes = _smap(plan, mesh)(slots)
   sent = (p, rows, sizes)
   pair_token = lambda x: jnp.arange(x.shape[0] * k, dtype=jnp.int32) // k
-  legs = {"padded": (lambda x, p, r, s: ep._padded_out(x, pair_token(x), r, cap, ranks),
-                     lambda y, p, r, s: ep._padded_back(y, p, cap, ranks)),
-          "ragged": (lambda x, p, r, s: ep._ragged_out(x, pair_token(x), p, cap, ranks, s),
-                     lambda y, p, r, s: ep._ragged_back(y, p, cap, ranks, s))}
+  legs = {
+      "padded": (lambda x, p, r, s: ep._padded_out(x, pair_token(x), r, cap, ranks),
+                 lambda y, p, r, s: ep._padded_back(y, p, cap, ranks)),
+      "ragged": (lambda x, p, r, s: ep._ragged_out(x, pair_token(x), p, cap, ranks, s),
+                 lambda y, p, r, s: ep._ragged_back(y, p, cap, ranks, s))
+  }
   row = cfg.model.d_model * x.dtype.itemsize
-  nbytes = {"padded": ranks * cap * row,  # the [R, C, d] buffer; ragged: the real rows
-            "ragged": int(np.asarray(p.sent).sum()) * row // devices}
-  out = {"ranks": ranks, "tokens_per_gpu": per_gpu, "pairs_per_gpu": pairs, "capacity": cap,
-         "dropped_fraction": float(np.asarray(p.dropped).sum()) / (pairs * devices)}
+  nbytes = {
+      "padded": ranks * cap * row,  # the [R, C, d] buffer; ragged: the real rows
+      "ragged": int(np.asarray(p.sent).sum()) * row // devices
+  }
+  out = {
+      "ranks": ranks,
+      "tokens_per_gpu": per_gpu,
+      "pairs_per_gpu": pairs,
+      "capacity": cap,
+      "dropped_fraction": float(np.asarray(p.dropped).sum()) / (pairs * devices)
+  }
   plain = _smap(lambda b: jax.lax.all_to_all(b, ep.EXPERT_AXIS, 0, 0, tiled=True), mesh)
   results = {}
   for name, (there, back) in legs.items():
@@ -215,14 +230,21 @@ def bench_transports(cfg, mesh, repeats: int) -> dict:
       plain_input, plain_bytes = recv, nbytes[name]
     # Both legs and the plain all-to-all in alternating rounds, one call each a round.
     rounds = interleaved_ratios(
-        {"dispatch": lambda: there(x, *sent), "combine": lambda: back(recv, *sent)},
-        lambda: plain(plain_input), rounds=repeats, calls=1)
+        {
+            "dispatch": lambda: there(x, *sent),
+            "combine": lambda: back(recv, *sent)
+        }, lambda: plain(plain_input), rounds=repeats, calls=1)
     if name == "padded":
-      out["all_to_all"] = {"bytes_per_gpu": plain_bytes,
-                           **_rate(plain_bytes, rounds["baseline_ms"])}
-    out[name] = {"bytes_per_gpu": nbytes[name], **{
-        leg: _rate(nbytes[name], rounds[leg]["ms"], (plain_bytes, rounds[leg]["median"]))
-        for leg in ("dispatch", "combine")}}
+      out["all_to_all"] = {
+          "bytes_per_gpu": plain_bytes,
+          **_rate(plain_bytes, rounds["baseline_ms"])
+      }
+    out[name] = {
+        "bytes_per_gpu": nbytes[name],
+        **{
+            leg: _rate(nbytes[name], rounds[leg]["ms"], (plain_bytes, rounds[leg]["median"])) for leg in ("dispatch", "combine")
+        }
+    }
   if "ragged" in results:  # both deliver the same [R * C, d] layout, zeros past the rows
     out["ragged"]["matches_padded"] = all(
         bool(jnp.array_equal(a, b)) for a, b in zip(results["ragged"], results["padded"]))
@@ -231,8 +253,9 @@ def bench_transports(cfg, mesh, repeats: int) -> dict:
 
 def _max_rel_diff(a, b) -> float:
   big = lambda v: float(jnp.max(jnp.abs(v.astype(jnp.float32))))
-  return max(big(u.astype(jnp.float32) - v.astype(jnp.float32)) / max(big(v), 1e-30)
-             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+      big(u.astype(jnp.float32) - v.astype(jnp.float32)) / max(big(v), 1e-30)
+      for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _with_chunks(cfg, c):
@@ -255,6 +278,7 @@ def _layer_fwd_bwd(cfg, mesh):
   def run(*args):
     with activation_mesh(mesh):
       return jax.value_and_grad(loss, (0, 1), has_aux=True)(*args)
+
   return jax.jit(run)
 
 
@@ -292,13 +316,15 @@ def bench_layer(cfg, mesh, chunks: list[int], repeats: int, pgle: bool = False) 
     (_, (y, dropped)), grads = step(*args)
     row = out["chunks"][str(c)] = {
         "dropped_fraction": float(dropped) / (b * t * cfg.model.moe.top_k),
-        "schedule": hlo_schedule.summary(hlo_schedule.overlap_windows(step.as_text()))}
+        "schedule": hlo_schedule.summary(hlo_schedule.overlap_windows(step.as_text()))
+    }
     if pgle:
       profiled_step, profiled = compile_with_profile(lowered, args)
       steps[f"{c}_pgle"] = profiled_step
-      row["pgle"] = {"profiled": profiled,
-                     "schedule": hlo_schedule.summary(
-                         hlo_schedule.overlap_windows(profiled_step.as_text()))}
+      row["pgle"] = {
+          "profiled": profiled,
+          "schedule": hlo_schedule.summary(hlo_schedule.overlap_windows(profiled_step.as_text()))
+      }
     if first is None:
       first = (y, grads)
       continue
@@ -307,8 +333,9 @@ def bench_layer(cfg, mesh, chunks: list[int], repeats: int, pgle: bool = False) 
   # Every variant against the first chunk count, in the same rounds: speed-ups are
   # medians of per-round ratios, not ratios of separately timed figures.
   base = str(chunks[0])
-  rounds = interleaved_ratios({k: f for k, f in steps.items() if k != base}, steps[base], *args,
-                              rounds=repeats, calls=1)
+  rounds = interleaved_ratios({
+      k: f for k, f in steps.items() if k != base
+  }, steps[base], *args, rounds=repeats, calls=1)
   out["interleaved"] = rounds
   for key in steps:
     c, profiled = key.removesuffix("_pgle"), key.endswith("_pgle")
@@ -325,18 +352,20 @@ def schedule_layer(cfg, mesh, chunks: list[int], hlo_dir: str | None = None) -> 
   can be compiled for, e.g. one GPU standing in for 8 (JAX_MOCK_GPU_TOPOLOGY=1x8x1)."""
   (lora_s, rest_s), x_sharding = _layer_shardings(cfg, mesh)
   abstract = nnx.eval_shape(lambda: MoE(cfg.model, cfg.lora, init=ParamInit(0)))
-  lora, rest = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             state, shardings)
-                for state, shardings in zip(nnx.split(abstract, LoRAParam, ...)[1:],
-                                            (lora_s, rest_s)))
+  lora, rest = (
+      jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                   shardings)
+      for state, shardings in zip(nnx.split(abstract, LoRAParam, ...)[1:], (lora_s, rest_s)))
   b, t, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
   x = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16, sharding=x_sharding)
   out = {}
   for c in chunks:
     text = _layer_fwd_bwd(_with_chunks(cfg, c), mesh).lower(lora, x, rest, x).compile().as_text()
     windows = hlo_schedule.overlap_windows(text)
-    out[str(c)] = {**hlo_schedule.summary(windows),
-                   "matmuls_inside": sorted({m for w in windows for m in w.matmuls})[:12]}
+    out[str(c)] = {
+        **hlo_schedule.summary(windows), "matmuls_inside":
+            sorted({m for w in windows for m in w.matmuls})[:12]
+    }
     if hlo_dir:
       os.makedirs(hlo_dir, exist_ok=True)
       name = f"moe_layer_{mesh.shape['fsdp']}x{mesh.shape['expert']}_chunks{c}.hlo.txt"
@@ -349,27 +378,32 @@ def bench_train_step(cfg, steps: int, peak: float) -> dict:
   devices = jax.device_count()
   r = whole_step(cfg, steps, jax.devices())
   flops = sum(flops_per_step(cfg).values()) / devices
-  return {**r, "step_ms": r["step_seconds"] * 1e3, "overlap_chunks": cfg.model.moe.overlap_chunks,
-          "tokens_per_s_per_gpu": r["tokens_per_s"] / devices, "model_flops_per_gpu": flops,
-          "mfu": flops / r["step_seconds"] / peak}
+  return {
+      **r, "step_ms": r["step_seconds"] * 1e3,
+      "overlap_chunks": cfg.model.moe.overlap_chunks,
+      "tokens_per_s_per_gpu": r["tokens_per_s"] / devices,
+      "model_flops_per_gpu": flops,
+      "mfu": flops / r["step_seconds"] / peak
+  }
 
 
 def _size(n: float) -> str:
-  unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1))
-                     if n >= s)
+  unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1)) if n >= s)
   return f"{n / scale:.3g} {unit}"
 
 
 def _transport_rows(t: dict) -> list[str]:
   a = t["all_to_all"]
-  rows = [f"  {'transport':<17} {'bytes/GPU':>10} {'dispatch ms':>12} {'GB/s':>8} "
-          f"{'combine ms':>11} {'GB/s':>8}",
-          f"  {'plain all_to_all':<17} {_size(a['bytes_per_gpu']):>10} {a['ms']:>12.3f} "
-          f"{a['gbps']:>8.4g}"]
+  rows = [
+      f"  {'transport':<17} {'bytes/GPU':>10} {'dispatch ms':>12} {'GB/s':>8} "
+      f"{'combine ms':>11} {'GB/s':>8}",
+      f"  {'plain all_to_all':<17} {_size(a['bytes_per_gpu']):>10} {a['ms']:>12.3f} "
+      f"{a['gbps']:>8.4g}"
+  ]
   for kind in ("padded", "ragged"):
     r, there, back = t[kind], t[kind].get("dispatch"), t[kind].get("combine")
-    rows.append(f"  {kind:<17} skipped: {r['skipped']}" if "skipped" in r else
-                f"  {kind:<17} {_size(r['bytes_per_gpu']):>10} {there['ms']:>12.3f} "
+    rows.append(f"  {kind:<17} skipped: {r['skipped']}" if "skipped" in
+                r else f"  {kind:<17} {_size(r['bytes_per_gpu']):>10} {there['ms']:>12.3f} "
                 f"{there['gbps']:>8.4g} {back['ms']:>11.3f} {back['gbps']:>8.4g}")
   return rows
 
@@ -396,18 +430,25 @@ def format_report(report: dict) -> str:
       lines += _transport_rows(t)
     if "moe_layer" in r:
       layer = r["moe_layer"]
-      parts = [f"{c} chunk(s) {row['fwd_bwd_ms']:.2f} ms" + (
-          f" ({row['speedup']:.2f}x, {'equal' if row['matches_first'] else 'DIFFERS'}: "
-          f"{row['max_rel_diff']:.1e})" if "speedup" in row else "")
-          for c, row in layer["chunks"].items()]
+      parts = [
+          f"{c} chunk(s) {row['fwd_bwd_ms']:.2f} ms" +
+          (f" ({row['speedup']:.2f}x, {'equal' if row['matches_first'] else 'DIFFERS'}: "
+           f"{row['max_rel_diff']:.1e})" if "speedup" in row else "")
+          for c, row in layer["chunks"].items()
+      ]
       lines.append(f"  MoE layer ({layer['experts']} experts) fwd+bwd: " + "; ".join(parts))
-      sched = [f"{c}: {row['schedule']['asynchronous']}/{row['schedule']['count']} async, "
-               f"{row['schedule']['with_matmul_inside']} over a matmul, kernels inside "
-               f"{_kernels(row['schedule'])}" for c, row in layer["chunks"].items()]
+      sched = [
+          f"{c}: {row['schedule']['asynchronous']}/{row['schedule']['count']} async, "
+          f"{row['schedule']['with_matmul_inside']} over a matmul, kernels inside "
+          f"{_kernels(row['schedule'])}" for c, row in layer["chunks"].items()
+      ]
       lines.append("  all-to-alls per chunk count: " + "; ".join(sched))
-      profiled = [f"{c} chunk(s) {row['pgle']['fwd_bwd_ms']:.2f} ms, kernels inside "
-                  f"{_kernels(row['pgle']['schedule'])}"
-                  for c, row in layer["chunks"].items() if row.get("pgle", {}).get("profiled")]
+      profiled = [
+          f"{c} chunk(s) {row['pgle']['fwd_bwd_ms']:.2f} ms, kernels inside "
+          f"{_kernels(row['pgle']['schedule'])}"
+          for c, row in layer["chunks"].items()
+          if row.get("pgle", {}).get("profiled")
+      ]
       if profiled:
         lines.append("  profile-guided schedule: " + "; ".join(profiled))
     if "train_step" in r:
@@ -436,12 +477,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   first = next(iter(runs.values()))[0]
-  report = {"device": str(jax.devices()[0]), "devices": jax.device_count(),
-            "jax": jax.__version__, "small": args.small, "preset": first.preset,
-            "d_model": first.model.d_model, "top_k": first.model.moe.top_k,
-            "expert_ffn": first.model.moe.expert_ffn, "experts_per_rank": args.experts_per_rank,
-            "capacity_factor": first.model.moe.capacity_factor, "peak_flops": args.peak,
-            "meshes": {}}
+  report = {
+      "device": str(jax.devices()[0]),
+      "devices": jax.device_count(),
+      "jax": jax.__version__,
+      "small": args.small,
+      "preset": first.preset,
+      "d_model": first.model.d_model,
+      "top_k": first.model.moe.top_k,
+      "expert_ffn": first.model.moe.expert_ffn,
+      "experts_per_rank": args.experts_per_rank,
+      "capacity_factor": first.model.moe.capacity_factor,
+      "peak_flops": args.peak,
+      "meshes": {}
+  }
   for name, (cfg, mesh) in runs.items():
     r = report["meshes"][name] = {"mesh": dict(mesh.shape)}
     if args.schedule_only:
@@ -449,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
       print(json.dumps({name: r}), flush=True)
       continue
     for part, run in (("transport", lambda: bench_transports(cfg, mesh, args.repeats)),
-                      ("moe_layer", lambda: bench_layer(cfg, mesh, args.chunks, args.repeats,
-                                                      args.pgle)),
+                      ("moe_layer",
+                       lambda: bench_layer(cfg, mesh, args.chunks, args.repeats, args.pgle)),
                       ("train_step", lambda: bench_train_step(cfg, args.steps, args.peak))):
       if part not in args.parts:
         continue

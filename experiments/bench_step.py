@@ -38,17 +38,24 @@ def flops_per_step(cfg) -> dict[str, float]:
   from hylora.core.architecture import step_flops
 
   flops = step_flops(cfg)
-  return {"linear attention": flops.get("linear", 0.0),
-          "sparse attention": flops.get("sparse", 0.0),
-          "MoE FFN": flops.get("moe", 0.0), "dense FFN": flops.get("dense", 0.0),
-          "loss (LM head)": flops["lm_head"], "optimizer": 0.0}
+  return {
+      "linear attention": flops.get("linear", 0.0),
+      "sparse attention": flops.get("sparse", 0.0),
+      "MoE FFN": flops.get("moe", 0.0),
+      "dense FFN": flops.get("dense", 0.0),
+      "loss (LM head)": flops["lm_head"],
+      "optimizer": 0.0
+  }
 
 
 def layer_counts(cfg) -> dict[str, int]:
   kinds = cfg.model.layer_kinds()
-  return {"linear": sum(k == "linear" for k, _ in kinds),
-          "sparse": sum(k == "sparse" for k, _ in kinds),
-          "moe": sum(f == "moe" for _, f in kinds), "dense": sum(f == "dense" for _, f in kinds)}
+  return {
+      "linear": sum(k == "linear" for k, _ in kinds),
+      "sparse": sum(k == "sparse" for k, _ in kinds),
+      "moe": sum(f == "moe" for _, f in kinds),
+      "dense": sum(f == "dense" for _, f in kinds)
+  }
 
 
 def _median_ms(fn, args, repeats: int) -> float:
@@ -99,16 +106,16 @@ def sub_benchmarks(cfg, repeats: int) -> dict[str, float]:
   counts = layer_counts(cfg)
   init = ParamInit(0)
   out = {}
-  for part, kind, table in (("linear attention", "linear", MIXERS),
-                            ("sparse attention", "sparse", MIXERS),
+  for part, kind, table in (("linear attention", "linear", MIXERS), ("sparse attention", "sparse",
+                                                                     MIXERS),
                             ("MoE FFN", "moe", FFNS), ("dense FFN", "dense", FFNS)):
     if counts[kind]:
       out[part] = counts[kind] * _module_ms(table[kind](cfg.model, cfg.lora, init=init), x, ctx,
-                                                  repeats)
+                                            repeats)
 
   ce = ops.resolve("cross_entropy", cfg.kernels)
   head = jax.random.normal(jax.random.key(1), (d, m.vocab_size), jnp.float32)
-  head = (head * d ** -0.5).astype(jnp.bfloat16)
+  head = (head * d**-0.5).astype(jnp.bfloat16)
   labels = jax.random.randint(jax.random.key(2), (b * s,), 0, m.vocab_size)
   loss_grad = jax.jit(jax.grad(lambda h, head, labels: ce(h, head, labels)[0] / (b * s)))
   out["loss (LM head)"] = median_ms(loss_grad, x.reshape(b * s, d), head, labels, reps=repeats)
@@ -163,9 +170,12 @@ def whole_step(cfg, steps: int, devices) -> dict:
     return state["metrics"]
 
   seconds = median_ms(one_step, warmup=1, reps=steps) / 1e3
-  return {"step_seconds": seconds, "tokens_per_s": tc.batch_size * tc.seq_len / seconds,
-          "compile_seconds": trainer.compile_seconds,
-          "final_loss": float(jax.device_get(state["metrics"]["loss"]))}
+  return {
+      "step_seconds": seconds,
+      "tokens_per_s": tc.batch_size * tc.seq_len / seconds,
+      "compile_seconds": trainer.compile_seconds,
+      "final_loss": float(jax.device_get(state["metrics"]["loss"]))
+  }
 
 
 def small_config():
@@ -173,10 +183,9 @@ def small_config():
   from hylora.core.config import MeshConfig
   from hylora.core.presets import tiny
   cfg = tiny()
-  return dataclasses.replace(
-      cfg, preset="tiny-1", mesh=MeshConfig(fsdp=1, expert=1, devices=0),
-      model=dataclasses.replace(cfg.model, layers=4, dense_layers=1),
-      train=dataclasses.replace(cfg.train, batch_size=2, seq_len=64))
+  return dataclasses.replace(cfg, preset="tiny-1", mesh=MeshConfig(fsdp=1, expert=1, devices=0),
+                             model=dataclasses.replace(cfg.model, layers=4, dense_layers=1),
+                             train=dataclasses.replace(cfg.train, batch_size=2, seq_len=64))
 
 
 def planned_policy(cfg, device):
@@ -200,18 +209,26 @@ def profile(cfg, steps: int, repeats: int, peak: float, devices=None) -> dict:
   flops = flops_per_step(cfg)
   step_ms = step["step_seconds"] * 1e3
   total_flops = sum(flops.values())
-  return {"preset": cfg.preset, "memory": dataclasses.asdict(cfg.memory), **step,
-          "step_ms": step_ms, "parts_ms": parts,
-          "other_ms": step_ms - sum(parts.values()), "flops": flops,
-          "model_flops_per_step": total_flops, "peak_flops": peak,
-          "mfu": total_flops / step["step_seconds"] / peak}
+  return {
+      "preset": cfg.preset,
+      "memory": dataclasses.asdict(cfg.memory),
+      **step, "step_ms": step_ms,
+      "parts_ms": parts,
+      "other_ms": step_ms - sum(parts.values()),
+      "flops": flops,
+      "model_flops_per_step": total_flops,
+      "peak_flops": peak,
+      "mfu": total_flops / step["step_seconds"] / peak
+  }
 
 
 def format_report(r: dict) -> str:
-  lines = [f"{r['preset']}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, "
-           f"MFU {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:.0f} TFLOP/s "
-           f"(compile {r['compile_seconds']:.0f} s)",
-           f"{'part':<18} {'ms/step':>9} {'share':>7} {'model GFLOP':>12} {'TFLOP/s':>9}"]
+  lines = [
+      f"{r['preset']}: {r['step_ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, "
+      f"MFU {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:.0f} TFLOP/s "
+      f"(compile {r['compile_seconds']:.0f} s)",
+      f"{'part':<18} {'ms/step':>9} {'share':>7} {'model GFLOP':>12} {'TFLOP/s':>9}"
+  ]
   for part, ms in r["parts_ms"].items():
     f = r["flops"].get(part, 0.0)
     rate = f / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
@@ -235,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=5, help="timed runs per sub-benchmark")
   p.add_argument("--peak", type=float, default=H200_BF16_PEAK, help="peak FLOP/s for MFU")
   p.add_argument("--out", default=None, help="folder for bench_step.json")
-  p.add_argument("--planned", action="store_true",
-                 help="run the step under the memory planner's remat plan for this device "
-                      "(its working set compiled per layer part) instead of cfg.memory")
+  p.add_argument(
+      "--planned", action="store_true",
+      help="run the step under the memory planner's remat plan for this device "
+      "(its working set compiled per layer part) instead of cfg.memory")
   p.add_argument("--parts-only", action="store_true",
                  help="only the per-part sub-benchmarks (no whole step, no MFU)")
   try:
@@ -253,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
   if args.planned:
     cfg = dataclasses.replace(cfg, memory=planned_policy(cfg, devices[0]))
   if args.parts_only:
-    report = {"preset": cfg.preset, "parts_ms": sub_benchmarks(cfg, args.repeats),
-              "flops": flops_per_step(cfg)}
+    report = {
+        "preset": cfg.preset,
+        "parts_ms": sub_benchmarks(cfg, args.repeats),
+        "flops": flops_per_step(cfg)
+    }
     print(json.dumps(report, indent=2))
   else:
     report = profile(cfg, args.steps, args.repeats, args.peak, devices)

@@ -33,8 +33,7 @@ from experiments.op_checks import CHECKS, OpCheck, max_tolerances
 from hylora.ops import OpRegistry, catalog
 
 # The checks are dominated by XLA:CPU compile time; cheap codegen keeps CI fast.
-_FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0,
-                     "xla_llvm_disable_expensive_passes": True}
+_FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @dataclasses.dataclass
@@ -65,11 +64,13 @@ def _jit(fn):
 
 def _upcast(tree):
   """fp32 copies of the floating-point leaves below fp32 (the ground truth's inputs)."""
+
   def up(x):
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) \
         and x.dtype.itemsize < 4:
       return x.astype(jnp.float32)
     return x
+
   return jax.tree.map(up, tree)
 
 
@@ -94,16 +95,18 @@ class _Program:
 
     def projected(*arrays):
       out = jax.tree.leaves(call(*arrays))
-      return sum(jnp.sum(o.astype(jnp.float32) * p) for o, p in zip(out, projections)
-                 if p is not None)
+      return sum(
+          jnp.sum(o.astype(jnp.float32) * p) for o, p in zip(out, projections) if p is not None)
 
     def forward_and_gradients(*arrays):
       if not self.grad_pos:
         return call(*arrays), ()
       out, pullback = jax.vjp(lambda *diff: call(*self._fill(arrays, diff)),
                               *(arrays[i] for i in self.grad_pos))
-      seeds = [jnp.zeros(o.shape, jax.dtypes.float0) if p is None else p.astype(o.dtype)
-               for o, p in zip(jax.tree.leaves(out), projections)]
+      seeds = [
+          jnp.zeros(o.shape, jax.dtypes.float0) if p is None else p.astype(o.dtype)
+          for o, p in zip(jax.tree.leaves(out), projections)
+      ]
       return out, pullback(jax.tree.unflatten(jax.tree.structure(out), seeds))
 
     self.call, self.projected = call, projected
@@ -121,6 +124,7 @@ class _Program:
 
   def time_ms(self, repeats: int) -> tuple[float, float | None]:
     """Median (forward ms, forward + backward ms) after a warm-up run."""
+
     def median(f):
       jax.block_until_ready(f(*self.arrays))
       times = []
@@ -129,6 +133,7 @@ class _Program:
         jax.block_until_ready(f(*self.arrays))
         times.append((time.perf_counter() - start) * 1e3)
       return statistics.median(times)
+
     step = (_jit(jax.value_and_grad(self.projected, argnums=tuple(self.grad_pos)))
             if self.grad_pos else None)
     return median(_jit(self.call)), (median(step) if step else None)
@@ -141,8 +146,8 @@ def _set_mismatch(got: np.ndarray, truth: np.ndarray) -> float:
   g, t = got.reshape(-1, got.shape[-1]), truth.reshape(-1, truth.shape[-1])
   if not g.size:
     return 0.0
-  missing = sum(max(int(np.sum(~np.isin(gr, tr))), int(np.sum(~np.isin(tr, gr))))
-                for gr, tr in zip(g, t))
+  missing = sum(
+      max(int(np.sum(~np.isin(gr, tr))), int(np.sum(~np.isin(tr, gr)))) for gr, tr in zip(g, t))
   return missing / g.size
 
 
@@ -158,8 +163,8 @@ def _errors(got, truth, index_sets: bool) -> tuple[float, float]:
     if g.shape != t.shape:
       return float("inf"), float("inf")
     if not np.issubdtype(t.dtype, np.floating):
-      wrong = _set_mismatch(g, t) if index_sets and t.ndim else (
-          float(np.mean(g != t)) if t.size else 0.0)
+      wrong = _set_mismatch(g, t) if index_sets and t.ndim else (float(np.mean(
+          g != t)) if t.size else 0.0)
       rms, mx = max(rms, wrong), max(mx, wrong)
       continue
     g, t = g.astype(np.float64), t.astype(np.float64)
@@ -167,7 +172,7 @@ def _errors(got, truth, index_sets: bool) -> tuple[float, float]:
       return float("inf"), float("inf")
     scale_rms = np.sqrt(np.mean(t * t)) or 1.0
     scale_max = np.max(np.abs(t)) or 1.0
-    rms = max(rms, float(np.sqrt(np.mean((g - t) ** 2)) / scale_rms))
+    rms = max(rms, float(np.sqrt(np.mean((g - t)**2)) / scale_rms))
     mx = max(mx, float(np.max(np.abs(g - t)) / scale_max))
   return rms, mx
 
@@ -190,8 +195,10 @@ def check_op(name: str, size: str, *, timing: bool, repeats: int = 10, seed: int
   t_args, t_kwargs = _upcast(args), _upcast(kwargs)
   shapes = jax.eval_shape(lambda *a: reference(*a, **t_kwargs), *t_args)
   keys = jax.random.split(jax.random.key(seed + 1), max(1, len(jax.tree.leaves(shapes))))
-  projections = [jax.random.normal(k, s.shape, jnp.float32) if _is_float(s) else None
-                 for k, s in zip(keys, jax.tree.leaves(shapes))]
+  projections = [
+      jax.random.normal(k, s.shape, jnp.float32) if _is_float(s) else None
+      for k, s in zip(keys, jax.tree.leaves(shapes))
+  ]
   with jax.default_matmul_precision("highest"):
     truth = _Program(reference, t_args, t_kwargs, spec.grad_argnums, projections).run()
 
@@ -243,8 +250,8 @@ def check_all(patterns: list[str] | None = None, size: str | None = None, *,
   for name in select_ops(patterns, registry):
     if progress:
       progress(name)
-    results.extend(check_op(name, size, timing=timing, repeats=repeats, registry=registry,
-                            checks=checks))
+    results.extend(
+        check_op(name, size, timing=timing, repeats=repeats, registry=registry, checks=checks))
   return results
 
 
@@ -254,9 +261,10 @@ def _num(x, fmt="{:.1e}") -> str:
 
 def _rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
   ref_ms = {(r.op): (r.fwd_ms, r.step_ms) for r in results if r.impl == "reference"}
-  header = ["op", "impl", "status", "fwd rel-RMS", "fwd max", "bwd rel-RMS", "bwd max",
-            "tol fwd (rms/max)", "tol bwd (rms/max)", "fwd ms", "fwd+bwd ms", "vs ref",
-            "note"]
+  header = [
+      "op", "impl", "status", "fwd rel-RMS", "fwd max", "bwd rel-RMS", "bwd max",
+      "tol fwd (rms/max)", "tol bwd (rms/max)", "fwd ms", "fwd+bwd ms", "vs ref", "note"
+  ]
   rows = []
   for r in results:
     speed = "-"
@@ -266,9 +274,17 @@ def _rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
       if t and t_ref:
         speed = f"{t_ref / t:.2f}x"
     tol = lambda t: "-" if t is None else f"{t[0]:.0e}/{t[1]:.0e}"
-    rows.append([r.op, r.impl, r.status, _num(r.fwd_rms), _num(r.fwd_max), _num(r.bwd_rms),
-                 _num(r.bwd_max), tol(r.fwd_tol), tol(r.bwd_tol), _num(r.fwd_ms, "{:.3f}"),
-                 _num(r.step_ms, "{:.3f}"), speed, r.note])
+    rows.append([
+        r.op, r.impl, r.status,
+        _num(r.fwd_rms),
+        _num(r.fwd_max),
+        _num(r.bwd_rms),
+        _num(r.bwd_max),
+        tol(r.fwd_tol),
+        tol(r.bwd_tol),
+        _num(r.fwd_ms, "{:.3f}"),
+        _num(r.step_ms, "{:.3f}"), speed, r.note
+    ])
   return header, rows
 
 
@@ -281,8 +297,10 @@ def format_table(results: list[Result]) -> str:
 
 def to_markdown(results: list[Result], title: str) -> str:
   header, rows = _rows(results)
-  out = [f"# {title}", "", "| " + " | ".join(header) + " |",
-         "|" + "|".join("---" for _ in header) + "|"]
+  out = [
+      f"# {title}", "", "| " + " | ".join(header) + " |",
+      "|" + "|".join("---" for _ in header) + "|"
+  ]
   out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
   return "\n".join(out) + "\n"
 
@@ -290,11 +308,17 @@ def to_markdown(results: list[Result], title: str) -> str:
 def write_reports(results: list[Result], out_dir: str | Path, size: str) -> None:
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  meta = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-          "size": size, "jax": jax.__version__,
-          "failures": sum(not r.ok for r in results)}
-  (out / "check_ops.json").write_text(json.dumps(
-      {**meta, "results": [dataclasses.asdict(r) for r in results]}, indent=2) + "\n")
+  meta = {
+      "backend": jax.default_backend(),
+      "device": str(jax.devices()[0].device_kind),
+      "size": size,
+      "jax": jax.__version__,
+      "failures": sum(not r.ok for r in results)
+  }
+  (out / "check_ops.json").write_text(
+      json.dumps({
+          **meta, "results": [dataclasses.asdict(r) for r in results]
+      }, indent=2) + "\n")
   title = f"Op checks ({meta['backend']}, {meta['device']}, size {size})"
   (out / "check_ops.md").write_text(to_markdown(results, title))
 
@@ -319,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
   size = args.size or ("bench" if jax.default_backend() == "gpu" else "small")
   start = time.perf_counter()
   results = check_all(names, size, timing=args.timing, repeats=args.repeats,
-                      progress=lambda n: print(f"checking {n} ...", file=sys.stderr,
-                                               flush=True))
+                      progress=lambda n: print(f"checking {n} ...", file=sys.stderr, flush=True))
   print(format_table(results))
   failures = [r for r in results if not r.ok]
   print(f"\n{len(results) - len(failures)}/{len(results)} checks passed "

@@ -53,184 +53,195 @@ _SHARED_RESERVED = 1024  # per program, by the driver
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    name: str
-    num_warps: int
-    num_stages: int
-    ttir: str  # the Triton IR Pallas hands to XLA, as text
+  name: str
+  num_warps: int
+  num_stages: int
+  ttir: str  # the Triton IR Pallas hands to XLA, as text
 
 
 @contextlib.contextmanager
 def _lowering_for_cuda(kernels: list[Kernel]):
-    """Lets the Pallas Triton lowering run without a GPU (compute capability 9.0) and
+  """Lets the Pallas Triton lowering run without a GPU (compute capability 9.0) and
     records each kernel it emits."""
-    from jax._src.pallas.triton import lowering
-    from jax._src.pallas.triton import pallas_call_registration as registration
+  from jax._src.pallas.triton import lowering
+  from jax._src.pallas.triton import pallas_call_registration as registration
 
-    modules = []
-    lower_module = lowering.lower_jaxpr_to_triton_module
-    custom_call = registration.mlir.custom_call
+  modules = []
+  lower_module = lowering.lower_jaxpr_to_triton_module
+  custom_call = registration.mlir.custom_call
 
-    def recording_lower(*args, **kwargs):
-        result = lower_module(*args, **kwargs)
-        modules.append(result.module.operation.get_asm())
-        return result
+  def recording_lower(*args, **kwargs):
+    result = lower_module(*args, **kwargs)
+    modules.append(result.module.operation.get_asm())
+    return result
 
-    def recording_call(*args, backend_config=None, **kwargs):
-        target = kwargs.get("call_target_name", args[0] if args else None)
-        if target == "__gpu$xla.gpu.triton":
-            cfg = backend_config
-            kernels.append(Kernel(cfg["name"].value, cfg["num_warps"].value,
-                                  cfg["num_stages"].value, modules[-1]))
-        return custom_call(*args, backend_config=backend_config, **kwargs)
+  def recording_call(*args, backend_config=None, **kwargs):
+    target = kwargs.get("call_target_name", args[0] if args else None)
+    if target == "__gpu$xla.gpu.triton":
+      cfg = backend_config
+      kernels.append(
+          Kernel(cfg["name"].value, cfg["num_warps"].value, cfg["num_stages"].value, modules[-1]))
+    return custom_call(*args, backend_config=backend_config, **kwargs)
 
-    gpu = types.SimpleNamespace(compute_capability="9.0")
-    with mock.patch.object(registration, "gpu_info_lib",
-                           types.SimpleNamespace(get_gpu_info=lambda: gpu)), \
-            mock.patch.object(lowering, "lower_jaxpr_to_triton_module", recording_lower), \
-            mock.patch.object(registration.mlir, "custom_call", recording_call), \
-            mock.patch.object(jax, "default_backend", lambda: "gpu"):  # compiled, not interpreted
-        yield
+  gpu = types.SimpleNamespace(compute_capability="9.0")
+  with mock.patch.object(registration, "gpu_info_lib",
+                         types.SimpleNamespace(get_gpu_info=lambda: gpu)), \
+          mock.patch.object(lowering, "lower_jaxpr_to_triton_module", recording_lower), \
+          mock.patch.object(registration.mlir, "custom_call", recording_call), \
+          mock.patch.object(jax, "default_backend", lambda: "gpu"):  # compiled, not interpreted
+    yield
 
 
 def _input_shapes(check, size):
-    """(args, kwargs) of the op's check at `size`, arrays as ShapeDtypeStructs."""
-    static = {}
+  """(args, kwargs) of the op's check at `size`, arrays as ShapeDtypeStructs."""
+  static = {}
 
-    def build(key):
-        args, kwargs = check.make_inputs(key, size)
-        arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
-        static.update({k: v for k, v in kwargs.items() if k not in arrays})
-        return args, arrays
+  def build(key):
+    args, kwargs = check.make_inputs(key, size)
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    static.update({k: v for k, v in kwargs.items() if k not in arrays})
+    return args, arrays
 
-    args, arrays = jax.eval_shape(build, jax.random.key(0))
-    return args, arrays, static
+  args, arrays = jax.eval_shape(build, jax.random.key(0))
+  return args, arrays, static
 
 
 def capture_kernels(op: str, impl: str, size: str = "bench") -> list[Kernel]:
-    """The Triton kernels one implementation of an op runs (forward, then backward),
+  """The Triton kernels one implementation of an op runs (forward, then backward),
     each (name, Triton IR) once."""
-    check = CHECKS[op]
-    args, arrays, static = _input_shapes(check, size)
-    fn = functools.partial(catalog().resolve(op, impl), **static)
+  check = CHECKS[op]
+  args, arrays, static = _input_shapes(check, size)
+  fn = functools.partial(catalog().resolve(op, impl), **static)
 
-    def run(args, arrays):
-        if not check.grad_argnums:
-            return fn(*args, **arrays)
-        loss = lambda *a: sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(
-            fn(*a, **arrays)) if jnp.issubdtype(x.dtype, jnp.floating))
-        return jax.value_and_grad(loss, check.grad_argnums)(*args)  # the value keeps the forward
+  def run(args, arrays):
+    if not check.grad_argnums:
+      return fn(*args, **arrays)
+    loss = lambda *a: sum(
+        jnp.sum(x.astype(jnp.float32))
+        for x in jax.tree.leaves(fn(*a, **arrays))
+        if jnp.issubdtype(x.dtype, jnp.floating))
+    return jax.value_and_grad(loss, check.grad_argnums)(*args)  # the value keeps the forward
 
-    kernels: list[Kernel] = []
-    with _lowering_for_cuda(kernels):
-        jax.jit(run).trace(args, arrays).lower(lowering_platforms=("cuda",))
-    unique = {(k.name, k.ttir): k for k in kernels}
-    return list(unique.values())
+  kernels: list[Kernel] = []
+  with _lowering_for_cuda(kernels):
+    jax.jit(run).trace(args, arrays).lower(lowering_platforms=("cuda",))
+  unique = {(k.name, k.ttir): k for k in kernels}
+  return list(unique.values())
 
 
 def parse_ptxas(report: str) -> dict:
-    """Registers per thread and spill/stack bytes from `ptxas -v` output."""
-    def number(pattern):
-        found = re.findall(pattern, report)
-        if not found:
-            raise ValueError(f"no {pattern!r} in the ptxas report:\n{report}")
-        return int(found[-1])
+  """Registers per thread and spill/stack bytes from `ptxas -v` output."""
 
-    return {"registers": number(r"Used (\d+) registers"),
-            "spill_stores": number(r"(\d+) bytes spill stores"),
-            "spill_loads": number(r"(\d+) bytes spill loads"),
-            "stack": number(r"(\d+) bytes stack frame")}
+  def number(pattern):
+    found = re.findall(pattern, report)
+    if not found:
+      raise ValueError(f"no {pattern!r} in the ptxas report:\n{report}")
+    return int(found[-1])
+
+  return {
+      "registers": number(r"Used (\d+) registers"),
+      "spill_stores": number(r"(\d+) bytes spill stores"),
+      "spill_loads": number(r"(\d+) bytes spill loads"),
+      "stack": number(r"(\d+) bytes stack frame")
+  }
 
 
 def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
-    """Programs (CUDA blocks) of one kernel an SM runs at once."""
-    per_warp = -(-registers * 32 // _REGISTER_GRANULE) * _REGISTER_GRANULE
-    by_registers = _REGISTERS_PER_SM // (per_warp * num_warps)
-    by_shared = _SHARED_PER_SM // (shared_bytes + _SHARED_RESERVED)
-    return min(by_registers, by_shared, _WARPS_PER_SM // num_warps, _PROGRAMS_PER_SM)
+  """Programs (CUDA blocks) of one kernel an SM runs at once."""
+  per_warp = -(-registers * 32 // _REGISTER_GRANULE) * _REGISTER_GRANULE
+  by_registers = _REGISTERS_PER_SM // (per_warp * num_warps)
+  by_shared = _SHARED_PER_SM // (shared_bytes + _SHARED_RESERVED)
+  return min(by_registers, by_shared, _WARPS_PER_SM // num_warps, _PROGRAMS_PER_SM)
 
 
 def register_cap_for(programs: int, num_warps: int) -> int:
-    """The most registers per thread that still fit `programs` programs on an SM."""
-    per_warp = _REGISTERS_PER_SM // (programs * num_warps)
-    return min(255, per_warp // _REGISTER_GRANULE * _REGISTER_GRANULE // 32)
+  """The most registers per thread that still fit `programs` programs on an SM."""
+  per_warp = _REGISTERS_PER_SM // (programs * num_warps)
+  return min(255, per_warp // _REGISTER_GRANULE * _REGISTER_GRANULE // 32)
 
 
 def _ptxas(ptxas, ptx, path, max_registers=None):
-    """ptxas -v's report on the PTX (written to path), optionally capped with .maxnreg."""
-    if max_registers is not None:  # as a PTX directive: ptxas ignored --maxrregcount here
-        ptx = re.sub(r"(\.reqntid [^\n]*\n)", rf"\1.maxnreg {max_registers}\n", ptx, count=1)
-    with open(path, "w") as f:
-        f.write(ptx)
-    return subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
-                          capture_output=True, text=True, check=True).stderr
+  """ptxas -v's report on the PTX (written to path), optionally capped with .maxnreg."""
+  if max_registers is not None:  # as a PTX directive: ptxas ignored --maxrregcount here
+    ptx = re.sub(r"(\.reqntid [^\n]*\n)", rf"\1.maxnreg {max_registers}\n", ptx, count=1)
+  with open(path, "w") as f:
+    f.write(ptx)
+  return subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                        capture_output=True, text=True, check=True).stderr
 
 
 def compile_for_hopper(kernel: Kernel) -> dict:
-    """ptxas's registers and spills, Triton's shared memory, the programs per SM, and the
+  """ptxas's registers and spills, Triton's shared memory, the programs per SM, and the
     spill bytes if capped at the registers that would fit one program more per SM."""
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-    except ImportError:
-        sys.exit("kernel_resources needs the triton package: pip install triton==3.6.0")
-    with tempfile.TemporaryDirectory() as tmp:
-        ttir = os.path.join(tmp, f"{kernel.name}.ttir")
-        with open(ttir, "w") as f:
-            f.write(kernel.ttir)
-        compiled = triton.compile(ttir, target=GPUTarget("cuda", 90, 32), options=dict(
-            num_warps=kernel.num_warps, num_stages=kernel.num_stages))
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "ptxas")
-        ptx, path = compiled.asm["ptx"], os.path.join(tmp, f"{kernel.name}.ptx")
-        out = parse_ptxas(_ptxas(ptxas, ptx, path)) | {"shared": compiled.metadata.shared}
-        out["programs_per_sm"] = programs_per_sm(out["registers"], kernel.num_warps,
-                                                 out["shared"])
-        out["occupancy"] = out["programs_per_sm"] * kernel.num_warps / _WARPS_PER_SM
-        more = out["programs_per_sm"] + 1
-        cap = register_cap_for(more, kernel.num_warps)
-        if cap >= 24 and programs_per_sm(cap, kernel.num_warps, out["shared"]) == more:
-            capped = parse_ptxas(_ptxas(ptxas, ptx, path, cap))
-            out["next_step"] = {"registers": cap, "spill_bytes": capped["spill_stores"]}
-    return out
+  try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+  except ImportError:
+    sys.exit("kernel_resources needs the triton package: pip install triton==3.6.0")
+  with tempfile.TemporaryDirectory() as tmp:
+    ttir = os.path.join(tmp, f"{kernel.name}.ttir")
+    with open(ttir, "w") as f:
+      f.write(kernel.ttir)
+    compiled = triton.compile(
+        ttir, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kernel.num_warps,
+                                                             num_stages=kernel.num_stages))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptx, path = compiled.asm["ptx"], os.path.join(tmp, f"{kernel.name}.ptx")
+    out = parse_ptxas(_ptxas(ptxas, ptx, path)) | {"shared": compiled.metadata.shared}
+    out["programs_per_sm"] = programs_per_sm(out["registers"], kernel.num_warps, out["shared"])
+    out["occupancy"] = out["programs_per_sm"] * kernel.num_warps / _WARPS_PER_SM
+    more = out["programs_per_sm"] + 1
+    cap = register_cap_for(more, kernel.num_warps)
+    if cap >= 24 and programs_per_sm(cap, kernel.num_warps, out["shared"]) == more:
+      capped = parse_ptxas(_ptxas(ptxas, ptx, path, cap))
+      out["next_step"] = {"registers": cap, "spill_bytes": capped["spill_stores"]}
+  return out
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", nargs="*", default=None, help="op name patterns (default: all)")
-    p.add_argument("--size", choices=("small", "bench"), default="bench")
-    p.add_argument("--out", default=None, help="a JSON file for the rows")
-    a = p.parse_args()
-    rows = []
-    print("| op | implementation | kernel | warps | stages | registers | spill bytes "
-          "(stores / loads) | shared KiB | programs per SM | occupancy | one program more "
-          "per SM: register cap, spill bytes |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for op in catalog().names():
-        if op not in CHECKS or (a.ops and not any(fnmatch.fnmatch(op, pat) for pat in a.ops)):
-            continue
-        for impl in sorted(catalog().entry(op).impls):  # the fast ones, not the reference
-            try:
-                kernels = capture_kernels(op, impl, a.size)
-            except Exception as e:  # an implementation that cannot lower here: say so
-                print(f"| {op} | {impl} | not lowered: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:120]} | | | | | | | | |", flush=True)
-                continue
-            if not kernels:
-                print(f"| {op} | {impl} | no Triton kernels | | | | | | | | |", flush=True)
-            for k in kernels:
-                r = compile_for_hopper(k)
-                rows.append({"op": op, "impl": impl, "kernel": k.name, "num_warps": k.num_warps,
-                             "num_stages": k.num_stages} | r)
-                step = r.get("next_step")
-                step = f"{step['registers']}, {step['spill_bytes']}" if step else "-"
-                print(f"| {op} | {impl} | {k.name} | {k.num_warps} | {k.num_stages} | "
-                      f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
-                      f"{r['shared'] / 1024:.0f} | {r['programs_per_sm']} | "
-                      f"{r['occupancy']:.1%} | {step} |", flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--ops", nargs="*", default=None, help="op name patterns (default: all)")
+  p.add_argument("--size", choices=("small", "bench"), default="bench")
+  p.add_argument("--out", default=None, help="a JSON file for the rows")
+  a = p.parse_args()
+  rows = []
+  print("| op | implementation | kernel | warps | stages | registers | spill bytes "
+        "(stores / loads) | shared KiB | programs per SM | occupancy | one program more "
+        "per SM: register cap, spill bytes |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  for op in catalog().names():
+    if op not in CHECKS or (a.ops and not any(fnmatch.fnmatch(op, pat) for pat in a.ops)):
+      continue
+    for impl in sorted(catalog().entry(op).impls):  # the fast ones, not the reference
+      try:
+        kernels = capture_kernels(op, impl, a.size)
+      except Exception as e:  # an implementation that cannot lower here: say so
+        print(
+            f"| {op} | {impl} | not lowered: {type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120]} | | | | | | | | |", flush=True)
+        continue
+      if not kernels:
+        print(f"| {op} | {impl} | no Triton kernels | | | | | | | | |", flush=True)
+      for k in kernels:
+        r = compile_for_hopper(k)
+        rows.append({
+            "op": op,
+            "impl": impl,
+            "kernel": k.name,
+            "num_warps": k.num_warps,
+            "num_stages": k.num_stages
+        } | r)
+        step = r.get("next_step")
+        step = f"{step['registers']}, {step['spill_bytes']}" if step else "-"
+        print(
+            f"| {op} | {impl} | {k.name} | {k.num_warps} | {k.num_stages} | "
+            f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
+            f"{r['shared'] / 1024:.0f} | {r['programs_per_sm']} | "
+            f"{r['occupancy']:.1%} | {step} |", flush=True)
+  if a.out:
+    with open(a.out, "w") as f:
+      json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+  main()

@@ -17,16 +17,17 @@ import time
 
 
 def _parser(epilog: str = "") -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-      prog="python -m experiments.lora_2p8t", description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
+  p = argparse.ArgumentParser(prog="python -m experiments.lora_2p8t",
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
   p.add_argument("--preset", default=None,
                  help="tiny (default: 8 simulated CPU devices), gpu-1 (one GPU), 2p8t")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
-  p.add_argument("--data", default=None, metavar="PATH",
-                 help="training data (train.data): a .jsonl of conversations / text records "
-                      "(docs/multimodal.md) or of token ids, or a .npy of token ids; default: "
-                      "the synthetic source")
+  p.add_argument(
+      "--data", default=None, metavar="PATH",
+      help="training data (train.data): a .jsonl of conversations / text records "
+      "(docs/multimodal.md) or of token ids, or a .npy of token ids; default: "
+      "the synthetic source")
   p.add_argument("--out", default=None, help="output folder (default runs/<preset>-<time>)")
   p.add_argument("--reference", action="store_true",
                  help="run every op on its plain-JAX reference implementation")
@@ -34,12 +35,14 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
                  help="simulate this many CPU devices (mesh.devices)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   ck = p.add_argument_group("weights and checkpoints (docs/checkpoints.md)")
-  ck.add_argument("--base-weights", default=None, metavar="DIR",
-                  help="base weights: a Hugging Face-layout folder of safetensors shards + "
-                       "config.json (checkpoint.base_weights); default: random weights")
-  ck.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                  help="save a checkpoint every N steps under --out (checkpoint.every; one is "
-                       "always saved after the last step)")
+  ck.add_argument(
+      "--base-weights", default=None, metavar="DIR",
+      help="base weights: a Hugging Face-layout folder of safetensors shards + "
+      "config.json (checkpoint.base_weights); default: random weights")
+  ck.add_argument(
+      "--checkpoint-every", type=int, default=None, metavar="N",
+      help="save a checkpoint every N steps under --out (checkpoint.every; one is "
+      "always saved after the last step)")
   ck.add_argument("--resume", action="store_true",
                   help="continue from the latest checkpoint in --out up to --steps in total")
   ck.add_argument("--export-adapter", default=None, metavar="DIR",
@@ -54,9 +57,10 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
   mh.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
                   help="a process silent this long counts as dead: the others stop (default 30)")
   dry = p.add_argument_group("dry run (docs/dry_run.md)")
-  dry.add_argument("--dry-run", action="store_true",
-                   help="compile the real step for simulated devices from abstract shapes and "
-                        "report memory (default preset 2p8t on its 2 x 64 mesh)")
+  dry.add_argument(
+      "--dry-run", action="store_true",
+      help="compile the real step for simulated devices from abstract shapes and "
+      "report memory (default preset 2p8t on its 2 x 64 mesh)")
   dry.add_argument("--device-memory", default="141GB",
                    help="memory per device for the verdict (default 141GB)")
   dry.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
@@ -126,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
   use_simulated_devices(cfg.mesh.devices)
   if group is not None:
     from hylora.io.distributed import initialize
-    initialize(group, heartbeat_timeout_s=args.heartbeat_timeout,
-               cpu_collectives=cfg.mesh.devices > 0)
+    initialize(group, heartbeat_timeout_s=args.heartbeat_timeout, cpu_collectives=cfg.mesh.devices
+               > 0)
 
   if args.dry_run:
     from hylora.plan.dry_run import command
@@ -154,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
   except Exception as e:  # noqa: BLE001
     if group is None or type(e).__name__ != "JaxRuntimeError":
       raise
-    print(f"error: process {group.process_id} of {group.num_processes} lost contact with the "
-          f"others ({str(e).strip().splitlines()[0][:300]})", file=sys.stderr, flush=True)
+    print(
+        f"error: process {group.process_id} of {group.num_processes} lost contact with the "
+        f"others ({str(e).strip().splitlines()[0][:300]})", file=sys.stderr, flush=True)
     os._exit(1)  # no orderly jax.distributed shutdown: it would wait for the dead peer
   print(f"\n{summary['preset']}: {summary['steps']} steps on {summary['devices']} devices "
         f"(mesh {summary['mesh']}), loss {summary['first_loss']:.4f} -> "
@@ -163,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['tokens_per_s']:.0f} tokens/s, compile {summary['compile_seconds']:.1f} s")
   print(f"outputs: {out}/ (metrics.jsonl, config.json, loss.png, summary.json)")
   if args.export_adapter:
-    print(f"adapter: {args.export_adapter}/ (adapter_config.json, adapter_model.safetensors"
-          + (", merged/" if args.merge else "") + ")")
+    print(f"adapter: {args.export_adapter}/ (adapter_config.json, adapter_model.safetensors" +
+          (", merged/" if args.merge else "") + ")")
   return 0
 
 

@@ -76,12 +76,13 @@ def _group_sizes(key, m: int, groups: int):
 
 # ---- linear attention ---------------------------------------------------------------
 
+
 def _linear_attention_inputs(key, size: str, delta_rule: bool):
   b, t, h, d = _pick(size, (1, 128, 2, 16), (1, 8192, 64, 128))
   ks = jax.random.split(key, 6)
   q, k, v = (_normal(ks[i], (b, t, h, d)) for i in range(3))
   # Mostly mild decays with a heavy tail down to the gate floor (-20), as the model makes.
-  g = -20.0 * jax.random.uniform(ks[3], (b, t, h, d)) ** 4
+  g = -20.0 * jax.random.uniform(ks[3], (b, t, h, d))**4
   kwargs = {"segment_ids": _segments(ks[4], b, t, every=48)}
   if delta_rule:
     beta = jax.nn.sigmoid(jax.random.normal(ks[5], (b, t, h)))
@@ -96,8 +97,8 @@ KDA = OpCheck(lambda key, size: _linear_attention_inputs(key, size, True),
               grad_argnums=(0, 1, 2, 3, 4), fwd_rtol=1e-2, bwd_rtol=2e-2,
               description="chunked KDA (delta rule): as GLA plus fp32 beta")
 
-
 # ---- sparse attention ---------------------------------------------------------------
+
 
 def _topk_inputs(key, size: str):
   b, t, hi, di, top_k = _pick(size, (1, 64, 2, 16, 16), (1, 8192, 64, 128, 2048))
@@ -120,8 +121,8 @@ def _attend_inputs(key, size: str):
   q = _normal(ks[0], (b, t, hq, d))
   k, v = _normal(ks[1], (b, t, hk, d)), _normal(ks[2], (b, t, hk, d))
   # top_k distinct keys per query drawn from all positions; future keys become -1.
-  perm = jax.vmap(lambda kk: jax.random.permutation(kk, t)[:top_k])(
-      jax.random.split(ks[3], b * t)).reshape(b, t, top_k)
+  perm = jax.vmap(lambda kk: jax.random.permutation(kk, t)[:top_k])(jax.random.split(
+      ks[3], b * t)).reshape(b, t, top_k)
   indices = jnp.where(perm <= jnp.arange(t)[None, :, None], perm, -1).astype(jnp.int32)
   return (q, k, v, indices), {}
 
@@ -129,49 +130,49 @@ def _attend_inputs(key, size: str):
 ATTEND = OpCheck(_attend_inputs, grad_argnums=(0, 1, 2), fwd_rtol=1e-2, bwd_rtol=2e-2,
                  description="GQA softmax attention over selected keys (bf16)")
 
-
 # ---- grouped matmuls (MoE experts) --------------------------------------------------
+
 
 def _grouped_matmul_inputs(key, size: str):
   m, k, n, groups = _pick(size, (64, 32, 48, 4), (16384, 7168, 4096, 32))
   ks = jax.random.split(key, 3)
   lhs = _normal(ks[0], (m, k))
-  rhs = (_normal(ks[1], (groups, k, n), F32) * k ** -0.5).astype(BF16)
+  rhs = (_normal(ks[1], (groups, k, n), F32) * k**-0.5).astype(BF16)
   return (lhs, rhs, _group_sizes(ks[2], m, groups)), {}
 
 
-GROUPED_MATMUL = OpCheck(_grouped_matmul_inputs, grad_argnums=(0, 1), fwd_rtol=1e-2,
-                         bwd_rtol=2e-2, description="ragged (per-expert) matmul, bf16")
+GROUPED_MATMUL = OpCheck(_grouped_matmul_inputs, grad_argnums=(0, 1), fwd_rtol=1e-2, bwd_rtol=2e-2,
+                         description="ragged (per-expert) matmul, bf16")
 
 
 def _grouped_lora_inputs(key, size: str):
   m, k, r, n, groups = _pick(size, (64, 32, 4, 32, 4), (16384, 7168, 16, 4096, 32))
   ks = jax.random.split(key, 4)
   x = _normal(ks[0], (m, k))
-  a = (_normal(ks[1], (groups, k, r), F32) * k ** -0.5).astype(BF16)
-  b_ = (_normal(ks[2], (groups, r, n), F32) * r ** -0.5).astype(BF16)
+  a = (_normal(ks[1], (groups, k, r), F32) * k**-0.5).astype(BF16)
+  b_ = (_normal(ks[2], (groups, r, n), F32) * r**-0.5).astype(BF16)
   return (x, a, b_, _group_sizes(ks[3], m, groups), 2.0), {}
 
 
-GROUPED_LORA = OpCheck(_grouped_lora_inputs, grad_argnums=(0, 1, 2), fwd_rtol=1e-2,
-                       bwd_rtol=2e-2, description="per-expert LoRA scale * (x A_g) B_g, bf16")
-
+GROUPED_LORA = OpCheck(_grouped_lora_inputs, grad_argnums=(0, 1, 2), fwd_rtol=1e-2, bwd_rtol=2e-2,
+                       description="per-expert LoRA scale * (x A_g) B_g, bf16")
 
 # ---- loss and norms -----------------------------------------------------------------
+
 
 def _cross_entropy_inputs(key, size: str):
   # small: N > 1024 so the chunked implementation runs more than one token chunk
   n, d, v = _pick(size, (1300, 32, 320), (8192, 7168, 163840))
   ks = jax.random.split(key, 4)
   hidden = _normal(ks[0], (n, d))
-  lm_head = (_normal(ks[1], (d, v), F32) * d ** -0.5).astype(BF16)
+  lm_head = (_normal(ks[1], (d, v), F32) * d**-0.5).astype(BF16)
   labels = jax.random.randint(ks[2], (n,), 0, v)
   labels = jnp.where(jax.random.uniform(ks[3], (n,)) < 0.1, -100, labels)  # masked tokens
   return (hidden, lm_head, labels), {"ignore_index": -100}
 
 
-CROSS_ENTROPY = OpCheck(_cross_entropy_inputs, grad_argnums=(0, 1), fwd_rtol=1e-3,
-                        bwd_rtol=2e-2, description="LM-head cross-entropy, 10% ignored labels")
+CROSS_ENTROPY = OpCheck(_cross_entropy_inputs, grad_argnums=(0, 1), fwd_rtol=1e-3, bwd_rtol=2e-2,
+                        description="LM-head cross-entropy, 10% ignored labels")
 
 
 def _rms_norm_inputs(key, size: str):
@@ -192,9 +193,10 @@ def _residual_mix_inputs(key, size: str):
   return (_normal(ks[0], (b, t, d)), _normal(ks[1], (window, b, t, d)), weights), {}
 
 
-RESIDUAL_MIX = OpCheck(_residual_mix_inputs, grad_argnums=(0, 1, 2), fwd_rtol=1e-2,
-                       bwd_rtol=2e-2, description="learned mix of the stream and earlier "
-                       "layers' outputs (docs/day_one.md)")
+RESIDUAL_MIX = OpCheck(
+    _residual_mix_inputs, grad_argnums=(0, 1, 2), fwd_rtol=1e-2, bwd_rtol=2e-2,
+    description="learned mix of the stream and earlier "
+    "layers' outputs (docs/day_one.md)")
 
 CHECKS = {
     "linear_attention.gla": GLA,

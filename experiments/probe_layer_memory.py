@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 
-
 def probe(cfg, part: str) -> dict:
   """XLA's compiled bytes for one part's forward + backward, and the planner's figure."""
   from hylora.core.architecture import FFN_BLOCKS, MIXER_BLOCKS
@@ -32,10 +31,15 @@ def probe(cfg, part: str) -> dict:
   memory = compiled_part(cfg, part, b, seq).memory_analysis()
   block = MIXER_BLOCKS[part] if part in MIXER_BLOCKS else FFN_BLOCKS[part]
   planner = sum(w.nbytes for w in block.work(cfg, b * seq))  # this part's save points
-  return {"part": part, "batch": b, "seq": seq, "xla_temp_bytes": memory.temp_size_in_bytes,
-          "xla_argument_bytes": memory.argument_size_in_bytes,
-          "planner_save_point_bytes": planner,
-          "ratio": memory.temp_size_in_bytes / planner if planner else float("nan")}
+  return {
+      "part": part,
+      "batch": b,
+      "seq": seq,
+      "xla_temp_bytes": memory.temp_size_in_bytes,
+      "xla_argument_bytes": memory.argument_size_in_bytes,
+      "planner_save_point_bytes": planner,
+      "ratio": memory.temp_size_in_bytes / planner if planner else float("nan")
+  }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,7 +75,8 @@ def phase(op_name: str) -> str:
 def _part_program(cfg, part: str):
   """(compiled part, run_once) for one mixer / FFN's forward + gradients."""
   table = MIXERS if part in MIXERS else FFNS
-  graphdef, lora, rest = nnx.split(table[part](cfg.model, cfg.lora, init=ParamInit(0)), LoRAParam, ...)
+  graphdef, lora, rest = nnx.split(table[part](cfg.model, cfg.lora, init=ParamInit(0)), LoRAParam,
+                                   ...)
   x, ctx = part_inputs(cfg)
   args = (lora, x, rest, ctx)
   compiled = part_gradients(graphdef).lower(*args).compile()
@@ -91,8 +92,8 @@ def _step_program(cfg):
   state = {"lora": lora, "opt": opt_state, "step": 0}
 
   def run_once():  # the step donates the adapters and optimizer state: pass them on
-    state["lora"], state["opt"], metrics = trainer.step(state["lora"], state["opt"], frozen,
-                                                        batch, state["step"])
+    state["lora"], state["opt"], metrics = trainer.step(state["lora"], state["opt"], frozen, batch,
+                                                        state["step"])
     state["step"] += 1
     return metrics
 
@@ -119,25 +120,33 @@ def profile_part(cfg, part: str, runs: int = 3, repeats: int = 5) -> dict:
     by_op[label(op_name)] = by_op.get(label(op_name), 0.0) + us
     by_phase[phase(op_name)] += us
   b, s, d = cfg.train.batch_size, cfg.train.seq_len, cfg.model.d_model
-  return {"part": part, "shape": [b, s, d], "wall_ms": wall_ms,
-          "profiled_ms": sum(costs.values()) / 1e3,
-          "device_busy_ms": device.busy_ms if device else None,
-          "device_span_ms": device.span_ms if device else None,
-          "longest_idle": device.gaps[:5] if device else [],
-          "phases_ms": {k: v / 1e3 for k, v in by_phase.items()},
-          "instructions_us": dict(sorted(costs.items(), key=lambda kv: -kv[1])),
-          "ops_us": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
+  return {
+      "part": part,
+      "shape": [b, s, d],
+      "wall_ms": wall_ms,
+      "profiled_ms": sum(costs.values()) / 1e3,
+      "device_busy_ms": device.busy_ms if device else None,
+      "device_span_ms": device.span_ms if device else None,
+      "longest_idle": device.gaps[:5] if device else [],
+      "phases_ms": {
+          k: v / 1e3 for k, v in by_phase.items()
+      },
+      "instructions_us": dict(sorted(costs.items(), key=lambda kv: -kv[1])),
+      "ops_us": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
+  }
 
 
 def format_report(r: dict, top: int) -> str:
-  lines = [f"{r['part']} at {r['shape']}: {r['wall_ms']:.2f} ms per run; "
-           f"instructions sum to {r['profiled_ms']:.2f} ms"]
+  lines = [
+      f"{r['part']} at {r['shape']}: {r['wall_ms']:.2f} ms per run; "
+      f"instructions sum to {r['profiled_ms']:.2f} ms"
+  ]
   if not r["instructions_us"]:
     lines.append("no per-instruction device times on this backend (NVIDIA GPUs only)")
     return "\n".join(lines)
   lines.append(f"device busy {r['device_busy_ms']:.2f} of {r['device_span_ms']:.2f} ms per "
-               "traced run; longest idle: " + ", ".join(
-                   f"{ms:.3f} ms before {after}" for ms, _, after in r["longest_idle"]))
+               "traced run; longest idle: " +
+               ", ".join(f"{ms:.3f} ms before {after}" for ms, _, after in r["longest_idle"]))
   lines.append("by phase: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r["phases_ms"].items()))
   lines.append(f"{'ms':>8} {'share':>6}  op (summed over its instructions)")
   total = max(r["profiled_ms"], 1e-9)

@@ -33,40 +33,40 @@ RESERVED = ("baseline_ms", "rounds", "calls")
 
 
 def block(out):
-    """Wait until `out` (any pytree of JAX arrays, PyTorch tensors or other values) is
+  """Wait until `out` (any pytree of JAX arrays, PyTorch tensors or other values) is
     computed."""
-    import jax
-    jax.block_until_ready(out)
-    torch = sys.modules.get("torch")
-    if torch is not None and any(isinstance(leaf, torch.Tensor) and leaf.is_cuda
-                                 for leaf in jax.tree_util.tree_leaves(out)):
-        torch.cuda.synchronize()
-    return out
+  import jax
+  jax.block_until_ready(out)
+  torch = sys.modules.get("torch")
+  if torch is not None and any(
+      isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in jax.tree_util.tree_leaves(out)):
+    torch.cuda.synchronize()
+  return out
 
 
 def _warm_up(fn, args, warmup):
-    if warmup < 1:
-        raise ValueError(f"warmup={warmup}: at least one untimed call after the first")
-    for _ in range(1 + warmup):  # the first call compiles
-        block(fn(*args))
+  if warmup < 1:
+    raise ValueError(f"warmup={warmup}: at least one untimed call after the first")
+  for _ in range(1 + warmup):  # the first call compiles
+    block(fn(*args))
 
 
 def median_ms(fn, *args, warmup=1, reps=10):
-    """Median wall-clock milliseconds of `reps` calls of fn(*args), each timed until its
+  """Median wall-clock milliseconds of `reps` calls of fn(*args), each timed until its
     outputs are ready, after one untimed first call (compilation) and `warmup` more."""
-    if reps < 1:
-        raise ValueError(f"reps={reps}: at least one timed call")
-    _warm_up(fn, args, warmup)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        block(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+  if reps < 1:
+    raise ValueError(f"reps={reps}: at least one timed call")
+  _warm_up(fn, args, warmup)
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    block(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
 
 
 def interleaved_ratios(candidates, baseline, *args, rounds=15, calls=10, warmup=1):
-    """Time `baseline` and each of `candidates` ({name: fn}) in alternating rounds, all
+  """Time `baseline` and each of `candidates` ({name: fn}) in alternating rounds, all
     called with `args` (pass closures and no args where the sides take different inputs).
 
     Each side is warmed up as in `median_ms`. A round times every side once: `calls`
@@ -78,48 +78,52 @@ def interleaved_ratios(candidates, baseline, *args, rounds=15, calls=10, warmup=
 
     with r over the rounds of baseline time / candidate time (> 1: the candidate is
     faster than the baseline)."""
-    if rounds < 1 or calls < 1:
-        raise ValueError(f"rounds={rounds}, calls={calls}: at least one of each")
-    clash = [name for name in candidates if name in RESERVED]
-    if clash:
-        raise ValueError(f"candidate names {clash} are taken by the report's own keys")
-    sides = {None: baseline, **candidates}  # None: the baseline, no name of a candidate
-    for fn in sides.values():
-        _warm_up(fn, args, warmup)
-    times = {name: [] for name in sides}
-    order = list(sides)
-    for i in range(rounds):
-        for name in order if i % 2 == 0 else order[::-1]:
-            fn = sides[name]
-            start = time.perf_counter()
-            block([fn(*args) for _ in range(calls)])
-            times[name].append(time.perf_counter() - start)
-    per_call_ms = lambda ts: round(statistics.median(ts) / calls * 1e3, 4)
-    out = {"rounds": rounds, "calls": calls, "baseline_ms": per_call_ms(times[None])}
-    for name in candidates:
-        ratios = [b / c for b, c in zip(times[None], times[name])]
-        out[name] = {"ms": per_call_ms(times[name]), "median": round(statistics.median(ratios), 3),
-                     "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
-    return out
+  if rounds < 1 or calls < 1:
+    raise ValueError(f"rounds={rounds}, calls={calls}: at least one of each")
+  clash = [name for name in candidates if name in RESERVED]
+  if clash:
+    raise ValueError(f"candidate names {clash} are taken by the report's own keys")
+  sides = {None: baseline, **candidates}  # None: the baseline, no name of a candidate
+  for fn in sides.values():
+    _warm_up(fn, args, warmup)
+  times = {name: [] for name in sides}
+  order = list(sides)
+  for i in range(rounds):
+    for name in order if i % 2 == 0 else order[::-1]:
+      fn = sides[name]
+      start = time.perf_counter()
+      block([fn(*args) for _ in range(calls)])
+      times[name].append(time.perf_counter() - start)
+  per_call_ms = lambda ts: round(statistics.median(ts) / calls * 1e3, 4)
+  out = {"rounds": rounds, "calls": calls, "baseline_ms": per_call_ms(times[None])}
+  for name in candidates:
+    ratios = [b / c for b, c in zip(times[None], times[name])]
+    out[name] = {
+        "ms": per_call_ms(times[name]),
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3)
+    }
+  return out
 
 
 def peer(make):
-    """(make(), None) where the peer imports; (None, "missing: ...") where it is not
+  """(make(), None) where the peer imports; (None, "missing: ...") where it is not
     installed. `make` imports the peer and returns what the benchmark calls."""
-    try:
-        return make(), None
-    except ImportError as e:
-        return None, f"missing: {type(e).__name__}: {str(e)[:160]}"
+  try:
+    return make(), None
+  except ImportError as e:
+    return None, f"missing: {type(e).__name__}: {str(e)[:160]}"
 
 
 def failed(e):
-    """How a measurement that raised is reported (the benchmark goes on)."""
-    return f"failed: {type(e).__name__}: {str(e)[:300]}"
+  """How a measurement that raised is reported (the benchmark goes on)."""
+  return f"failed: {type(e).__name__}: {str(e)[:300]}"
 
 
 def to_torch(x, requires_grad=False):
-    """A JAX array as a PyTorch tensor on the same device (DLPack, no copy; a copy where
+  """A JAX array as a PyTorch tensor on the same device (DLPack, no copy; a copy where
     a gradient is asked for, so that the peer owns its leaf)."""
-    import torch
-    t = torch.from_dlpack(x)
-    return t.detach().clone().requires_grad_(True) if requires_grad else t
+  import torch
+  t = torch.from_dlpack(x)
+  return t.detach().clone().requires_grad_(True) if requires_grad else t

@@ -20,5 +20,5 @@ INDEX_HEADS = "index_heads"
 LAYERS = "layers"  # the stacked-layer axis of a scanned segment; never sharded
 TOKENS = "tokens"  # flattened batch x seq rows (MoE dispatch)
 
-ALL = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, EXP, EXP_MLP, VOCAB, LORA_RANK,
-       LOW_RANK, INDEX_HEADS, LAYERS, TOKENS)
+ALL = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, EXP, EXP_MLP, VOCAB, LORA_RANK, LOW_RANK,
+       INDEX_HEADS, LAYERS, TOKENS)

@@ -40,17 +40,19 @@ def mesh_shape(request, device_count: int) -> tuple[int, int]:
   if request.fsdp == -1:
     if device_count % request.expert:
       raise MeshShapeError(f"mesh.expert: {request.expert} does not divide the {device_count} "
-                        "devices present")
+                           "devices present")
     return device_count // request.expert, request.expert
   if request.fsdp < 1:
     raise MeshShapeError(f"mesh.fsdp: must be >= 1 or -1 (fill), got {request.fsdp}")
   size = request.fsdp * request.expert
   if size > device_count:
-    raise MeshShapeError(f"mesh: fsdp={request.fsdp} x expert={request.expert} = {size} devices, but only "
-                      f"{device_count} are present")
+    raise MeshShapeError(
+        f"mesh: fsdp={request.fsdp} x expert={request.expert} = {size} devices, but only "
+        f"{device_count} are present")
   if size != device_count:
-    raise MeshShapeError(f"mesh: fsdp={request.fsdp} x expert={request.expert} = {size} devices, but "
-                      f"{device_count} are present; the mesh must use all of them")
+    raise MeshShapeError(
+        f"mesh: fsdp={request.fsdp} x expert={request.expert} = {size} devices, but "
+        f"{device_count} are present; the mesh must use all of them")
   return request.fsdp, request.expert
 
 

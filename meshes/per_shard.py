@@ -40,8 +40,8 @@ def _activation_spec(first):
   None where no shard_map is needed (no mesh, one device, already inside one)."""
   mesh = current_mesh()
   inside_shard_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
-  if (mesh is None or mesh.size == 1 or inside_shard_map or not isinstance(first, jax.Array)
-      or first.ndim < 2):
+  if (mesh is None or mesh.size == 1 or inside_shard_map or not isinstance(first, jax.Array) or
+      first.ndim < 2):
     return None
   batch, seq = first.shape[:2]
   return mesh, logical_to_spec(("batch", "seq"), (batch, seq), mesh, ACTIVATION_RULES)
@@ -73,9 +73,10 @@ def split_over_batch(fn):
       name = getattr(fn, "__name__", repr(fn))
       if name not in _warned:
         _warned.add(name)
-        warnings.warn(f"{name}: the activation rules split the sequence ({batch} sequences "
-                      f"on {mesh.size} devices), so XLA runs this kernel on gathered "
-                      f"operands", stacklevel=2)
+        warnings.warn(
+            f"{name}: the activation rules split the sequence ({batch} sequences "
+            f"on {mesh.size} devices), so XLA runs this kernel on gathered "
+            f"operands", stacklevel=2)
       return fn(*args, **kwargs)
     rows = P(spec[0])
     leaves, tree = jax.tree.flatten((args, kwargs))
@@ -89,8 +90,8 @@ def split_over_batch(fn):
       return fn(*a, **kw)
 
     # check_vma off: kernel outputs carry no varying-axes type for the checker to compare
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(rows for _ in split),
-                         out_specs=rows, check_vma=False)(*(leaves[i] for i in split))
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(rows for _ in split), out_specs=rows,
+                         check_vma=False)(*(leaves[i] for i in split))
 
   return per_shard
 
@@ -108,7 +109,7 @@ def split_over_tokens(fn):
     mesh, spec = found
     tokens = P(spec[0], spec[1])
     # check_vma off: a custom call's outputs carry no varying-axes type to compare
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(tokens for _ in arrays),
-                         out_specs=tokens, check_vma=False)(*arrays)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(tokens for _ in arrays), out_specs=tokens,
+                         check_vma=False)(*arrays)
 
   return per_shard

@@ -26,17 +26,24 @@ _EXPERT_FIRST = (("expert",), ("fsdp",))
 
 PARAM_RULES: dict[str, tuple[tuple[str, ...], ...]] = {
     ax.EXP: (("expert",),),
-    ax.VOCAB: _FSDP_FIRST,
-    ax.EMBED: _FSDP_FIRST,
-    ax.MLP: _FSDP_FIRST,
+    ax.VOCAB:
+        _FSDP_FIRST,
+    ax.EMBED:
+        _FSDP_FIRST,
+    ax.MLP:
+        _FSDP_FIRST,
     ax.EXP_MLP: (("fsdp",),),
-    ax.HEADS: _FSDP_FIRST,
-    ax.LOW_RANK: _FSDP_FIRST,
+    ax.HEADS:
+        _FSDP_FIRST,
+    ax.LOW_RANK:
+        _FSDP_FIRST,
     # 64 heads (or 8 KV heads) cannot take 128 shards: a LoRA B factor [r, heads, head_dim]
     # splits heads over `fsdp` and head_dim over `expert`. A weight whose model width
     # already holds both axes leaves these unsplit.
-    ax.KV_HEADS: _FSDP_FIRST,
-    ax.HEAD_DIM: _EXPERT_FIRST,
+    ax.KV_HEADS:
+        _FSDP_FIRST,
+    ax.HEAD_DIM:
+        _EXPERT_FIRST,
 }
 
 # Dimensions that choose last, from what the array's other dimensions left: the output

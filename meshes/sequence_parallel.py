@@ -85,20 +85,22 @@ def split_recurrence_over_devices(fn):
       b = q.shape[0]
       common = dict(scale=scale, segment_ids=segment_ids, output_final_state=True)
       eye = jnp.broadcast_to(jnp.eye(Dk, dtype=jnp.float32), (b, H, Dk, Dk))
-      _, transition = fn(q, k, jnp.zeros(q.shape[:3] + (Dk,), v.dtype), g, *rest,
-                         initial_state=eye, **common)
+      _, transition = fn(q, k, jnp.zeros(q.shape[:3] + (Dk,), v.dtype), g, *rest, initial_state=eye,
+                         **common)
       _, own = fn(q, k, v, g, *rest, initial_state=None, **common)
       gather = lambda x: jax.lax.all_gather(x, seq_axes)
-      incoming = _incoming_states(gather(transition), gather(own),
-                                  gather(segment_ids[:, 0]), gather(segment_ids[:, -1]),
-                                  initial_state.astype(jnp.float32), n)
+      incoming = _incoming_states(gather(transition), gather(own), gather(segment_ids[:, 0]),
+                                  gather(segment_ids[:, -1]), initial_state.astype(jnp.float32), n)
       here = jax.lax.axis_index(seq_axes)
       o, final = fn(q, k, v, g, *rest, initial_state=incoming[here], **common)
       return o, final[None]
 
     o, finals = jax.shard_map(
-        body, mesh=mesh, in_specs=(tokens,) * 5 + (states,) + (tokens,) * len(rest),
-        out_specs=(tokens, ranges), check_vma=False,
+        body,
+        mesh=mesh,
+        in_specs=(tokens,) * 5 + (states,) + (tokens,) * len(rest),
+        out_specs=(tokens, ranges),
+        check_vma=False,
     )(q, k, v, g, segment_ids, initial_state, *rest)
     # the last range's final state is the sequence's
     return o, (finals[-1] if output_final_state else None)
@@ -121,8 +123,14 @@ def gathered_keys(fn, key_args: tuple[int, ...], key_kwargs: tuple[str, ...] = (
       return by_rows(*args, **kwargs)
     mesh, rows, seq = split
     seq_axes = _axes(seq)
-    arrays = {**{i: x for i, x in enumerate(args)},
-              **{k: x for k, x in kwargs.items() if isinstance(x, jax.Array)}}
+    arrays = {
+        **{
+            i: x for i, x in enumerate(args)
+        },
+        **{
+            k: x for k, x in kwargs.items() if isinstance(x, jax.Array)
+        }
+    }
     names = list(arrays)
     static = {k: x for k, x in kwargs.items() if k not in arrays}
     gathered = set(key_args) | set(key_kwargs)
@@ -135,17 +143,17 @@ def gathered_keys(fn, key_args: tuple[int, ...], key_kwargs: tuple[str, ...] = (
       if offset_kwarg is not None:  # the queries (first argument) stay local
         extra[offset_kwarg] = jax.lax.axis_index(seq_axes) * local[0].shape[1]
       positional = [local[i] for i in range(len(args))]
-      return fn(*positional, **{k: v for k, v in local.items() if isinstance(k, str)},
-                **static, **extra)
+      return fn(*positional, **{
+          k: v for k, v in local.items() if isinstance(k, str)
+      }, **static, **extra)
 
     tokens = P(rows, seq)
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(tokens for _ in names),
-                         out_specs=tokens, check_vma=False)(*(arrays[n] for n in names))
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(tokens for _ in names), out_specs=tokens,
+                         check_vma=False)(*(arrays[n] for n in names))
 
   return wrapped
 
 
 sparse_attention_over_devices = functools.partial(gathered_keys, key_args=(1, 2))
-indexer_over_devices = functools.partial(gathered_keys, key_args=(1,),
-                                         key_kwargs=("segment_ids",),
+indexer_over_devices = functools.partial(gathered_keys, key_args=(1,), key_kwargs=("segment_ids",),
                                          offset_kwarg="query_offset")

@@ -20,9 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # two_layer_config() (tests/helpers.py) with a learning rate at which a short run visibly
 # lowers the loss: test_train checks that on the reference run.
-TINY = ["--model.layers=2", "--model.pattern=linear,sparse", "--model.dense_layers=1",
-        "--train.seq_len=64", "--train.batch_size=8", "--train.learning_rate=2e-2",
-        "--train.warmup_steps=2", "--quiet"]
+TINY = [
+    "--model.layers=2", "--model.pattern=linear,sparse", "--model.dense_layers=1",
+    "--train.seq_len=64", "--train.batch_size=8", "--train.learning_rate=2e-2",
+    "--train.warmup_steps=2", "--quiet"
+]
 # Enough steps after the first checkpoint (and after the third step) that the kill -9 of
 # the checkpoint and multi-host tests lands while the run is still training.
 STEPS = 16
@@ -112,5 +114,4 @@ def reference_run() -> Path:
 
 def comparable(rows: list[dict]) -> list[dict]:
   """Metrics without the wall-clock fields."""
-  return [{k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_s")}
-          for r in rows]
+  return [{k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_s")} for r in rows]

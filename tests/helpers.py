@@ -28,8 +28,9 @@ def two_layer_config(**train) -> Config:
   sparse attention with the MoE. Half the compile, for tests whose property does not
   depend on depth (tests/cli_runs.py runs the command on it)."""
   cfg = small_config(**train)
-  return dataclasses.replace(cfg, model=dataclasses.replace(
-      cfg.model, layers=2, pattern=("linear", "sparse"), dense_layers=1))
+  return dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model, layers=2, pattern=("linear", "sparse"),
+                                     dense_layers=1))
 
 
 @functools.cache

@@ -66,8 +66,8 @@ def test_layer_plan_places_every_layer_in_its_segment():
   plans = arch.layer_plans(deep)
   assert [p.segment for p in plans] == [0] * 4 + [1] * 8  # dense period, then 2 x MoE
   assert arch.stacked_layers(deep, 1, 3) == (7, 11)
-  assert arch.stacked_position(("stack", "segments", 1, "periods", "layers", 3, "ffn",
-                                "router", "kernel")) == (1, 3, "ffn/router/kernel")
+  assert arch.stacked_position(("stack", "segments", 1, "periods", "layers", 3, "ffn", "router",
+                                "kernel")) == (1, 3, "ffn/router/kernel")
   assert arch.stacked_position(("embed",)) is None
 
 
@@ -99,11 +99,14 @@ def test_frozen_linears_backward_is_their_input_gradient_and_adapters_twice_forw
   frozen = [w for w in work if w.save_point in (save_points.MLP_GATE_UP, save_points.MLP_DOWN)]
   assert sum(w.forward for w in frozen) == 2.0 * n * d * 2 * f + 2.0 * n * f * d
   assert all(w.backward == w.forward for w in frozen)
-  adapters = [w for w in arch.FFN_BLOCKS["dense"].work(cfg, n)
-              if w.save_point == save_points.LORA_A]
+  adapters = [
+      w for w in arch.FFN_BLOCKS["dense"].work(cfg, n) if w.save_point == save_points.LORA_A
+  ]
   assert adapters and all(w.backward == 2 * w.forward for w in adapters)
-  indexer = [w for w in arch.MIXER_BLOCKS["sparse"].work(cfg, n)
-             if w.save_point in (save_points.INDEXER, save_points.TOPK)]
+  indexer = [
+      w for w in arch.MIXER_BLOCKS["sparse"].work(cfg, n)
+      if w.save_point in (save_points.INDEXER, save_points.TOPK)
+  ]
   assert indexer and all(w.backward == 0 for w in indexer)
 
 

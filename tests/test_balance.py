@@ -58,8 +58,7 @@ def test_planner_replicates_the_hottest_and_balances_the_ranks():
 def test_route_to_slots_spreads_a_replicated_expert_over_its_copies():
   table = jnp.array([2, 0, 1, 0])  # expert 0 in slots 1 and 3
   experts = jnp.array([[0, 2], [0, 1], [0, 2], [1, 0]])
-  np.testing.assert_array_equal(route_to_slots(experts, table, 3),
-                                [[1, 0], [3, 2], [1, 0], [2, 3]])
+  np.testing.assert_array_equal(route_to_slots(experts, table, 3), [[1, 0], [3, 2], [1, 0], [2, 3]])
 
 
 def _skewed_layer(cfg):
@@ -75,8 +74,10 @@ def _skewed_layer(cfg):
 
 def test_replacement_leaves_outputs_and_gradients_unchanged_and_lowers_the_busiest_rank():
   cfg = small_config()
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-      cfg.model, moe=dataclasses.replace(cfg.model.moe, dispatch="ep_alltoall")))
+  cfg = dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model,
+                                     moe=dataclasses.replace(cfg.model.moe,
+                                                             dispatch="ep_alltoall")))
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   # Built under jit: one compile instead of hundreds of eager initialisers.
   graphdef, lora, rest = nnx.split(nnx.jit(lambda: _skewed_layer(cfg))(), LoRAParam, ...)
@@ -87,9 +88,11 @@ def test_replacement_leaves_outputs_and_gradients_unchanged_and_lowers_the_busie
 
   @jax.jit
   def run(lora, rest, x):
+
     def loss(lora, x):
       y, aux = nnx.merge(graphdef, lora, rest)(x, ctx)
       return jnp.sum(y * probe), (y, aux["expert_load"])
+
     with activation_mesh(mesh):
       return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(lora, x)
 
@@ -124,10 +127,16 @@ def test_replacement_leaves_outputs_and_gradients_unchanged_and_lowers_the_busie
 
 def test_relocating_adapters_and_moments_commutes_with_the_optimizer():
   keys = jax.random.split(jax.random.key(3), 4)
-  params = {"experts": {"lora_a": jax.random.normal(keys[0], (8, 6, 2)),
-                        "lora_b": jax.random.normal(keys[1], (8, 2, 5))}}
-  grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.fold_in(keys[2], i), p.shape),
-                        params) for i in range(2)]
+  params = {
+      "experts": {
+          "lora_a": jax.random.normal(keys[0], (8, 6, 2)),
+          "lora_b": jax.random.normal(keys[1], (8, 2, 5))
+      }
+  }
+  grads = [
+      jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.fold_in(keys[2], i), p.shape),
+                   params) for i in range(2)
+  ]
   opt = optax.adamw(1e-2, weight_decay=0.1)
   identity, perm = jnp.arange(8), jnp.array([5, 2, 7, 0, 1, 6, 3, 4])
   move = lambda tree: relocate_module(tree, perm, 8, identity)

@@ -39,10 +39,10 @@ def _config(**moe):
   model = dataclasses.replace(cfg.model, layers=1, dense_layers=0, pattern=("linear",), moe=moe,
                               weight_dtype="float32",
                               vision=dataclasses.replace(cfg.model.vision, enabled=False))
-  return dataclasses.replace(cfg, model=model, mesh=MeshConfig(fsdp=2, expert=4),
-                             memory=dataclasses.replace(cfg.memory, remat="none"),
-                             train=dataclasses.replace(cfg.train, seq_len=64, batch_size=8,
-                                                       warmup_steps=0)).validate()
+  return dataclasses.replace(
+      cfg, model=model, mesh=MeshConfig(fsdp=2, expert=4),
+      memory=dataclasses.replace(cfg.memory, remat="none"),
+      train=dataclasses.replace(cfg.train, seq_len=64, batch_size=8, warmup_steps=0)).validate()
 
 
 def _set(tree, path, value):
@@ -103,8 +103,7 @@ def test_replacement_keeps_loss_and_logical_lora_gradients(run):
   before, after = rank_load_ratio(np.concatenate([load, load]), np.stack([old[0], new[0]]), 4)
   assert before > 1.3 and after < before - 0.2  # the skew is real and re-placement helps
   assert np.bincount(new[0], minlength=E).max() >= 2  # hot experts got the spare slots
-  lora1, opt1, frozen1 = balancer.apply(*_copy((lora, opt, frozen)),
-                                        {site.path: new})
+  lora1, opt1, frozen1 = balancer.apply(*_copy((lora, opt, frozen)), {site.path: new})
   assert np.array_equal(balancer.tables[site.path], new)
   (loss1, info1), g1 = grads(lora1, frozen1, batches[0])
   np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
@@ -112,8 +111,7 @@ def test_replacement_keeps_loss_and_logical_lora_gradients(run):
   e0, e1 = _experts(g0, site), _experts(g1, site)
   for name in ("lora_a", "lora_b"):  # per expert: the sum over its copies
     logical = lambda g, t: jax.vmap(lambda a, t: pl.logical_rows(a, t, E))(g, jnp.asarray(t))
-    np.testing.assert_allclose(logical(e1[name], new), logical(e0[name], old),
-                               rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(logical(e1[name], new), logical(e0[name], old), rtol=1e-4, atol=1e-7)
   for path, a in jax.tree_util.tree_flatten_with_path(g0)[0]:
     if "experts" not in jax.tree_util.keystr(path):  # shared experts, attention: unchanged
       b = g1
@@ -156,7 +154,8 @@ def test_steps_with_a_replacement_between_match_steps_without(run):
   np.testing.assert_allclose(m_a["loss"], m_b["loss"], rtol=1e-6)
   np.testing.assert_allclose(m_a["grad_norm"], m_b["grad_norm"], rtol=1e-5)
   # The same adapters and Adam moments per expert; every copy equal to its first.
-  for a, b in ((lora_a, lora_b), (opt_a[1][0].mu, opt_b[1][0].mu), (opt_a[1][0].nu, opt_b[1][0].nu)):
+  for a, b in ((lora_a, lora_b), (opt_a[1][0].mu, opt_b[1][0].mu), (opt_a[1][0].nu,
+                                                                    opt_b[1][0].nu)):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-8),
                  _first_copy(a, site, table), _first_copy(b, site, initial))
   ex = _experts(lora_a, site)
@@ -168,8 +167,10 @@ def test_steps_with_a_replacement_between_match_steps_without(run):
 
 def test_bias_updates_even_the_load_and_leave_combine_weights_alone(run):
   cfg, mesh, _, site, start, batches, grads = run
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
-      cfg.model.moe, bias_update_every=1, bias_update_rate=0.05)))
+  cfg = dataclasses.replace(
+      cfg, model=dataclasses.replace(
+          cfg.model, moe=dataclasses.replace(cfg.model.moe, bias_update_every=1,
+                                             bias_update_rate=0.05)))
   lora, opt, frozen = _copy(start)
   balancer = ExpertBalancer(cfg, mesh, frozen)
   ratios = []
@@ -236,7 +237,8 @@ def test_balancer_state_survives_a_checkpoint_round_trip(run):
 
 def test_slots_must_split_over_the_expert_ranks():
   cfg = _config()
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
-      cfg.model.moe, spare_slots=3)))
+  cfg = dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model,
+                                     moe=dataclasses.replace(cfg.model.moe, spare_slots=3)))
   with pytest.raises(ConfigError, match="model.moe.spare_slots: 8 experts \\+ 3 spare slots"):
     check_model_fits_mesh(cfg, build_mesh(cfg.mesh))

@@ -12,36 +12,34 @@ from pallas_kernels.linear_attention.gla import Tiling
 
 
 def _once(f, *args, **timing):
-    del timing
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    return (time.perf_counter() - start) * 1e3
+  del timing
+  start = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  return (time.perf_counter() - start) * 1e3
 
 
 def test_breakdown_runs_every_kernel(monkeypatch):
-    monkeypatch.setattr(bench, "median_ms", _once)
-    ms = bench.kernel_breakdown((1, 128, 2, 64), Tiling())["kernel_ms"]
-    for name in ("prepare", "states", "scores", "outputs", "state_grads", "score_grads",
-                 "value_grads", "key_grads", "fused.scores_with_decayed_rows",
-                 "fused.state_outputs"):
-        assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
+  monkeypatch.setattr(bench, "median_ms", _once)
+  ms = bench.kernel_breakdown((1, 128, 2, 64), Tiling())["kernel_ms"]
+  for name in ("prepare", "states", "scores", "outputs", "state_grads", "score_grads",
+               "value_grads", "key_grads", "fused.scores_with_decayed_rows", "fused.state_outputs"):
+    assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 
 def test_correctness_reports_each_setting(capsys):
-    bench.correctness([("", Tiling()), ("[block_k=32]", Tiling(block_k=32))],
-                      shape=(1, 64, 1, 64))
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["setting"] for r in rows] == ["", "[block_k=32]"]
-    for r in rows:
-        assert set(r["rel_rms"]) == {"o", "dq", "dk", "dv", "dg"}
-        assert all(e < 1e-2 for e in r["rel_rms"].values()), r
+  bench.correctness([("", Tiling()), ("[block_k=32]", Tiling(block_k=32))], shape=(1, 64, 1, 64))
+  rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r["setting"] for r in rows] == ["", "[block_k=32]"]
+  for r in rows:
+    assert set(r["rel_rms"]) == {"o", "dq", "dk", "dv", "dg"}
+    assert all(e < 1e-2 for e in r["rel_rms"].values()), r
 
 
 def test_kda_init_gates_send_some_blocks_down_the_sub_chunk_path():
-    """--gates kda_init: a range of per-token decays reaching past the bounded-chunk limit
+  """--gates kda_init: a range of per-token decays reaching past the bounded-chunk limit
     in the heads with a large A, and none past it with the default gates."""
-    _, _, _, g = bench.inputs(1, 1024, 16, 64, gates="kda_init")
-    assert float(g.max()) < 0 and -3.0 < float(g.min()) < -1.25
-    assert 0.05 < bench.unbounded_share(g) < 0.9
-    _, _, _, g = bench.inputs(1, 1024, 16, 64)
-    assert bench.unbounded_share(g) == 0.0
+  _, _, _, g = bench.inputs(1, 1024, 16, 64, gates="kda_init")
+  assert float(g.max()) < 0 and -3.0 < float(g.min()) < -1.25
+  assert 0.05 < bench.unbounded_share(g) < 0.9
+  _, _, _, g = bench.inputs(1, 1024, 16, 64)
+  assert bench.unbounded_share(g) == 0.0

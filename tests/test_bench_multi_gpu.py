@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run_small(tmp_path) -> tuple[dict, str]:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = tmp_path / "report.json"
-  done = subprocess.run([sys.executable, "-m", "experiments.bench_multi_gpu", "--small",
-                         "--pgle", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=600)
+  done = subprocess.run([
+      sys.executable, "-m", "experiments.bench_multi_gpu", "--small", "--pgle", "--json",
+      str(out)
+  ], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   return json.loads(out.read_text()), done.stdout
 
@@ -56,8 +57,8 @@ def test_small_run_reports_both_meshes(tmp_path):
     layer = r["moe_layer"]
     assert (layer["experts"], layer["tokens"]) == (2 * expert, 8 * 64)
     assert list(layer["chunks"]) == ["1", "2"]
-    assert all(c["fwd_bwd_ms"] > 0 and c["dropped_fraction"] == 0.0
-               for c in layer["chunks"].values())
+    assert all(
+        c["fwd_bwd_ms"] > 0 and c["dropped_fraction"] == 0.0 for c in layer["chunks"].values())
     two = layer["chunks"]["2"]  # no drops: the chunked pipeline computes the same numbers
     assert two["matches_first"] and two["max_rel_diff"] < 1e-5 and two["speedup"] > 0
     # each chunk has its own all-to-alls; XLA:CPU runs collectives synchronously
@@ -65,8 +66,8 @@ def test_small_run_reports_both_meshes(tmp_path):
     assert 0 < one_sched["count"] < two_sched["count"]
     assert one_sched["asynchronous"] == two_sched["asynchronous"] == 0
     # --pgle: XLA:CPU records no per-instruction device times, so nothing is recompiled
-    assert all(not c["pgle"]["profiled"] and c["pgle"]["fwd_bwd_ms"] > 0
-               for c in layer["chunks"].values())
+    assert all(
+        not c["pgle"]["profiled"] and c["pgle"]["fwd_bwd_ms"] > 0 for c in layer["chunks"].values())
 
     step = r["train_step"]
     cfg = runs[name][0]
@@ -98,5 +99,6 @@ def test_schedule_only_compiles_every_chunk_count_and_writes_the_hlo(tmp_path):
   rows = bench_multi_gpu.schedule_layer(cfg, mesh, [1, 2], str(tmp_path))
   assert list(rows) == ["1", "2"] and rows["1"]["count"] < rows["2"]["count"]
   assert sorted(p.name for p in tmp_path.iterdir()) == [
-      "moe_layer_2x4_chunks1.hlo.txt", "moe_layer_2x4_chunks2.hlo.txt"]
+      "moe_layer_2x4_chunks1.hlo.txt", "moe_layer_2x4_chunks2.hlo.txt"
+  ]
   assert "all-to-all" in (tmp_path / "moe_layer_2x4_chunks2.hlo.txt").read_text()

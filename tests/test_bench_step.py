@@ -10,9 +10,10 @@ from tests.helpers import small_config
 
 
 def test_frozen_and_lora_matmul_flops():
+
   def step(lora):
-    return sum(w.forward + w.backward
-               for w in frozen_linear(save_points.QKV, 10, 3, 5, lora, "q"))
+    return sum(w.forward + w.backward for w in frozen_linear(save_points.QKV, 10, 3, 5, lora, "q"))
+
   assert step(None) == 4 * 10 * 3 * 5  # forward + input gradient
   assert step(LoRAConfig(rank=2, targets=("q",))) == 4 * 150 + 6 * 10 * 2 * (3 + 5)
 

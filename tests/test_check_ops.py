@@ -19,8 +19,7 @@ def _norm_ref(x, w):
 def _norm_inputs(key, size):
   del size
   k1, k2 = jax.random.split(key)
-  return (jax.random.normal(k1, (16, 32)).astype(jnp.bfloat16),
-          jax.random.normal(k2, (32,))), {}
+  return (jax.random.normal(k1, (16, 32)).astype(jnp.bfloat16), jax.random.normal(k2, (32,))), {}
 
 
 @jax.custom_vjp
@@ -28,8 +27,8 @@ def _wrong_gradient(x, w):
   return x * w
 
 
-_wrong_gradient.defvjp(lambda x, w: (x * w, (x, w)),
-                       lambda res, g: (g * res[1], jnp.zeros_like(res[1])))  # drops dw
+_wrong_gradient.defvjp(lambda x, w: (x * w, (x, w)), lambda res, g:
+                       (g * res[1], jnp.zeros_like(res[1])))  # drops dw
 
 
 def _registry():
@@ -52,8 +51,10 @@ def test_every_catalog_op_has_a_check():
 
 def test_pipeline_tells_good_from_broken_implementations():
   reg = _registry()
-  results = {r.impl: r for r in check_ops.check_all(["scale"], "small", timing=False,
-                                                     registry=reg, checks=CHECKS_OF_REGISTRY)}
+  results = {
+      r.impl: r for r in check_ops.check_all(["scale"], "small", timing=False, registry=reg,
+                                             checks=CHECKS_OF_REGISTRY)
+  }
   assert results["reference"].ok and results["good"].ok
   assert results["wrong_forward"].status == "FAIL" and results["wrong_forward"].fwd_rms > 0.04
   wrong_grad = results["wrong_gradient"]
@@ -65,15 +66,19 @@ def test_pipeline_tells_good_from_broken_implementations():
 
 
 def test_index_outputs_are_compared_as_sets():
+
   def make(key, size):
     return (jnp.arange(12, dtype=jnp.int32).reshape(3, 4),), {}
+
   reg = OpRegistry()
   reg.define("pick", lambda i: i)
   reg.register("pick", "reversed", lambda i: i[:, ::-1])
   reg.register("pick", "one_wrong", lambda i: i.at[0, 0].set(99))
-  results = {r.impl: r for r in check_ops.check_all(["pick"], "small", registry=reg,
-                                                     checks={"pick": OpCheck(make, fwd_rtol=0.0,
-                                                                             index_sets=True)})}
+  results = {
+      r.impl: r
+      for r in check_ops.check_all(["pick"], "small", registry=reg,
+                                   checks={"pick": OpCheck(make, fwd_rtol=0.0, index_sets=True)})
+  }
   assert results["reversed"].ok
   assert results["one_wrong"].status == "FAIL" and results["one_wrong"].fwd_max == 1 / 12
 
@@ -90,9 +95,10 @@ def test_command_writes_reports_and_rejects_unknown_ops(tmp_path, capsys):
   assert check_ops.main(["--ops", "rms_norm", "grouped_matmul", "--out", str(tmp_path)]) == 0
   report = json.loads((tmp_path / "check_ops.json").read_text())
   assert report["failures"] == 0
-  assert {(r["op"], r["impl"]) for r in report["results"]} == {
-      ("rms_norm", "reference"), ("grouped_matmul", "reference"), ("grouped_matmul", "mosaic"),
-      ("grouped_matmul", "loop")}
+  assert {(r["op"], r["impl"]) for r in report["results"]} == {("rms_norm", "reference"),
+                                                               ("grouped_matmul", "reference"),
+                                                               ("grouped_matmul", "mosaic"),
+                                                               ("grouped_matmul", "loop")}
   assert "| grouped_matmul | mosaic | pass |" in (tmp_path / "check_ops.md").read_text()
   assert "4/4 checks passed" in capsys.readouterr().out
   assert check_ops.main(["--ops", "no_such_op"]) == 2

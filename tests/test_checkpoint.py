@@ -29,9 +29,13 @@ from weights_helpers import model_and_trees
 def _trees(offset: float = 0.0):
   mesh = jax.make_mesh((8,), ("x",))
   sharding = NamedSharding(mesh, P("x"))
-  lora = {"q": {"lora_a": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8) + offset,
-                                         sharding)},
-          "b": jax.device_put(np.full((16,), offset, np.float32), sharding)}
+  lora = {
+      "q": {
+          "lora_a": jax.device_put(
+              np.arange(64, dtype=np.float32).reshape(8, 8) + offset, sharding)
+      },
+      "b": jax.device_put(np.full((16,), offset, np.float32), sharding)
+  }
   return lora, jax.jit(optax.adamw(1e-3).init)(lora)
 
 
@@ -74,7 +78,7 @@ def test_refuses_other_config_and_shapes(saved):
   longer = dict(_abstract(lora), b=jax.ShapeDtypeStruct((32,), np.float32,
                                                         sharding=lora["b"].sharding))
   with pytest.raises(CheckpointError, match=r"lora/b is float32\[16\] there, this model needs "
-                                            r"float32\[32\]"):
+                     r"float32\[32\]"):
     ck.restore(6, cfg, longer, _abstract(opt))
   # steps and checkpoint settings may change on resume
   steps = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=99))
@@ -88,8 +92,9 @@ def test_refuses_corrupted_checkpoints(saved):
   for data in (step / "lora").rglob("*"):
     if data.is_file() and data.parent.name == "d":
       data.write_bytes(b"\0garbage")
-  with pytest.raises(CheckpointError, match=r"checkpoints/6: its array.* unreadable .*delete it "
-                                            r"to resume from step 4"):
+  with pytest.raises(
+      CheckpointError, match=r"checkpoints/6: its array.* unreadable .*delete it "
+      r"to resume from step 4"):
     ck.restore(6, cfg, _abstract(lora), _abstract(opt))
   (step / "meta" / "metadata").write_text("{not json")
   with pytest.raises(CheckpointError, match=r"checkpoints/6: its metadata is unreadable"):
@@ -151,9 +156,9 @@ def test_resume_after_kill_is_exact():
   args = ("--steps", str(steps), "--checkpoint-every", str(every), "--out", str(out),
           "--export-adapter", str(out / "adapter"))
   proc = cli_runs.launch(*args, log=cli_runs.scratch("killed.log"))
-  cli_runs.wait_for(lambda: len(cli_runs.metrics(out)) > every and
-                    (out / "checkpoints" / str(every)).is_dir(), proc,
-                    what=f"step {every} and its checkpoint")
+  cli_runs.wait_for(
+      lambda: len(cli_runs.metrics(out)) > every and (out / "checkpoints" / str(every)).is_dir(),
+      proc, what=f"step {every} and its checkpoint")
   cli_runs.kill(proc)
   assert proc.returncode == -9
   assert len(cli_runs.metrics(out)) < steps and not (out / "summary.json").exists()
@@ -192,19 +197,22 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
   frozen["lm_head"] = jax.device_put(head, frozen["lm_head"].sharding)
   hf_weights.save(tmp_path / "base", cfg, frozen)
   out = tmp_path / "run"
-  done = cli_runs.run("--steps", str(cli_runs.STEPS), "--checkpoint-every", str(cli_runs.EVERY),
-                      "--base-weights", str(tmp_path / "base"), "--out", str(out),
-                      "--train.max_nonfinite_in_a_row=2")
+  done = cli_runs.run("--steps", str(cli_runs.STEPS), "--checkpoint-every",
+                      str(cli_runs.EVERY), "--base-weights", str(tmp_path / "base"), "--out",
+                      str(out), "--train.max_nonfinite_in_a_row=2")
   assert done.returncode == 1, done.stderr[-3000:]
   assert "error: 2 non-finite steps in a row" in done.stderr
   assert "checkpoints/2" in done.stderr
   rows = cli_runs.metrics(out)
   assert [(r["step"], r["skipped"], r["nonfinite_total"]) for r in rows] == [(0, 1, 1), (1, 1, 2)]
   assert Checkpoints(out).steps() == [2]
-  restored = Checkpoints(out).manager.restore(2, args=ocp.args.Composite(
-      lora=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+  restored = Checkpoints(out).manager.restore(
+      2, args=ocp.args.Composite(lora=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
   assert restored["meta"]["nonfinite_in_a_row"] == 2
-  b_factors = [np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(restored["lora"])[0]
-               if "lora_b" in jax.tree_util.keystr(p)]
+  b_factors = [
+      np.asarray(x)
+      for p, x in jax.tree_util.tree_flatten_with_path(restored["lora"])[0]
+      if "lora_b" in jax.tree_util.keystr(p)
+  ]
   assert b_factors and all((b == 0).all() for b in b_factors)  # never updated: B starts at 0
   assert not os.path.exists(out / "summary.json")

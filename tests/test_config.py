@@ -22,9 +22,10 @@ def test_2p8t_preset_is_the_target():
 
 
 def test_overrides_parse_types():
-  overrides, rest = split_overrides(["--model.moe.top_k=4", "--lora.targets", "q,v",
-                                     "--train.learning_rate=1e-3", "--steps", "3",
-                                     "--model.linear_attention.delta_rule=false"])
+  overrides, rest = split_overrides([
+      "--model.moe.top_k=4", "--lora.targets", "q,v", "--train.learning_rate=1e-3", "--steps", "3",
+      "--model.linear_attention.delta_rule=false"
+  ])
   cfg = apply_overrides(get_preset("tiny"), overrides)
   assert cfg.model.moe.top_k == 4 and cfg.lora.targets == ("q", "v")
   assert cfg.train.learning_rate == 1e-3 and cfg.model.linear_attention.delta_rule is False
@@ -47,15 +48,31 @@ def test_unknown_preset():
 
 
 @pytest.mark.parametrize("changes, field", [
-    ({"model.moe.top_k": "9"}, "model.moe.top_k"),
-    ({"train.seq_len": "100"}, "train.seq_len"),
-    ({"train.grad_accum": "3"}, "train.batch_size"),
-    ({"model.pattern": "linear,global"}, "model.pattern"),
-    ({"memory.remat": "some"}, "memory.remat"),
-    ({"model.moe.spare_slots": "-1"}, "model.moe.spare_slots"),
-    ({"model.moe.rebalance_every": "-2"}, "model.moe.rebalance_every"),
-    ({"model.moe.bias_update_every": "1", "model.moe.bias_update_rate": "0"},
-     "model.moe.bias_update_rate"),
+    ({
+        "model.moe.top_k": "9"
+    }, "model.moe.top_k"),
+    ({
+        "train.seq_len": "100"
+    }, "train.seq_len"),
+    ({
+        "train.grad_accum": "3"
+    }, "train.batch_size"),
+    ({
+        "model.pattern": "linear,global"
+    }, "model.pattern"),
+    ({
+        "memory.remat": "some"
+    }, "memory.remat"),
+    ({
+        "model.moe.spare_slots": "-1"
+    }, "model.moe.spare_slots"),
+    ({
+        "model.moe.rebalance_every": "-2"
+    }, "model.moe.rebalance_every"),
+    ({
+        "model.moe.bias_update_every": "1",
+        "model.moe.bias_update_rate": "0"
+    }, "model.moe.bias_update_rate"),
 ])
 def test_validate_names_the_field(changes, field):
   with pytest.raises(ConfigError, match=field):

@@ -8,6 +8,7 @@ from hylora.data.sources import IGNORE_INDEX, Packer, SyntheticSource, TokenFile
 
 
 class ListSource:
+
   def __init__(self, docs):
     self.docs = [np.asarray(d, np.int32) for d in docs]
 

@@ -13,23 +13,33 @@ def _meta(kind, pid, name, tid=None):
 
 
 def _kernel(pid, tid, ts, dur, op=None, name="kernel"):
-  return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name,
-          "args": {"hlo_op": op} if op else {}}
+  return {
+      "ph": "X",
+      "pid": pid,
+      "tid": tid,
+      "ts": ts,
+      "dur": dur,
+      "name": name,
+      "args": {
+          "hlo_op": op
+      } if op else {}
+  }
 
 
 EVENTS = [
-    _meta("process_name", 1, "/host:CPU"), _meta("process_name", 2, "/device:GPU:0"),
+    _meta("process_name", 1, "/host:CPU"),
+    _meta("process_name", 2, "/device:GPU:0"),
     _meta("process_name", 3, "/device:GPU:1"),
     _meta("thread_name", 2, "Stream #14(Compute)", tid=10),
     _meta("thread_name", 2, "Stream #15(MemcpyH2D)", tid=11),
     _meta("thread_name", 2, "XLA Ops", tid=99),
     _kernel(2, 10, 0.0, 10.0, "fusion.1"),
-    _kernel(2, 11, 5.0, 10.0, "copy.2"),        # overlaps the first: busy 0..15
-    _kernel(2, 10, 20.0, 5.0, "fusion.1"),      # 5 us idle before it
+    _kernel(2, 11, 5.0, 10.0, "copy.2"),  # overlaps the first: busy 0..15
+    _kernel(2, 10, 20.0, 5.0, "fusion.1"),  # 5 us idle before it
     _kernel(2, 10, 40.0, 4.0, name="MemcpyD2H"),  # no instruction: its own name; 15 us idle
-    _kernel(2, 99, 100.0, 50.0, "fusion.1"),    # the ops line repeats the kernels: not counted
-    _kernel(3, 10, 0.0, 500.0, "fusion.9"),     # another device
-    _kernel(1, 1, 0.0, 900.0, "python"),        # the host
+    _kernel(2, 99, 100.0, 50.0, "fusion.1"),  # the ops line repeats the kernels: not counted
+    _kernel(3, 10, 0.0, 500.0, "fusion.9"),  # another device
+    _kernel(1, 1, 0.0, 900.0, "python"),  # the host
 ]
 
 
@@ -39,12 +49,17 @@ def test_timeline_merges_overlaps_and_sums_per_instruction(runs):
   assert t.events == 4
   assert t.busy_ms == pytest.approx(0.024 / runs) and t.span_ms == pytest.approx(0.044 / runs)
   assert t.idle_ms == pytest.approx(0.020 / runs)
-  assert t.by_instruction_us == pytest.approx({"fusion.1": 15.0 / runs, "copy.2": 10.0 / runs,
-                                               "MemcpyD2H": 4.0 / runs})
+  assert t.by_instruction_us == pytest.approx({
+      "fusion.1": 15.0 / runs,
+      "copy.2": 10.0 / runs,
+      "MemcpyD2H": 4.0 / runs
+  })
   assert list(t.by_instruction_us) == ["fusion.1", "copy.2", "MemcpyD2H"]  # largest first
   # longest first; "before" is the event that ended last
-  assert t.gaps == [pytest.approx((0.015, "fusion.1", "MemcpyD2H")),
-                    pytest.approx((0.005, "copy.2", "fusion.1"))]
+  assert t.gaps == [
+      pytest.approx((0.015, "fusion.1", "MemcpyD2H")),
+      pytest.approx((0.005, "copy.2", "fusion.1"))
+  ]
 
 
 def test_no_device_events_gives_none():

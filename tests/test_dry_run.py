@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # The reduced-depth variant: 2p8t widths, 896 experts, top-16, one 4-layer period
 # (2 dense + 2 MoE layers). Short rows and remat=none keep the compile CI-sized: the
 # argument bytes, counts and shardings checked here do not depend on either.
-REDUCED = ["--model.layers=4", "--train.batch_size=128", "--train.seq_len=64",
-           "--memory.remat=none"]
+REDUCED = [
+    "--model.layers=4", "--train.batch_size=128", "--train.seq_len=64", "--memory.remat=none"
+]
 
 
 def _command(*args: str) -> subprocess.Popen:
@@ -77,25 +78,45 @@ def _expected_by_kind(cfg) -> dict:
   dense = sum(ffn == "dense" for _, ffn in kinds)
   moe_layers = len(kinds) - dense
   h = la.heads * la.head_dim
-  linear_attn = (4 * d * h + d * la.gate_rank + la.gate_rank * h + d * la.output_gate_rank
-                 + la.output_gate_rank * h + d * la.heads)
+  linear_attn = (4 * d * h + d * la.gate_rank + la.gate_rank * h + d * la.output_gate_rank +
+                 la.output_gate_rank * h + d * la.heads)
   q, kv = sa.q_heads * sa.head_dim, sa.kv_heads * sa.head_dim
-  sparse_attn = (2 * d * q + 2 * d * kv + d * sa.index_q_rank
-                 + sa.index_q_rank * sa.index_heads * sa.index_head_dim
-                 + d * sa.index_head_dim + d * sa.index_heads)
+  sparse_attn = (2 * d * q + 2 * d * kv + d * sa.index_q_rank +
+                 sa.index_q_rank * sa.index_heads * sa.index_head_dim + d * sa.index_head_dim +
+                 d * sa.index_heads)
   f, e, shared_f = moe.expert_ffn, moe.experts, moe.expert_ffn * moe.shared_experts
   experts = moe_layers * e * 3 * d * f
   return {
-      "experts": {"total": experts, "active": experts * moe.top_k // e,
-                  "lora": moe_layers * e * r * (d + 2 * f)},
-      "shared_experts": {"total": moe_layers * 3 * d * shared_f,
-                         "lora": moe_layers * r * (d + 2 * shared_f)},
-      "dense_ffn": {"total": dense * 3 * d * m.dense_ffn, "lora": dense * r * (d + 2 * m.dense_ffn)},
-      "attention": {"total": lin * linear_attn + sparse * sparse_attn,
-                    "lora": lin * r * 4 * (d + h) + sparse * r * (2 * (d + q) + 2 * (d + kv))},
-      "router": {"total": moe_layers * (d * e + e), "lora": 0},
-      "norms": {"total": len(kinds) * 2 * d + lin * la.head_dim + d, "lora": 0},
-      "embeddings": {"total": 2 * m.vocab_size * d, "active": m.vocab_size * d, "lora": 0},
+      "experts": {
+          "total": experts,
+          "active": experts * moe.top_k // e,
+          "lora": moe_layers * e * r * (d + 2 * f)
+      },
+      "shared_experts": {
+          "total": moe_layers * 3 * d * shared_f,
+          "lora": moe_layers * r * (d + 2 * shared_f)
+      },
+      "dense_ffn": {
+          "total": dense * 3 * d * m.dense_ffn,
+          "lora": dense * r * (d + 2 * m.dense_ffn)
+      },
+      "attention": {
+          "total": lin * linear_attn + sparse * sparse_attn,
+          "lora": lin * r * 4 * (d + h) + sparse * r * (2 * (d + q) + 2 * (d + kv))
+      },
+      "router": {
+          "total": moe_layers * (d * e + e),
+          "lora": 0
+      },
+      "norms": {
+          "total": len(kinds) * 2 * d + lin * la.head_dim + d,
+          "lora": 0
+      },
+      "embeddings": {
+          "total": 2 * m.vocab_size * d,
+          "active": m.vocab_size * d,
+          "lora": 0
+      },
   }
 
 
@@ -138,8 +159,8 @@ def test_argument_bytes_match_the_analytic_figure(reduced):
   report, out = reduced
   b = report["bytes_per_device"]
   assert abs(b["xla_arguments"] - b["analytic_arguments"]) <= 0.02 * b["analytic_arguments"]
-  assert b["xla_peak"] == (b["xla_arguments"] + b["xla_outputs"] - b["xla_aliased"]
-                           + b["xla_temporaries"])
+  assert b["xla_peak"] == (b["xla_arguments"] + b["xla_outputs"] - b["xla_aliased"] +
+                           b["xla_temporaries"])
   assert report["fits"] == (b["xla_peak"] <= report["device_memory"])
   assert report["compile_seconds"] > 0 and report["step"]["dispatch"] == "ep_alltoall"
   assert report["partitioner_replications"] == []
@@ -205,7 +226,8 @@ def test_sizes_and_compiled_program_parsing():
       "  %a = bf16[4,4]{1,0} parameter(0)",
       '  %fusion.2 = f32[16,16]{1,0} fusion(%a), kind=kLoop, metadata={op_name="jit(step)/dot"}',
       "  %copy.3 = bf16[2,2]{1,0} copy(%a)",
-      "}"])
+      "}"
+  ])
   values = largest_values(hlo)
   assert [v["shape"] for v in values] == ["f32[16,16]", "bf16[2,2]"]
   assert values[0]["bytes"] == 1024 and values[0]["source"] == "jit(step)/dot"

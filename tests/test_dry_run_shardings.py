@@ -26,8 +26,8 @@ class _Mesh:
 def _per_device(template):
   """[(path, shape, shards)] of every variable of an abstract nnx.State on the 2 x 64 mesh."""
   out = []
-  leaves = jax.tree_util.tree_flatten_with_path(
-      template, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+  leaves = jax.tree_util.tree_flatten_with_path(template,
+                                                is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
   for path, var in leaves:
     spec = logical_to_spec(var.get_metadata().get("out_sharding"), var.shape, _Mesh, PARAM_RULES)
     shards = math.prod(MESH[a] for entry in spec if entry is not None

@@ -32,12 +32,14 @@ def _config(dispatch, **moe):
 
 
 def _layer(cfg):
+
   def build():
     layer = MoE(cfg.model, cfg.lora, init=ParamInit(0))
     init = ParamInit(1)  # non-zero B: the adapters matter and A gets gradients
     for b in (layer.experts.lora_b, layer.shared.gate_up.lora_b):
       b[...] = init.normal(b.shape, 0.5)
     return layer
+
   return nnx.jit(build)()  # one compile instead of hundreds of eager initialisers
 
 
@@ -67,8 +69,7 @@ def reference():
 @pytest.mark.parametrize("fsdp,expert,chunks", [(2, 4, 2), (1, 8, 1)])
 def test_ep_layer_equals_dropless_reference(reference, fsdp, expert, chunks):
   mesh = build_mesh(MeshConfig(fsdp=fsdp, expert=expert))
-  y, dropped, grads = _value_and_grads(_layer(_config("ep_alltoall", overlap_chunks=chunks)),
-                                       mesh)
+  y, dropped, grads = _value_and_grads(_layer(_config("ep_alltoall", overlap_chunks=chunks)), mesh)
   y_ref, dropped_ref, grads_ref = reference
   assert float(dropped) == 0.0
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -103,8 +104,8 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
   ranks = jax.lax.axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
   gather = lambda a: jax.lax.all_gather(a, axis_name)
-  operands, in_off, sizes, out_off = map(gather, (operand, input_offsets, send_sizes,
-                                                  output_offsets))
+  operands, in_off, sizes, out_off = map(gather,
+                                         (operand, input_offsets, send_sizes, output_offsets))
   rows = jnp.arange(output.shape[0])
   for src in range(ranks):
     start, count = out_off[src, me], sizes[src, me]
@@ -173,7 +174,8 @@ def test_each_overlap_chunk_has_its_own_all_to_alls():
 def test_only_ragged_on_gpu_asks_for_xla_options():
   ragged, padded = MoEConfig(transport="ragged"), MoEConfig(transport="padded")
   assert ep.xla_options(ragged, "gpu") == {
-      "xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": True}
+      "xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": True
+  }
   assert ep.xla_options(padded, "gpu") == ep.xla_options(ragged, "cpu") == {}
 
 

@@ -39,8 +39,11 @@ def written(model, tmp_path_factory):
 
 def test_table_names_every_parameter_once():
   cfg = small_config()
-  for variant in (cfg, dataclasses.replace(cfg, model=dataclasses.replace(
-      cfg.model, layers=8, dense_layers=0))):  # repeated periods: a stacked `layers` axis > 1
+  for variant in (cfg,
+                  dataclasses.replace(
+                      cfg, model=dataclasses.replace(
+                          cfg.model, layers=8,
+                          dense_layers=0))):  # repeated periods: a stacked `layers` axis > 1
     parts = st.model_parts(variant)
     _, frozen = st.abstract_arrays(parts)
     names = [n for leaf in plan(variant, frozen) for _, ns in leaf.items() for n in ns]
@@ -67,8 +70,8 @@ def test_written_tensors_follow_the_hf_layout(model, written):
   half = cfg.model.moe.expert_ffn
   np.testing.assert_array_equal(t["model.layers.1.mlp.experts.3.gate_proj.weight"],
                                 gate_up[:, :half].T)
-  np.testing.assert_array_equal(t["model.layers.1.mlp.experts.3.up_proj.weight"],
-                                gate_up[:, half:].T)
+  np.testing.assert_array_equal(t["model.layers.1.mlp.experts.3.up_proj.weight"], gate_up[:,
+                                                                                          half:].T)
   np.testing.assert_array_equal(t["lm_head.weight"], f["lm_head"].T)
   np.testing.assert_array_equal(t["model.embed_tokens.weight"], f["embed"])
   assert t["model.layers.0.input_layernorm.weight"].dtype == np.float32

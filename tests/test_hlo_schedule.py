@@ -35,9 +35,9 @@ ENTRY %main (x: bf16[8,128], w: bf16[4,128,128], t: (s32[], s32[], s32[], s32[],
 
 def test_windows_list_the_compute_inside_each_async_pair():
   windows = hlo_schedule.overlap_windows(GPU_TEXT)  # a2a_body belongs to async-start.2
-  assert [(w.collective, w.start, w.asynchronous) for w in windows] == [
-      ("all-to-all", "all-to-all-start", True), ("all-to-all", "async-start.2", True),
-      ("all-to-all", "all-to-all-start.1", True)]
+  assert [(w.collective, w.start, w.asynchronous) for w in windows
+         ] == [("all-to-all", "all-to-all-start", True), ("all-to-all", "async-start.2", True),
+               ("all-to-all", "all-to-all-start.1", True)]
   assert windows[0].compute == ["gmm (mosaic_gpu_v2)"]  # the bitcast is no compute
   assert windows[0].matmuls == ["gmm (mosaic_gpu_v2)"]
   assert windows[1].compute == ["gemm_fusion.4"] and windows[1].matmuls == ["gemm_fusion.4"]
@@ -46,15 +46,24 @@ def test_windows_list_the_compute_inside_each_async_pair():
 
 def test_summary_counts_asynchronous_collectives_with_matmuls_inside():
   s = hlo_schedule.summary(hlo_schedule.overlap_windows(GPU_TEXT))
-  assert s == {"collective": "all-to-all", "count": 3, "asynchronous": 3,
-               "with_compute_inside": 2, "with_matmul_inside": 2, "compute_inside": 2,
-               "kernels_inside": {"mosaic_gpu_v2": 1}}
+  assert s == {
+      "collective": "all-to-all",
+      "count": 3,
+      "asynchronous": 3,
+      "with_compute_inside": 2,
+      "with_matmul_inside": 2,
+      "compute_inside": 2,
+      "kernels_inside": {
+          "mosaic_gpu_v2": 1
+      }
+  }
 
 
 def test_cpu_collectives_are_synchronous():
   mesh = jax.make_mesh((8,), ("e",))
-  fn = jax.jit(jax.shard_map(lambda x: jax.lax.all_to_all(x @ x.T, "e", 0, 0, tiled=True),
-                             mesh=mesh, in_specs=P("e"), out_specs=P("e")))
+  fn = jax.jit(
+      jax.shard_map(lambda x: jax.lax.all_to_all(x @ x.T, "e", 0, 0, tiled=True), mesh=mesh,
+                    in_specs=P("e"), out_specs=P("e")))
   x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("e")))
   windows = hlo_schedule.overlap_windows(fn.lower(x).compile().as_text())
   assert [(w.collective, w.asynchronous) for w in windows] == [("all-to-all", False)]

@@ -30,15 +30,22 @@ def _causal_indices(top_k=16):
 
 CASES = {
     # KDA: qg, kg, w, v_new [B, T, H, D]; A_qk, (I + A_kk)^-1 [B, H, T/64, 64, 64]; states
-    "kda": (lambda q, k, v, g, beta: chunked_kda(q, k, v, g, beta)[0],
-            {(B, T, H, D): 4, (B, H, T // 64, 64, 64): 3}),
-    "gla": (lambda q, k, v, g, beta: chunked_gla(q, k, v, g)[0], {(B, H, T // 64, 64, 64): 1}),
-    "sparse": (lambda q, k, v, g, beta: sparse_attention(q, k, v, _causal_indices()),
-               {(B, T, H, D): 1}),
+    "kda": (lambda q, k, v, g, beta: chunked_kda(q, k, v, g, beta)[0], {
+        (B, T, H, D): 4,
+        (B, H, T // 64, 64, 64): 3
+    }),
+    "gla": (lambda q, k, v, g, beta: chunked_gla(q, k, v, g)[0], {
+        (B, H, T // 64, 64, 64): 1
+    }),
+    "sparse": (lambda q, k, v, g, beta: sparse_attention(q, k, v, _causal_indices()), {
+        (B, T, H, D): 1
+    }),
     # fused dense attention under the selection mask: its own residuals (on CPU, XLA's
     # attention: output, probabilities [B, HK, G, T, T], the mask)
-    "masked_dense": (lambda q, k, v, g, beta: masked_dense_attention(q, k, v, _causal_indices()),
-                     {(B, T, H, D): 1, (B, 1, H, T, T): 2}),
+    "masked_dense": (lambda q, k, v, g, beta: masked_dense_attention(q, k, v, _causal_indices()), {
+        (B, T, H, D): 1,
+        (B, 1, H, T, T): 2
+    }),
 }
 
 
@@ -54,8 +61,11 @@ def _saved(fn, capsys) -> list[str]:
 def test_residuals_are_saved_under_the_attention_name(kernel, capsys):
   fn, expected = CASES[kernel]
   loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
-  named = [line.split()[0] for line in _saved(jax.checkpoint(loss, policy=KEEP_ATTENTION), capsys)
-           if f"named '{save_points.ATTENTION}'" in line]
+  named = [
+      line.split()[0]
+      for line in _saved(jax.checkpoint(loss, policy=KEEP_ATTENTION), capsys)
+      if f"named '{save_points.ATTENTION}'" in line
+  ]
   for shape, count in expected.items():
     text = f"[{','.join(map(str, shape))}]"
     assert sum(s.endswith(text) for s in named) >= count, (kernel, named)

@@ -21,7 +21,9 @@ def cfg():
 
 def test_measured_working_set_is_the_largest_layer_of_compiled_parts(cfg):
   tokens = tokens_per_device(cfg, MESH)
-  parts = {p: part_memory.part_temp_bytes(cfg, p, tokens) for p in ("linear", "sparse", "moe", "dense")}
+  parts = {
+      p: part_memory.part_temp_bytes(cfg, p, tokens) for p in ("linear", "sparse", "moe", "dense")
+  }
   assert all(v > 0 for v in parts.values())
   kinds = set(cfg.model.layer_kinds())
   want = max(parts[m] + parts[f] for m, f in kinds)
@@ -35,8 +37,8 @@ def test_a_measured_working_set_replaces_the_estimate_in_the_peak(cfg):
   assert not analytic.working_compiled and measured.working_compiled
   stream = measured.working_bytes - 10 * analytic.working_bytes
   assert 0 < stream < analytic.working_bytes  # the stream's cotangents are added to both
-  assert (measured.predicted_peak_bytes - analytic.predicted_peak_bytes
-          == measured.working_bytes - analytic.working_bytes)
+  assert (measured.predicted_peak_bytes - analytic.predicted_peak_bytes == measured.working_bytes -
+          analytic.working_bytes)
   assert "working set of one layer (compiled)" in measured.table()
 
 

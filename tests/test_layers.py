@@ -21,8 +21,12 @@ FLOORS = (
     ("hylora.plan", "hylora.profile"),
     ("experiments",),
 )
-SOURCES = {"meshes": "meshes", "pallas_kernels": "pallas_kernels", "hylora": "src/hylora",
-           "experiments": "experiments"}
+SOURCES = {
+    "meshes": "meshes",
+    "pallas_kernels": "pallas_kernels",
+    "hylora": "src/hylora",
+    "experiments": "experiments"
+}
 
 
 def floor_of(module: str) -> int | None:

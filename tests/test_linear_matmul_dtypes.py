@@ -26,8 +26,8 @@ def _dots(jaxpr):
 
 def _layer():
   lora = LoRAConfig(rank=4, targets=("proj",))
-  return Linear((64,), (48,), ("embed",), ("mlp",), name="proj", lora=lora,
-                init=ParamInit(0), init_std=0.02)
+  return Linear((64,), (48,), ("embed",), ("mlp",), name="proj", lora=lora, init=ParamInit(0),
+                init_std=0.02)
 
 
 def test_input_gradient_of_the_frozen_kernel_is_a_bf16_matmul():

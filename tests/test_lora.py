@@ -14,8 +14,8 @@ from tests.helpers import small_config, small_model
 
 
 def _ctx(b, t):
-  seg = jnp.concatenate([jnp.ones((b, t // 2), jnp.int32), 2 * jnp.ones((b, t - t // 2),
-                                                                         jnp.int32)], 1)
+  seg = jnp.concatenate(
+      [jnp.ones((b, t // 2), jnp.int32), 2 * jnp.ones((b, t - t // 2), jnp.int32)], 1)
   pos = jnp.concatenate([jnp.arange(t // 2), jnp.arange(t - t // 2)])[None].repeat(b, 0)
   return ForwardContext(seg, pos)
 
@@ -40,8 +40,8 @@ def test_step0_adapted_model_reproduces_the_base_model_exactly(adapted):
 
 
 def test_adapters_are_fp32_base_is_bf16_and_b_starts_at_zero(adapted):
-  model = nnx.eval_shape(lambda: HybridLM(small_config().model, small_config().lora,
-                                              init=ParamInit(0)))
+  model = nnx.eval_shape(lambda: HybridLM(small_config().model,
+                                          small_config().lora, init=ParamInit(0)))
   lora = nnx.to_flat_state(nnx.state(model, LoRAParam))
   frozen = nnx.to_flat_state(nnx.state(model, nnx.Not(LoRAParam)))
   assert lora and all(v.dtype == jnp.float32 for _, v in lora)

@@ -31,15 +31,23 @@ from meshes.mesh import build_mesh
 from meshes.rules import activation_mesh
 from tests.helpers import small_config
 
-TIERED = MemoryConfig(remat="tiered", hbm_names=(save_points.QKV, save_points.TOPK, save_points.EXPERT_INPUT),
-                      host_names=(save_points.ATTENTION, save_points.EXPERT_GATE_UP, save_points.MLP_GATE_UP))
-POLICIES = {"none": MemoryConfig(remat="none"), "full": MemoryConfig(remat="full"),
-            "minimal": MemoryConfig(remat="minimal"), "tiered": TIERED}
+TIERED = MemoryConfig(
+    remat="tiered", hbm_names=(save_points.QKV, save_points.TOPK, save_points.EXPERT_INPUT),
+    host_names=(save_points.ATTENTION, save_points.EXPERT_GATE_UP, save_points.MLP_GATE_UP))
+POLICIES = {
+    "none": MemoryConfig(remat="none"),
+    "full": MemoryConfig(remat="full"),
+    "minimal": MemoryConfig(remat="minimal"),
+    "tiered": TIERED
+}
 # XLA:CPU's LLVM passes dominate the compile; the numbers do not depend on them. Excess
 # precision off: a policy's saved tensors are rounded to bf16 where the program says so,
 # and without it XLA may skip those roundings in `none` but not where a policy saves.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_allow_excess_precision": False}
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_allow_excess_precision": False
+}
 
 
 def _config(policy: MemoryConfig = MemoryConfig()):
@@ -57,8 +65,12 @@ def _batch(cfg, mesh):
   labels[:, -1] = IGNORE_INDEX
   segment_ids = np.where(np.arange(t) < t // 2, 1, 2).astype(np.int32) * np.ones((b, 1), np.int32)
   positions = np.where(np.arange(t) < t // 2, np.arange(t), np.arange(t) - t // 2)
-  arrays = {"tokens": tokens, "labels": labels, "segment_ids": segment_ids,
-            "positions": np.broadcast_to(positions, (b, t)).astype(np.int32)}
+  arrays = {
+      "tokens": tokens,
+      "labels": labels,
+      "segment_ids": segment_ids,
+      "positions": np.broadcast_to(positions, (b, t)).astype(np.int32)
+  }
   sharding = NamedSharding(mesh, P(("fsdp", "expert")))
   return {k: jax.device_put(arrays[k], sharding) for k in BATCH_KEYS}
 
@@ -84,8 +96,9 @@ def policy_results():
   # Non-zero adapters, so that every A and B receives a gradient (drawn on the host: no
   # compile per leaf shape).
   rng = np.random.default_rng(1)
-  lora = jax.tree.map(lambda a: jax.device_put(
-      (0.2 * rng.standard_normal(a.shape)).astype(a.dtype), a.sharding), lora)
+  lora = jax.tree.map(
+      lambda a: jax.device_put((0.2 * rng.standard_normal(a.shape)).astype(a.dtype), a.sharding),
+      lora)
   batch = _batch(base, mesh)
   fns = {name: _grad_fn(_config(policy), mesh) for name, policy in POLICIES.items()}
   step = jax.jit(lambda lora, frozen, batch: {n: f(lora, frozen, batch) for n, f in fns.items()})
@@ -116,7 +129,8 @@ def _lowered_for_gpu(policy: MemoryConfig) -> str:
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   lora, frozen = st.abstract_arrays(st.model_parts(cfg), mesh)
   b, t = cfg.train.batch_size, cfg.train.seq_len
-  spec = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=NamedSharding(mesh, P(("fsdp", "expert"))))
+  spec = jax.ShapeDtypeStruct((b, t), jnp.int32,
+                              sharding=NamedSharding(mesh, P(("fsdp", "expert"))))
   batch = {k: spec for k in BATCH_KEYS}
   traced = jax.jit(_grad_fn(cfg, mesh)).trace(lora, frozen, batch)
   return traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -124,8 +138,9 @@ def _lowered_for_gpu(policy: MemoryConfig) -> str:
 
 def test_tiered_policy_offloads_its_host_names_to_pinned_host_on_gpu():
   text = _lowered_for_gpu(dataclasses.replace(TIERED, host_offload="on"))
-  placements = re.findall(r"annotate_device_placement\(.*?_xla_buffer_placement = \"(\w+)\""
-                          r".*?-> (tensor<[^>]*>)", text)
+  placements = re.findall(
+      r"annotate_device_placement\(.*?_xla_buffer_placement = \"(\w+)\""
+      r".*?-> (tensor<[^>]*>)", text)
   to_host = {shape for kind, shape in placements if kind == "pinned_host"}
   to_device = {shape for kind, shape in placements if kind == "device"}
   cfg = _config()
@@ -165,9 +180,10 @@ def test_tiered_policy_keeps_host_names_on_device_on_cpu_and_says_so():
   assert offloads("cpu") == []
 
 
-@pytest.mark.parametrize("field, value", [
-    ("hbm_names", ("qkv", "not_a_point")), ("host_names", ("atention",)),
-    ("host_names", "attention"), ("remat", "some"), ("host_offload", "maybe")])
+@pytest.mark.parametrize("field, value", [("hbm_names", ("qkv", "not_a_point")),
+                                          ("host_names", ("atention",)),
+                                          ("host_names", "attention"), ("remat", "some"),
+                                          ("host_offload", "maybe")])
 def test_bad_memory_config_raises_config_error_naming_the_field(field, value):
   cfg = dataclasses.replace(TIERED, **{field: value})
   with pytest.raises(ConfigError, match=f"memory.{field}"):

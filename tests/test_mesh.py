@@ -40,8 +40,8 @@ def test_rules_expert_weights_and_fsdp():
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   assert logical_to_spec((ax.EXP, ax.EMBED, ax.EXP_MLP), (8, 32, 64), mesh,
                          PARAM_RULES) == P("expert", "fsdp", None)
-  assert logical_to_spec((ax.EMBED, ax.HEADS, ax.HEAD_DIM), (32, 4, 16), mesh,
-                         PARAM_RULES) == P(("fsdp", "expert"), None, None)
+  assert logical_to_spec((ax.EMBED, ax.HEADS, ax.HEAD_DIM), (32, 4, 16), mesh, PARAM_RULES) == P(
+      ("fsdp", "expert"), None, None)
   # Not divisible by both axes: falls back to the next candidate.
   assert logical_to_spec((ax.EMBED, ax.MLP), (6, 64), mesh, PARAM_RULES) == P("fsdp", "expert")
   assert logical_to_spec((ax.LAYERS, ax.EMBED), (3, 32), mesh,
@@ -54,8 +54,10 @@ def test_every_model_parameter_gets_a_sharding():
   parts = model_parts(cfg)
   lora_sh, frozen_sh = shardings(parts, mesh)
   flat = jax.tree_util.tree_leaves_with_path(frozen_sh)
-  experts = [s for p, s in flat if "experts" in jax.tree_util.keystr(p) and
-             "gate_up" in jax.tree_util.keystr(p)]
+  experts = [
+      s for p, s in flat
+      if "experts" in jax.tree_util.keystr(p) and "gate_up" in jax.tree_util.keystr(p)
+  ]
   assert experts and all(s.spec == P(None, "expert", "fsdp", None) for s in experts)
   embed = [s for p, s in flat if jax.tree_util.keystr(p) == "['embed']"]
   assert embed[0].spec == P(("fsdp", "expert"), None)

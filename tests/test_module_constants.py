@@ -16,21 +16,22 @@ PACKAGES = ("hylora", "pallas_kernels", "meshes")
 
 
 def _library_modules():
-    for package in PACKAGES:
-        root = importlib.import_module(package)
-        yield package
-        for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
-            if ".tests" not in info.name and not info.name.rsplit(".", 1)[-1].startswith("test_"):
-                yield info.name
+  for package in PACKAGES:
+    root = importlib.import_module(package)
+    yield package
+    for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+      if ".tests" not in info.name and not info.name.rsplit(".", 1)[-1].startswith("test_"):
+        yield info.name
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_module_level_jax_arrays(package):
-    offenders = []
-    for name in _library_modules():
-        if name.split(".")[0] != package:
-            continue
-        module = importlib.import_module(name)
-        offenders += [f"{name}.{attr}" for attr, value in vars(module).items()
-                      if isinstance(value, jax.Array)]
-    assert not offenders, f"module-level jax Arrays (use NumPy scalars/arrays): {offenders}"
+  offenders = []
+  for name in _library_modules():
+    if name.split(".")[0] != package:
+      continue
+    module = importlib.import_module(name)
+    offenders += [
+        f"{name}.{attr}" for attr, value in vars(module).items() if isinstance(value, jax.Array)
+    ]
+  assert not offenders, f"module-level jax Arrays (use NumPy scalars/arrays): {offenders}"

@@ -22,6 +22,7 @@ def _moe_with_trained_adapters(seed=0):
     for b in (moe.experts.lora_b, moe.shared.gate_up.lora_b):
       b[...] = init.normal(b.shape, 0.5)
     return moe
+
   return cfg, nnx.jit(build)()  # one compile instead of hundreds of eager initialisers
 
 

@@ -24,10 +24,11 @@ def _free_port() -> int:
 def test_two_processes_match_one_and_a_dead_peer_stops_the_other():
   reference = cli_runs.comparable(cli_runs.metrics(cli_runs.reference_run()))
   out, port = cli_runs.scratch("multihost"), _free_port()
-  procs = [cli_runs.launch("--steps", str(cli_runs.STEPS), "--devices", "4", "--out", str(out),
-                           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                           "--process-id", str(i), log=cli_runs.scratch(f"multihost-{i}.log"))
-           for i in range(2)]
+  procs = [
+      cli_runs.launch("--steps", str(cli_runs.STEPS), "--devices", "4", "--out", str(out),
+                      "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                      str(i), log=cli_runs.scratch(f"multihost-{i}.log")) for i in range(2)
+  ]
   try:
     checked = 3
     cli_runs.wait_for(lambda: len(cli_runs.metrics(out)) >= checked, procs[0],
@@ -60,8 +61,12 @@ def test_process_group_from_flags_and_slurm():
     resolve("10.0.0.1:1234", 4, None, env={})
   with pytest.raises(ConfigError, match=r"--process-id: must be in \[0, 4\)"):
     resolve("10.0.0.1:1234", 4, 4, env={})
-  slurm = {"SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_JOB_ID": "4097",
-           "SLURM_STEP_NODELIST": "gpu[003-007,011],cpu1"}
+  slurm = {
+      "SLURM_NTASKS": "16",
+      "SLURM_PROCID": "5",
+      "SLURM_JOB_ID": "4097",
+      "SLURM_STEP_NODELIST": "gpu[003-007,011],cpu1"
+  }
   group = resolve(env=slurm)
   assert group == type(group)("gpu003:61441", 16, 5, "slurm")
   assert resolve(env={**slurm, "JAX_COORDINATOR_PORT": "5000"}).coordinator == "gpu003:5000"

@@ -16,8 +16,8 @@ from hylora.data.sources import IGNORE_INDEX
 from tests.helpers import small_config
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|image|>", "<|endoftext|>"]
-WORDS = SPECIALS + ["[UNK]", "system", "user", "assistant", "what", "is", "this", "a", "cat",
-                    "."] + [f"w{i}" for i in range(200)]
+WORDS = SPECIALS + ["[UNK]", "system", "user", "assistant", "what", "is", "this", "a", "cat", "."
+                   ] + [f"w{i}" for i in range(200)]
 ID = {w: i for i, w in enumerate(WORDS)}
 TPT = small_config().model.vision.tokens_per_tile  # 4 image tokens per tile
 
@@ -35,11 +35,18 @@ def write_image(path, width, height, seed=0):
 
 
 def chat(user, assistant, image=None, system=None):
-  content = ([{"type": "image", "path": image}] if image else []) + [{"type": "text",
-                                                                       "text": user}]
+  content = ([{"type": "image", "path": image}] if image else []) + [{"type": "text", "text": user}]
   messages = [{"role": "system", "content": system}] if system else []
-  return {"messages": messages + [{"role": "user", "content": content},
-                                  {"role": "assistant", "content": assistant}]}
+  return {
+      "messages":
+          messages + [{
+              "role": "user",
+              "content": content
+          }, {
+              "role": "assistant",
+              "content": assistant
+          }]
+  }
 
 
 def write_data(folder, records):
@@ -68,24 +75,21 @@ def segments(batch):
 
 def text_records(lengths):
   """Plain-text records; the first word `w<i>` names record i."""
-  return [{"text": " ".join([f"w{i}"] + [f"w{100 + i}"] * (n - 1))} for i, n in
-          enumerate(lengths)]
+  return [{"text": " ".join([f"w{i}"] + [f"w{100 + i}"] * (n - 1))} for i, n in enumerate(lengths)]
 
 
 def test_chat_template_loss_mask_and_image_placeholders(tmp_path):
   write_image(tmp_path / "cat.png", 20, 12)  # 2x1 grid + thumbnail = 3 tiles
-  path = write_data(tmp_path, [chat("what is this", "a cat .", image="cat.png",
-                                    system="w1 w2")])
+  path = write_data(tmp_path, [chat("what is this", "a cat .", image="cat.png", system="w1 w2")])
   # 5 tile slots: the next copy of the record (3 more tiles) must wait for the next row.
   batch = loader(path, config(tiles_per_row=5)).next_batch(1)
   n = int((batch["segment_ids"][0] > 0).sum())
   tokens, labels = batch["tokens"][0, :n], batch["labels"][0, :n]
   im = 3 * TPT * [ID["<|image|>"]]
   expected = ([ID["<|im_start|>"], ID["system"], ID["w1"], ID["w2"], ID["<|im_end|>"]] +
-              [ID["<|im_start|>"], ID["user"]] + im + [ID["what"], ID["is"], ID["this"],
-                                                      ID["<|im_end|>"]] +
-              [ID["<|im_start|>"], ID["assistant"], ID["a"], ID["cat"], ID["."],
-               ID["<|im_end|>"]])
+              [ID["<|im_start|>"], ID["user"]] + im +
+              [ID["what"], ID["is"], ID["this"], ID["<|im_end|>"]] +
+              [ID["<|im_start|>"], ID["assistant"], ID["a"], ID["cat"], ID["."], ID["<|im_end|>"]])
   np.testing.assert_array_equal(tokens, expected)
   # Targets: exactly the assistant's words and its closing <|im_end|>.
   targets = [(i + 1, int(l)) for i, l in enumerate(labels) if l != IGNORE_INDEX]
@@ -95,8 +99,7 @@ def test_chat_template_loss_mask_and_image_placeholders(tmp_path):
   placed = batch["image_positions"][0]
   used = placed[placed[:, 0] >= 0]
   assert used.shape == (3, TPT) and (placed[3:] == -1).all()
-  np.testing.assert_array_equal(np.sort(used.ravel()),
-                                np.flatnonzero(tokens == ID["<|image|>"]))
+  np.testing.assert_array_equal(np.sort(used.ravel()), np.flatnonzero(tokens == ID["<|image|>"]))
   assert batch["images"][0, :3].any() and not batch["images"][0, 3:].any()
 
 
@@ -164,8 +167,8 @@ def test_same_seed_same_batches_and_another_seed_differs(tmp_path):
 
 def test_resume_mid_epoch_continues_with_the_next_unseen_example(tmp_path):
   write_image(tmp_path / "cat.png", 20, 12)
-  records = text_records(range(3, 30)) + [chat(f"w{i}", "a cat", image="cat.png")
-                                          for i in range(10)]
+  records = text_records(range(3,
+                               30)) + [chat(f"w{i}", "a cat", image="cat.png") for i in range(10)]
   path = write_data(tmp_path, records)
   first = loader(path)
   for _ in range(3):
@@ -212,15 +215,27 @@ def test_is_conversation_file(tmp_path):
 BAD = [
     ("missing image", chat("w1", "w2", image="nowhere.png"), "image .*nowhere.png does not exist"),
     ("unreadable image", chat("w1", "w2", image="broken.png"), "broken.png cannot be read"),
-    ("no text", {"text": "  "}, "record has no text"),
-    ("image only", {"messages": [{"role": "user", "content": [{"type": "image",
-                                                               "path": "ok.png"}]}]},
-     "record has no text"),
-    ("beyond vocabulary", {"text": "w1 w150"}, "'w150' has id 164, outside the model vocabulary"),
+    ("no text", {
+        "text": "  "
+    }, "record has no text"),
+    ("image only", {
+        "messages": [{
+            "role": "user",
+            "content": [{
+                "type": "image",
+                "path": "ok.png"
+            }]
+        }]
+    }, "record has no text"),
+    ("beyond vocabulary", {
+        "text": "w1 w150"
+    }, "'w150' has id 164, outside the model vocabulary"),
     ("image too large", chat("w1", "w2", image="huge.png"),
      "huge.png is 300x10, larger than model.vision.max_image_side=256"),
     ("not json", "{oops", "not valid JSON"),
-    ("placeholder in text", {"text": "w1 <|image|> w2"}, "contains the image placeholder"),
+    ("placeholder in text", {
+        "text": "w1 <|image|> w2"
+    }, "contains the image placeholder"),
 ]
 
 
@@ -244,8 +259,8 @@ def test_bad_record_is_named_or_skipped_and_counted(tmp_path, name, record, mess
     data = loader(path, cfg)
     for _ in range(2):
       data.next_batch(1)
-  skipping = loader(path, dataclasses.replace(cfg, train=dataclasses.replace(
-      cfg.train, skip_bad_records=True)))
+  skipping = loader(
+      path, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, skip_bad_records=True)))
   batch = skipping.next_batch(1)  # several epochs of 4 records: one bad in each
   assert skipping.skipped == skipping.next_example // 4 >= 1
   assert batch["segment_ids"].max() == skipping.next_example - skipping.skipped

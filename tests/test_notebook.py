@@ -18,12 +18,17 @@ def test_quickstart_notebook_executes(monkeypatch):
   # The kernel sets its own device count and keeps the suite's other XLA flags: its
   # compile takes most of its time.
   monkeypatch.setenv("XLA_FLAGS", cli_runs.xla_flags_for_children())
-  NotebookClient(nb, timeout=600, kernel_name="python3",
-                 resources={"metadata": {"path": str(ROOT)}}).execute()
-  text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                   for o in c.get("outputs", []))
+  NotebookClient(nb, timeout=600, kernel_name="python3", resources={
+      "metadata": {
+          "path": str(ROOT)
+      }
+  }).execute()
+  text = "\n".join(
+      o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
   assert "residual_mix" in text and "FAIL" not in text
   losses = [float(x) for x in re.findall(r"'(\d+\.\d{4})'", text)]
   assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
-  assert any(o.get("output_type") == "display_data" for c in nb.cells
-             for o in c.get("outputs", []))  # the plot
+  assert any(
+      o.get("output_type") == "display_data"
+      for c in nb.cells
+      for o in c.get("outputs", []))  # the plot

@@ -36,8 +36,10 @@ def _expected_modules(cfg):
       modules += [f"model.layers.{i}.mlp.{m}_proj" for m in ("gate", "up")]
     else:
       modules += [f"model.layers.{i}.mlp.shared_experts.{m}_proj" for m in ("gate", "up")]
-      modules += [f"model.layers.{i}.mlp.experts.{e}.{m}_proj"
-                  for e in range(cfg.model.moe.experts) for m in ("gate", "up")]
+      modules += [
+          f"model.layers.{i}.mlp.experts.{e}.{m}_proj" for e in range(cfg.model.moe.experts)
+          for m in ("gate", "up")
+      ]
   return modules
 
 
@@ -46,8 +48,9 @@ def test_files_names_and_shapes_follow_peft(exported):
   config = json.loads((out / peft_export.CONFIG_FILE).read_text())
   assert config["peft_type"] == "LORA" and config["r"] == cfg.lora.rank
   assert config["lora_alpha"] == cfg.lora.alpha
-  assert config["target_modules"] == ["gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
-                                      "v_proj"]
+  assert config["target_modules"] == [
+      "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"
+  ]
   want = {f"{P}{m}.lora_{ab}.weight" for m in _expected_modules(cfg) for ab in "AB"}
   assert set(tensors) == want
   r, d = cfg.lora.rank, cfg.model.d_model
@@ -100,7 +103,7 @@ def test_merge_is_base_plus_scaled_b_a(exported):
     want = base[name].astype(np.float32) + scale * delta
     assert np.abs(delta).max() > 0, name
     # bf16 weights: within one rounding step of the fp32 sum
-    np.testing.assert_allclose(merged[name].astype(np.float32), want, rtol=2 ** -7, atol=1e-6,
+    np.testing.assert_allclose(merged[name].astype(np.float32), want, rtol=2**-7, atol=1e-6,
                                err_msg=name)
   # the merged folder is itself loadable base weights
   _, frozen_abstract = st.abstract_arrays(parts, mesh)

@@ -20,8 +20,8 @@ def test_value_and_gradient_match_take():
 
 def test_backward_is_a_gather_not_a_scatter():
   perm = jnp.arange(8, dtype=jnp.int32)[::-1]
-  text = jax.jit(jax.grad(lambda x: jnp.sum(permute_rows(x, perm, perm) ** 2))).lower(
-      jnp.ones((8, 3))).as_text()
+  text = jax.jit(jax.grad(lambda x: jnp.sum(permute_rows(x, perm, perm)**2))).lower(jnp.ones(
+      (8, 3))).as_text()
   assert "scatter" not in text and "gather" in text
 
 
@@ -56,14 +56,14 @@ def test_gather_rows_ignores_invalid_readers_of_masked_rows():
   want = jax.grad(lambda x: jnp.sum(masked(jnp.take(x, index, axis=0)) * cot))(x)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   # a wrong reader list gives a wrong gradient: the test can tell
-  wrong = jax.grad(lambda x: jnp.sum(masked(gather_rows(x, index, readers, keep[:10, None]
-                                                          .repeat(3, 1))) * cot))(x)
+  wrong = jax.grad(lambda x: jnp.sum(
+      masked(gather_rows(x, index, readers, keep[:10, None].repeat(3, 1))) * cot))(x)
   assert not np.allclose(wrong, want)
 
 
 def test_gather_rows_backward_is_a_gather_not_a_scatter():
   index, readers = _top_k_dispatch()
   valid = jnp.ones(readers.shape, bool)
-  text = jax.jit(jax.grad(lambda x: jnp.sum(gather_rows(x, index, readers, valid) ** 2))).lower(
+  text = jax.jit(jax.grad(lambda x: jnp.sum(gather_rows(x, index, readers, valid)**2))).lower(
       jnp.ones((10, 6))).as_text()
   assert "scatter" not in text and "gather" in text

@@ -13,8 +13,11 @@ TEXT = """ENTRY %main {
 
 def test_source_ops_name_the_jax_op_behind_each_instruction():
   ops = profile_part.source_ops(TEXT)
-  assert ops == {"fusion.5": "jit(loss)/jvp()/Block/LinearAttention/mul",
-                 "custom-call.2": "jit(loss)/transpose(jvp())/pallas_call", "x": "add"}
+  assert ops == {
+      "fusion.5": "jit(loss)/jvp()/Block/LinearAttention/mul",
+      "custom-call.2": "jit(loss)/transpose(jvp())/pallas_call",
+      "x": "add"
+  }
   assert profile_part.label(ops["fusion.5"]) == "jvp()/Block/LinearAttention/mul"
 
 
@@ -28,8 +31,10 @@ def test_phases_follow_the_op_name_path():
 
 
 # a two-layer tiny model, one run of each kind: the paths, not the numbers
-SMALL = ["--preset", "tiny", "--runs", "1", "--repeats", "1", "--model.layers=2",
-         "--model.pattern=linear,sparse", "--model.dense_layers=1", "--train.seq_len=64"]
+SMALL = [
+    "--preset", "tiny", "--runs", "1", "--repeats", "1", "--model.layers=2",
+    "--model.pattern=linear,sparse", "--model.dense_layers=1", "--train.seq_len=64"
+]
 
 
 def test_cpu_step_run_says_there_is_no_instruction_profile(capsys, monkeypatch):

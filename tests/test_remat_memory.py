@@ -23,8 +23,8 @@ def _temp_bytes(remat: str) -> int:
   cfg = tiny()
   cfg = dataclasses.replace(
       # one period of one layer of each mixer (both with the MoE FFN)
-      cfg, model=dataclasses.replace(cfg.model, layers=2, dense_layers=0,
-                                     pattern=("linear", "sparse")),
+      cfg,
+      model=dataclasses.replace(cfg.model, layers=2, dense_layers=0, pattern=("linear", "sparse")),
       mesh=MeshConfig(fsdp=1, expert=1),
       train=dataclasses.replace(cfg.train, seq_len=1024, batch_size=1),
       memory=MemoryConfig(remat=remat)).validate()
@@ -33,16 +33,23 @@ def _temp_bytes(remat: str) -> int:
   lora, frozen = st.abstract_arrays(parts, mesh)  # compiled, never run: shapes suffice
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, cfg.model.vocab_size, (1, 1024)), jnp.int32)
-  batch = {"tokens": tokens, "labels": jnp.roll(tokens, -1, axis=1),
-           "segment_ids": jnp.ones_like(tokens), "positions": jnp.arange(1024)[None]}
+  batch = {
+      "tokens": tokens,
+      "labels": jnp.roll(tokens, -1, axis=1),
+      "segment_ids": jnp.ones_like(tokens),
+      "positions": jnp.arange(1024)[None]
+  }
   objective = make_loss_fn(cfg, parts)
-  grad = jax.jit(jax.grad(lambda lora, frozen, batch: objective(
-      lora, frozen, batch, jnp.float32(1024), None)[0]))
+  grad = jax.jit(
+      jax.grad(
+          lambda lora, frozen, batch: objective(lora, frozen, batch, jnp.float32(1024), None)[0]))
   with jax.set_mesh(mesh):
     # LLVM's passes dominate the compile; buffer assignment, which sets the figure, is
     # done on the HLO before them.
     compiled = grad.lower(lora, frozen, batch).compile(compiler_options={
-        "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+        "xla_backend_optimization_level": 0,
+        "xla_llvm_disable_expensive_passes": True
+    })
   return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -24,8 +24,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 
 def _cfg(residual: str) -> Config:
   cfg = small_config()
-  model = dataclasses.replace(cfg.model, layers=3, pattern=("linear", "sparse"),
-                              dense_layers=3, residual=residual, residual_window=2)
+  model = dataclasses.replace(cfg.model, layers=3, pattern=("linear", "sparse"), dense_layers=3,
+                              residual=residual, residual_window=2)
   return dataclasses.replace(cfg, model=model).validate()
 
 
@@ -39,13 +39,17 @@ def batch():
 def _loss_fn(cfg, batch):
   """jitted (mix weights [W + 1] for every layer) -> (loss, its gradient); the model is
   built inside."""
+
   def loss(weights):
     model = HybridLM(cfg.model, cfg.lora, init=ParamInit(0))
     graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
     lora = jax.tree.map_with_path(
         lambda p, x: jnp.broadcast_to(weights, x.shape) if "residual" in str(p) else x, lora)
-    loss_sum, count, _ = nnx.merge(graphdef, lora, rest).loss_terms(batch, execution=Execution(cfg.kernels, cfg.memory))
+    loss_sum, count, _ = nnx.merge(graphdef, lora,
+                                   rest).loss_terms(batch,
+                                                    execution=Execution(cfg.kernels, cfg.memory))
     return loss_sum / count
+
   return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)
 
 
@@ -78,8 +82,8 @@ def test_kernel_matches_reference_exactly_at_fp32():
   x = jax.random.normal(ks[0], (3, 5, 48))  # rows and columns not powers of two
   h = jax.random.normal(ks[1], (3, 3, 5, 48))
   w = jax.random.normal(ks[2], (4,))
-  np.testing.assert_allclose(residual_mix(x, h, w), residual_mix_reference(x, h, w),
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(residual_mix(x, h, w), residual_mix_reference(x, h, w), rtol=1e-6,
+                             atol=1e-6)
 
 
 def test_bad_inputs_and_config_are_named():
@@ -89,8 +93,8 @@ def test_bad_inputs_and_config_are_named():
   with pytest.raises(ValueError, match=r"weights must have shape \[W \+ 1\] = \[3\]"):
     residual_mix(x, jnp.zeros((2, 2, 8, 16)), jnp.zeros(2))
   with pytest.raises(ConfigError, match="model.residual"):
-    dataclasses.replace(small_config(), model=dataclasses.replace(
-        small_config().model, residual="dense")).validate()
+    dataclasses.replace(small_config(), model=dataclasses.replace(small_config().model,
+                                                                  residual="dense")).validate()
   with pytest.raises(ConfigError, match="model.residual_window"):
-    dataclasses.replace(small_config(), model=dataclasses.replace(
-        small_config().model, residual_window=0)).validate()
+    dataclasses.replace(small_config(), model=dataclasses.replace(small_config().model,
+                                                                  residual_window=0)).validate()

@@ -40,7 +40,7 @@ def _loss(fn, args, h0, seg, probe):
 
 
 @pytest.mark.parametrize("kind, mesh_shape, batch", [("gla", (4, 2), 2), ("kda", (2, 4), 1),
-                                                    ("kda", (4, 2), 2)])
+                                                     ("kda", (4, 2), 2)])
 def test_split_sequence_matches_whole_sequence_forward_and_gradients(kind, mesh_shape, batch):
   reference = {"gla": gla_chunked, "kda": kda_chunked}[kind]
   mesh = build_mesh(MeshConfig(fsdp=mesh_shape[0], expert=mesh_shape[1]))
@@ -50,8 +50,8 @@ def test_split_sequence_matches_whole_sequence_forward_and_gradients(kind, mesh_
     split = sequence_split(args[0])
   assert split is not None and split[2] == "fsdp"  # the sequence is split over fsdp
   wrapped = split_recurrence_over_devices(reference)
-  probe = (jax.random.normal(jax.random.key(9), args[2].shape),
-           jax.random.normal(jax.random.key(10), h0.shape))
+  probe = (jax.random.normal(jax.random.key(9),
+                             args[2].shape), jax.random.normal(jax.random.key(10), h0.shape))
   grad_args = tuple(range(len(args))) + (len(args),)
 
   def loss_of(fn):
@@ -83,8 +83,9 @@ def test_split_sequence_matches_whole_sequence_forward_and_gradients(kind, mesh_
   for name, got, want in zip(names, grads, want_grads):
     scale = float(jnp.max(jnp.abs(want)))
     assert scale > 0, name
-    np.testing.assert_allclose(np.asarray(got) / scale, np.asarray(want) / scale,
-                               atol=2e-4, err_msg=name)
+    np.testing.assert_allclose(
+        np.asarray(got) / scale,
+        np.asarray(want) / scale, atol=2e-4, err_msg=name)
 
 
 def test_whole_sequences_per_device_take_the_row_path():
@@ -100,8 +101,8 @@ def test_whole_sequences_per_device_take_the_row_path():
       return wrapped(*xs, segment_ids=seg)[0]
 
   np.testing.assert_allclose(np.asarray(run(*args)),
-                             np.asarray(gla_chunked(*args, segment_ids=seg)[0]),
-                             rtol=1e-5, atol=1e-5)
+                             np.asarray(gla_chunked(*args, segment_ids=seg)[0]), rtol=1e-5,
+                             atol=1e-5)
   jaxpr = str(jax.make_jaxpr(run)(*args))
   assert "shard_map" in jaxpr and "all_gather" not in jaxpr
 

@@ -22,7 +22,6 @@ from meshes.mesh import build_mesh
 from meshes.rules import activation_mesh
 from helpers import two_layer_config
 
-
 # XLA:CPU's LLVM passes dominate the compile; the numbers do not depend on them.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -46,8 +45,8 @@ def setup():
 
 def _grads(cfg, parts, batch, mesh, params):
   lora, frozen = jax.device_put(params, st.shardings(parts, mesh))
-  objective = make_loss_fn(dataclasses.replace(cfg, train=dataclasses.replace(
-      cfg.train, grad_accum=1)), parts)
+  objective = make_loss_fn(
+      dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1)), parts)
   total = int(np.sum(batch["labels"] != IGNORE_INDEX))
 
   @functools.partial(jax.jit, compiler_options=FAST_COMPILE)

@@ -48,8 +48,8 @@ def model_and_logits():
   n = cfg.model.vision.tokens_per_tile
   positions = np.full((2, 1, n), -1, np.int32)  # one tile slot per row; row 1 has no image
   positions[0, 0] = IMAGE_AT + np.arange(n)
-  logits = jax.jit(lambda st, im: nnx.merge(graphdef, st).logits(tokens, ctx, im,
-                                                                 jnp.asarray(positions)))
+  logits = jax.jit(
+      lambda st, im: nnx.merge(graphdef, st).logits(tokens, ctx, im, jnp.asarray(positions)))
   return cfg, model, lambda images: np.asarray(logits(state, images))
 
 
@@ -75,8 +75,8 @@ def test_wrong_image_shapes_are_named(model_and_logits):
   with pytest.raises(DataError, match=r"batch\['image_positions'\]"):
     model.hidden(tokens, ctx, _image(0, cfg)[:1], jnp.zeros((1, 1, 3), jnp.int32))
   with pytest.raises(DataError, match=r"batch\['images'\]"):
-    model.hidden(tokens, ctx, jnp.zeros((1, 1, 8, 8, 3), jnp.uint8),
-                 jnp.zeros((1, 1, 4), jnp.int32))
+    model.hidden(tokens, ctx, jnp.zeros((1, 1, 8, 8, 3), jnp.uint8), jnp.zeros((1, 1, 4),
+                                                                               jnp.int32))
 
 
 def _with_targets(cfg, targets):
@@ -92,14 +92,13 @@ def test_encoder_frozen_by_default_and_adapted_by_option():
   default = nnx.eval_shape(lambda: _tower(cfg, init=ParamInit(0)))
   assert not jax.tree.leaves(nnx.state(default, LoRAParam))
   assert jax.tree.leaves(nnx.state(default, nnx.Param))
-  opted = nnx.eval_shape(lambda: _tower(
-      _with_targets(cfg, cfg.lora.targets + ("vision.*",)), init=ParamInit(0)))
+  opted = nnx.eval_shape(lambda: _tower(_with_targets(cfg, cfg.lora.targets +
+                                                      ("vision.*",)), init=ParamInit(0)))
   adapted = {str(path[-2]) for path, _ in nnx.to_flat_state(nnx.state(opted, LoRAParam))}
   assert adapted == {"q", "k", "v", "o", "fc1", "fc2", "patch_embed", "proj_in", "proj_out"}
-  only_attention = nnx.eval_shape(lambda: _tower(
-      _with_targets(cfg, ("vision.q", "vision.v")), init=ParamInit(0)))
-  adapted = {str(path[-2]) for path, _ in
-             nnx.to_flat_state(nnx.state(only_attention, LoRAParam))}
+  only_attention = nnx.eval_shape(
+      lambda: _tower(_with_targets(cfg, ("vision.q", "vision.v")), init=ParamInit(0)))
+  adapted = {str(path[-2]) for path, _ in nnx.to_flat_state(nnx.state(only_attention, LoRAParam))}
   assert adapted == {"q", "v"}
 
 
@@ -108,15 +107,15 @@ def test_vision_weights_are_fsdp_sharded():
   tower = nnx.eval_shape(lambda: _tower(cfg, init=ParamInit(0)))
   vision = nnx.to_pure_dict(state_shardings(nnx.state(tower), build_mesh(cfg.mesh)))
   assert vision["encoder"]["blocks"]["fc1"]["kernel"].spec == P(None, ("fsdp", "expert"), None)
-  assert vision["encoder"]["blocks"]["q"]["kernel"].spec == P(None, ("fsdp", "expert"), None,
-                                                              None)
+  assert vision["encoder"]["blocks"]["q"]["kernel"].spec == P(None, ("fsdp", "expert"), None, None)
   assert vision["projector"]["proj_out"]["kernel"].spec == P(("fsdp", "expert"), None)
 
 
 def test_enabling_vision_leaves_the_language_model_weights_unchanged():
   cfg = small_config()
-  off = dataclasses.replace(cfg, model=dataclasses.replace(
-      cfg.model, vision=dataclasses.replace(cfg.model.vision, enabled=False)))
+  off = dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model,
+                                     vision=dataclasses.replace(cfg.model.vision, enabled=False)))
 
   @functools.partial(jax.jit, static_argnums=0)
   def first_and_last_lm_weights(with_vision):

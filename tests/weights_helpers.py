@@ -34,8 +34,7 @@ def model_and_trees(cfg, seed: int = 0):
   mesh = build_mesh(cfg.mesh)
   parts = st.model_parts(cfg)
   lora_abstract, frozen_abstract = st.abstract_arrays(parts, mesh)
-  return (mesh, parts, random_tree(lora_abstract, seed + 1),
-          random_tree(frozen_abstract, seed))
+  return (mesh, parts, random_tree(lora_abstract, seed + 1), random_tree(frozen_abstract, seed))
 
 
 def host(tree) -> dict:

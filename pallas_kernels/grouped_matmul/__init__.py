@@ -18,16 +18,20 @@ from .reference import grouped_lora_reference, grouped_matmul_reference
 
 
 def _kernel(lhs, rhs, group_sizes, *, transpose_rhs):
-    # Chosen when traced, so the same function runs on CPU (CI) and on the GPU.
-    if jax.default_backend() == "gpu":
-        return mosaic_ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
-    return xla_ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+  # Chosen when traced, so the same function runs on CPU (CI) and on the GPU.
+  if jax.default_backend() == "gpu":
+    return mosaic_ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+  return xla_ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
 
 
 grouped_matmul = make_grouped_matmul(_kernel)
 grouped_lora = make_grouped_lora(grouped_matmul)
 
 __all__ = [
-    "grouped_matmul", "grouped_lora", "make_grouped_matmul", "make_grouped_lora",
-    "grouped_matmul_reference", "grouped_lora_reference",
+    "grouped_matmul",
+    "grouped_lora",
+    "make_grouped_matmul",
+    "make_grouped_lora",
+    "grouped_matmul_reference",
+    "grouped_lora_reference",
 ]

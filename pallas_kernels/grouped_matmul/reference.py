@@ -11,13 +11,13 @@ from .input_checks import check_grouped_matmul_inputs, check_grouped_lora_inputs
 
 
 def grouped_matmul_reference(lhs, rhs, group_sizes):
-    """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 -> [M, N]."""
-    check_grouped_matmul_inputs(lhs, rhs, group_sizes)
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 -> [M, N]."""
+  check_grouped_matmul_inputs(lhs, rhs, group_sizes)
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
 def grouped_lora_reference(x, a, b, group_sizes, scale):
-    """scale * (x @ a[g]) @ b[g] per group: x [M, K], a [G, K, r], b [G, r, N] -> [M, N]."""
-    check_grouped_lora_inputs(x, a, b, group_sizes)
-    hidden = jax.lax.ragged_dot(x, a, group_sizes)
-    return (scale * jax.lax.ragged_dot(hidden, b, group_sizes)).astype(x.dtype)
+  """scale * (x @ a[g]) @ b[g] per group: x [M, K], a [G, K, r], b [G, r, N] -> [M, N]."""
+  check_grouped_lora_inputs(x, a, b, group_sizes)
+  hidden = jax.lax.ragged_dot(x, a, group_sizes)
+  return (scale * jax.lax.ragged_dot(hidden, b, group_sizes)).astype(x.dtype)

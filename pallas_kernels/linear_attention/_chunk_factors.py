@@ -16,13 +16,13 @@ from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
 
 
 def midpoint(b):
-    """(m [1, D], bounded): the per-channel midpoint of b [C, D] and whether the chunk may
+  """(m [1, D], bounded): the per-channel midpoint of b [C, D] and whether the chunk may
     factor its decays through it."""
-    hi, lo = jnp.max(b, axis=0, keepdims=True), jnp.min(b, axis=0, keepdims=True)
-    return 0.5 * (hi + lo), jnp.max(hi - lo) <= 2.0 * FACTOR_LIMIT
+  hi, lo = jnp.max(b, axis=0, keepdims=True), jnp.min(b, axis=0, keepdims=True)
+  return 0.5 * (hi + lo), jnp.max(hi - lo) <= 2.0 * FACTOR_LIMIT
 
 
 def factors(b, m):
-    """(exp(b - m), exp(m - b)): the query-side and key-side factors of every token."""
-    rel = b - m
-    return jnp.exp(rel), jnp.exp(-rel)
+  """(exp(b - m), exp(m - b)): the query-side and key-side factors of every token."""
+  rel = b - m
+  return jnp.exp(rel), jnp.exp(-rel)

@@ -6,34 +6,34 @@ from pallas_kernels.linear_attention._inputs import CHUNK, pad_time, run_ids
 
 
 def padded_length(T):
-    return -(-T // CHUNK) * CHUNK
+  return -(-T // CHUNK) * CHUNK
 
 
 def segment_masks(runs):
-    """Per-token int32 flags from run ids [B, Tp]:
+  """Per-token int32 flags from run ids [B, Tp]:
     carry_in: the token is in the run that was open before its chunk (it sees the chunk's
       start state; at the chunk's last token it says whether that state survives the chunk);
     in_last: the token is in the chunk's last run (its key/value reach the next chunk).
     """
-    B, Tp = runs.shape
-    per_chunk = runs.reshape(B, Tp // CHUNK, CHUNK)
-    before = jnp.concatenate([jnp.zeros((B, 1), runs.dtype), per_chunk[:, :-1, -1]], axis=1)
-    carry_in = per_chunk == before[:, :, None]
-    in_last = per_chunk == per_chunk[:, :, -1:]
-    return carry_in.reshape(B, Tp).astype(jnp.int32), in_last.reshape(B, Tp).astype(jnp.int32)
+  B, Tp = runs.shape
+  per_chunk = runs.reshape(B, Tp // CHUNK, CHUNK)
+  before = jnp.concatenate([jnp.zeros((B, 1), runs.dtype), per_chunk[:, :-1, -1]], axis=1)
+  carry_in = per_chunk == before[:, :, None]
+  in_last = per_chunk == per_chunk[:, :, -1:]
+  return carry_in.reshape(B, Tp).astype(jnp.int32), in_last.reshape(B, Tp).astype(jnp.int32)
 
 
 def prepare(q, k, v, g, segment_ids, B, T):
-    """Pads to a multiple of the chunk (zero tokens: no contribution, no decay)."""
-    Tp = padded_length(T)
-    runs = pad_time(run_ids(segment_ids, B, T), Tp, "edge")
-    q, k, v = (pad_time(x, Tp) for x in (q, k, v))
-    b = chunk_cumsum(pad_time(g, Tp))
-    return q, k, v, b, runs
+  """Pads to a multiple of the chunk (zero tokens: no contribution, no decay)."""
+  Tp = padded_length(T)
+  runs = pad_time(run_ids(segment_ids, B, T), Tp, "edge")
+  q, k, v = (pad_time(x, Tp) for x in (q, k, v))
+  b = chunk_cumsum(pad_time(g, Tp))
+  return q, k, v, b, runs
 
 
 def state_factors(b, carry_in):
-    """keep exp(b_last) per chunk [B, NT, H, Dk] fp32: the factor that carries a state
+  """keep exp(b_last) per chunk [B, NT, H, Dk] fp32: the factor that carries a state
     across each chunk (0 when a segment starts inside it)."""
-    keep = carry_in[:, CHUNK - 1::CHUNK].astype(jnp.float32)
-    return keep[:, :, None, None] * jnp.exp(b[:, CHUNK - 1::CHUNK])
+  keep = carry_in[:, CHUNK - 1::CHUNK].astype(jnp.float32)
+  return keep[:, :, None, None] * jnp.exp(b[:, CHUNK - 1::CHUNK])

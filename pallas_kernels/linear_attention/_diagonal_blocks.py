@@ -19,29 +19,29 @@ FACTOR_LIMIT = 40.0
 
 
 def factorable(b_i, b_r):
-    """Whether the sub-chunk with cumulative log decays b_i [16, D] (first row b_r [1, D])
+  """Whether the sub-chunk with cumulative log decays b_i [16, D] (first row b_r [1, D])
     may factor its decays."""
-    return jnp.max(jnp.abs(b_i - b_r)) <= FACTOR_LIMIT
+  return jnp.max(jnp.abs(b_i - b_r)) <= FACTOR_LIMIT
 
 
 def decay_factors(b_i, b_r):
-    """(exp(b_t - b_r), exp(b_r - b_t)) per row t of the sub-chunk."""
-    rel = b_i - b_r
-    return jnp.exp(rel), jnp.exp(-rel)
+  """(exp(b_t - b_r), exp(b_r - b_t)) per row t of the sub-chunk."""
+  rel = b_i - b_r
+  return jnp.exp(rel), jnp.exp(-rel)
 
 
 def f32_mm(a, b, trans_a=False, trans_b=False):
-    """fp32 operands and accumulation (TF32 on GPU: 10 mantissa bits, above the bf16 of
+  """fp32 operands and accumulation (TF32 on GPU: 10 mantissa bits, above the bf16 of
     the blocks below the diagonal)."""
-    return mm(a, b, F32, trans_a=trans_a, trans_b=trans_b)
+  return mm(a, b, F32, trans_a=trans_a, trans_b=trans_b)
 
 
 def lower(block, strict=False):
-    """The block's entries with s <= t (s < t when strict), zero elsewhere."""
-    t, s = iota(SUB, 0, (SUB, SUB)), iota(SUB, 1, (SUB, SUB))
-    return jnp.where(s < t if strict else s <= t, block, 0.0)
+  """The block's entries with s <= t (s < t when strict), zero elsewhere."""
+  t, s = iota(SUB, 0, (SUB, SUB)), iota(SUB, 1, (SUB, SUB))
+  return jnp.where(s < t if strict else s <= t, block, 0.0)
 
 
 def choose(b_i, b_r, factored, exact, *operands):
-    """factored(*operands) when the sub-chunk's decays allow, else exact(*operands)."""
-    return jax.lax.cond(factorable(b_i, b_r), factored, exact, *operands)
+  """factored(*operands) when the sub-chunk's decays allow, else exact(*operands)."""
+  return jax.lax.cond(factorable(b_i, b_r), factored, exact, *operands)

@@ -21,8 +21,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.linear_attention._chunk_prep import state_factors
 from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._mosaic_common import (
-    F32, ROW, kernel, load, matmul, per_row, smem)
+from pallas_kernels.linear_attention._mosaic_common import (F32, ROW, kernel, load, matmul, per_row,
+                                                            smem)
 from pallas_kernels.linear_attention._mosaic_walk import next_slot, prefetch, publish
 
 BLOCK_V = 64
@@ -30,99 +30,98 @@ STAGES = 2  # TMA slots per warpgroup (three would pass the 227 KiB of shared me
 MAX_DK = 128  # the [Dk, BV] fp32 state stays in warpgroup 0's registers
 
 
-def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOCK_V,
-                stages=STAGES):
-    """(o [B, Tp, H, Dv] in v's dtype, final fp32 state [B, H, Dk, Dv]) from the decayed
+def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOCK_V, stages=STAGES):
+  """(o [B, Tp, H, Dv] in v's dtype, final fp32 state [B, H, Dk, Dv]) from the decayed
     rows qg, kg [B, Tp, H, Dk] (compute dtype), the in-chunk scores a [B, H, NT, C, C]
     (fp32), the in-chunk cumulative decay b (for the per-chunk state factor) and h0."""
-    B, Tp, H, Dk = qg.shape
-    Dv = v.shape[-1]
-    n_chunks = Tp // C
-    cd, bv = qg.dtype, block_v
+  B, Tp, H, Dk = qg.shape
+  Dv = v.shape[-1]
+  n_chunks = Tp // C
+  cd, bv = qg.dtype, block_v
 
-    def body(kg_ref, v_ref, d_ref, qg_ref, a_ref, h0_ref, o_ref, final_ref,
-             kg_s, v0_s, d_s, qg_s, a_s, v1_s, s_s, a16_s, o_s,
-             bars0, bars1, ready, free, done):
-        vt, h, bi = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
-        vcols = pl.ds(vt * bv, bv)
+  def body(kg_ref, v_ref, d_ref, qg_ref, a_ref, h0_ref, o_ref, final_ref, kg_s, v0_s, d_s, qg_s,
+           a_s, v1_s, s_s, a16_s, o_s, bars0, bars1, ready, free, done):
+    vt, h, bi = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+    vcols = pl.ds(vt * bv, bv)
 
-        @pl.when(lax.axis_index("wg") == 0)
-        def _state():
-            def fetch(i, slot):
-                tok, bar = pl.ds(i * C, C), bars0.at[slot]
-                plgpu.copy_gmem_to_smem(kg_ref.at[bi, tok, h], kg_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v0_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(d_ref.at[bi, i, h], d_s.at[slot], bar)
+    @pl.when(lax.axis_index("wg") == 0)
+    def _state():
 
-            prefetch(fetch, stages, n_chunks)
+      def fetch(i, slot):
+        tok, bar = pl.ds(i * C, C), bars0.at[slot]
+        plgpu.copy_gmem_to_smem(kg_ref.at[bi, tok, h], kg_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v0_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(d_ref.at[bi, i, h], d_s.at[slot], bar)
 
-            def step(i, S):
-                slot = next_slot(fetch, i, stages, n_chunks)
-                plgpu.barrier_wait(bars0.at[slot])
+      prefetch(fetch, stages, n_chunks)
 
-                @pl.when(i >= 1)
-                def _():
-                    plgpu.barrier_wait(free)  # warpgroup 1 has read the previous state
+      def step(i, S):
+        slot = next_slot(fetch, i, stages, n_chunks)
+        plgpu.barrier_wait(bars0.at[slot])
 
-                s_s[...] = S.astype(cd)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ready)
-                decay = per_row(load(d_s.at[slot], ROW), (Dk, bv))
-                return matmul(kg_s.at[slot].T, v0_s.at[slot], (Dk, bv), interpret,
-                              init=S * decay)
+        @pl.when(i >= 1)
+        def _():
+          plgpu.barrier_wait(free)  # warpgroup 1 has read the previous state
 
-            S = lax.fori_loop(0, n_chunks, step, load(h0_ref.at[bi, h, :, vcols]))
-            final_ref.at[bi, h, :, vcols][...] = S
-            plgpu.barrier_wait(free)  # warpgroup 1's last arrival
+        s_s[...] = S.astype(cd)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ready)
+        decay = per_row(load(d_s.at[slot], ROW), (Dk, bv))
+        return matmul(kg_s.at[slot].T, v0_s.at[slot], (Dk, bv), interpret, init=S * decay)
 
-        @pl.when(lax.axis_index("wg") == 1)
-        def _outputs():
-            def fetch(i, slot):
-                tok, bar = pl.ds(i * C, C), bars1.at[slot]
-                plgpu.copy_gmem_to_smem(qg_ref.at[bi, tok, h], qg_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(a_ref.at[bi, h, i], a_s.at[slot], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v1_s.at[slot], bar)
+      S = lax.fori_loop(0, n_chunks, step, load(h0_ref.at[bi, h, :, vcols]))
+      final_ref.at[bi, h, :, vcols][...] = S
+      plgpu.barrier_wait(free)  # warpgroup 1's last arrival
 
-            prefetch(fetch, stages, n_chunks)
+    @pl.when(lax.axis_index("wg") == 1)
+    def _outputs():
 
-            def step(i, carry):
-                slot = next_slot(fetch, i, stages, n_chunks)
-                plgpu.barrier_wait(bars1.at[slot])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last output is out
-                a16_s[...] = load(a_s.at[slot]).astype(cd)
-                plgpu.commit_smem()
-                plgpu.barrier_wait(ready)
-                o = matmul(qg_s.at[slot], s_s, (C, bv), interpret)
-                plgpu.barrier_arrive(free)
-                o = matmul(a16_s, v1_s.at[slot], (C, bv), interpret, init=o)
-                publish(scale * o, o_s, o_ref.at[bi, pl.ds(i * C, C), h, vcols])
-                return carry
+      def fetch(i, slot):
+        tok, bar = pl.ds(i * C, C), bars1.at[slot]
+        plgpu.copy_gmem_to_smem(qg_ref.at[bi, tok, h], qg_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(a_ref.at[bi, h, i], a_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v1_s.at[slot], bar)
 
-            lax.fori_loop(0, n_chunks, step, None)
-            plgpu.wait_smem_to_gmem(0)
+      prefetch(fetch, stages, n_chunks)
 
-        # neither warpgroup leaves while the other still issues warpgroup matmuls
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
+      def step(i, carry):
+        slot = next_slot(fetch, i, stages, n_chunks)
+        plgpu.barrier_wait(bars1.at[slot])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last output is out
+        a16_s[...] = load(a_s.at[slot]).astype(cd)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(ready)
+        o = matmul(qg_s.at[slot], s_s, (C, bv), interpret)
+        plgpu.barrier_arrive(free)
+        o = matmul(a16_s, v1_s.at[slot], (C, bv), interpret, init=o)
+        publish(scale * o, o_s, o_ref.at[bi, pl.ds(i * C, C), h, vcols])
+        return carry
 
-    scratch = (
-        smem((stages, C, Dk), cd, swizzle_row=bv),  # kg (warpgroup 0)
-        smem((stages, C, bv), cd),  # v (warpgroup 0)
-        plgpu.SMEM((stages, Dk), F32),  # per-chunk state factor
-        smem((stages, C, Dk), cd, swizzle_row=bv),  # qg (warpgroup 1)
-        plgpu.SMEM((stages, C, C), F32),  # scores (warpgroup 1)
-        smem((stages, C, bv), cd),  # v (warpgroup 1)
-        smem((Dk, bv), cd),  # the state entering the chunk, published
-        smem((C, C), cd, swizzle_row=bv),  # scores in the compute dtype
-        smem((C, bv), v.dtype),  # output rows on their way out
-        plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1),  # ready
-        plgpu.Barrier(num_arrivals=1),  # free
-        plgpu.Barrier(num_arrivals=2),  # done
-    )
-    fwd = kernel(body, (jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
-                        jax.ShapeDtypeStruct((B, H, Dk, Dv), F32)),
-                 (Dv // bv, H, B), ("v", "h", "b"), scratch, "gla_forward_mosaic", interpret,
-                 num_threads=2, thread_name="wg")
-    return fwd(kg, v, state_factors(b, carry_in), qg, a, h0.astype(F32))
+      lax.fori_loop(0, n_chunks, step, None)
+      plgpu.wait_smem_to_gmem(0)
+
+    # neither warpgroup leaves while the other still issues warpgroup matmuls
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+
+  scratch = (
+      smem((stages, C, Dk), cd, swizzle_row=bv),  # kg (warpgroup 0)
+      smem((stages, C, bv), cd),  # v (warpgroup 0)
+      plgpu.SMEM((stages, Dk), F32),  # per-chunk state factor
+      smem((stages, C, Dk), cd, swizzle_row=bv),  # qg (warpgroup 1)
+      plgpu.SMEM((stages, C, C), F32),  # scores (warpgroup 1)
+      smem((stages, C, bv), cd),  # v (warpgroup 1)
+      smem((Dk, bv), cd),  # the state entering the chunk, published
+      smem((C, C), cd, swizzle_row=bv),  # scores in the compute dtype
+      smem((C, bv), v.dtype),  # output rows on their way out
+      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=1),  # ready
+      plgpu.Barrier(num_arrivals=1),  # free
+      plgpu.Barrier(num_arrivals=2),  # done
+  )
+  fwd = kernel(body, (jax.ShapeDtypeStruct(
+      (B, Tp, H, Dv), v.dtype), jax.ShapeDtypeStruct(
+          (B, H, Dk, Dv), F32)), (Dv // bv, H, B), ("v", "h", "b"), scratch, "gla_forward_mosaic",
+               interpret, num_threads=2, thread_name="wg")
+  return fwd(kg, v, state_factors(b, carry_in), qg, a, h0.astype(F32))

@@ -11,36 +11,35 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import F32
+
 _sq = pl.squeezed
 
 
 class Grid:
-    """Block specs on the grid (b, h, chunk, channel block j)."""
+  """Block specs on the grid (b, h, chunk, channel block j)."""
 
-    def chunk(self, block):
-        """The chunk's tokens, channels of block j (block = all channels: the whole rows)."""
-        return pl.BlockSpec((_sq, C, _sq, block), lambda b, h, c, j: (b, c, h, j))
+  def chunk(self, block):
+    """The chunk's tokens, channels of block j (block = all channels: the whole rows)."""
+    return pl.BlockSpec((_sq, C, _sq, block), lambda b, h, c, j: (b, c, h, j))
 
-    def all_channels(self, d):
-        """The chunk's tokens, all d channels."""
-        return pl.BlockSpec((_sq, C, _sq, d), lambda b, h, c, j: (b, c, h, 0))
+  def all_channels(self, d):
+    """The chunk's tokens, all d channels."""
+    return pl.BlockSpec((_sq, C, _sq, d), lambda b, h, c, j: (b, c, h, 0))
 
-    def flags(self):
-        return pl.BlockSpec((_sq, C), lambda b, h, c, j: (b, c))
+  def flags(self):
+    return pl.BlockSpec((_sq, C), lambda b, h, c, j: (b, c))
 
-    def scores(self):
-        return pl.BlockSpec((_sq, _sq, _sq, C, C), lambda b, h, c, j: (b, h, c, 0, 0))
+  def scores(self):
+    return pl.BlockSpec((_sq, _sq, _sq, C, C), lambda b, h, c, j: (b, h, c, 0, 0))
 
-    def state_columns(self, dk, block):
-        """A block of the chunk state's value columns (all dk key rows)."""
-        return pl.BlockSpec((_sq, _sq, _sq, dk, block),
-                            lambda b, h, c, j: (b, h, c, 0, j))
+  def state_columns(self, dk, block):
+    """A block of the chunk state's value columns (all dk key rows)."""
+    return pl.BlockSpec((_sq, _sq, _sq, dk, block), lambda b, h, c, j: (b, h, c, 0, j))
 
-    def state_rows(self, block, dv):
-        """A block of the chunk state's key rows (all dv value columns)."""
-        return pl.BlockSpec((_sq, _sq, _sq, block, dv),
-                            lambda b, h, c, j: (b, h, c, j, 0))
+  def state_rows(self, block, dv):
+    """A block of the chunk state's key rows (all dv value columns)."""
+    return pl.BlockSpec((_sq, _sq, _sq, block, dv), lambda b, h, c, j: (b, h, c, j, 0))
 
 
 def scores_shape(B, H, Tp):
-    return jax.ShapeDtypeStruct((B, H, Tp // C, C, C), F32)
+  return jax.ShapeDtypeStruct((B, H, Tp // C, C, C), F32)

@@ -19,117 +19,130 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._pallas_common import (
-    F32, N_SUB, SUB, chunk_call, compute_dtype, flag_column, iota, masked_exp, mm, rows)
-from pallas_kernels.linear_attention._score_rows import (
-    edge_decay, store_diagonal, store_row_blocks)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_call,
+                                                            compute_dtype, flag_column, iota,
+                                                            masked_exp, mm, rows)
+from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
+                                                         store_row_blocks)
 
 
 def _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start):
-    """Scores of one 16x16 diagonal block: one matmul, or exact one key column at a time."""
-    b_r = rows(b_ref, start, 1)
-    same = r_i[:, None] == r_ref[pl.ds(start, SUB)][None, :]
+  """Scores of one 16x16 diagonal block: one matmul, or exact one key column at a time."""
+  b_r = rows(b_ref, start, 1)
+  same = r_i[:, None] == r_ref[pl.ds(start, SUB)][None, :]
 
-    def factored(q_i, b_i):
-        down, up = diag.decay_factors(b_i, b_r)
-        a = diag.f32_mm(q_i * down, rows(k_ref, start, SUB) * up, trans_b=True)
-        return jnp.where(same, diag.lower(a), 0.0)
+  def factored(q_i, b_i):
+    down, up = diag.decay_factors(b_i, b_r)
+    a = diag.f32_mm(q_i * down, rows(k_ref, start, SUB) * up, trans_b=True)
+    return jnp.where(same, diag.lower(a), 0.0)
 
-    def exact(q_i, b_i):
-        t = iota(SUB)
-        cols = iota(SUB, 1, (SUB, SUB))
+  def exact(q_i, b_i):
+    t = iota(SUB)
+    cols = iota(SUB, 1, (SUB, SUB))
 
-        def column(j, a):
-            k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
-            ok = (t >= j) & (r_i == jnp.max(r_ref[pl.ds(start + j, 1)]))
-            col = jnp.where(ok, jnp.sum(q_i * k_j * masked_exp(b_i - b_j), axis=1), 0.0)
-            return a + jnp.where(cols == j, col[:, None], 0.0)
+    def column(j, a):
+      k_j, b_j = rows(k_ref, start + j, 1), rows(b_ref, start + j, 1)
+      ok = (t >= j) & (r_i == jnp.max(r_ref[pl.ds(start + j, 1)]))
+      col = jnp.where(ok, jnp.sum(q_i * k_j * masked_exp(b_i - b_j), axis=1), 0.0)
+      return a + jnp.where(cols == j, col[:, None], 0.0)
 
-        return jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), F32))
+    return jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), F32))
 
-    return diag.choose(b_i, b_r, factored, exact, q_i, b_i)
+  return diag.choose(b_i, b_r, factored, exact, q_i, b_i)
 
 
 def _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, start, cd):
-    """Rows [start, start + 16) of A from 16x16 blocks: any decay."""
-    q_i, b_i, r_i = rows(q_ref, start, SUB), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
-    b_edge = edge_decay(b_ref, start)
-    store_row_blocks([(a_ref, q_i * masked_exp(b_i - b_edge), cd)], k_ref, b_ref, r_ref,
-                     start, b_edge, out_row=start)
-    store_diagonal(a_ref, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start), start,
-                   out_row=start)
+  """Rows [start, start + 16) of A from 16x16 blocks: any decay."""
+  q_i, b_i, r_i = rows(q_ref, start, SUB), rows(b_ref, start, SUB), r_ref[pl.ds(start, SUB)]
+  b_edge = edge_decay(b_ref, start)
+  store_row_blocks([(a_ref, q_i * masked_exp(b_i - b_edge), cd)], k_ref, b_ref, r_ref, start,
+                   b_edge, out_row=start)
+  store_diagonal(a_ref, _diag_scores(q_i, b_i, r_i, k_ref, b_ref, r_ref, start), start,
+                 out_row=start)
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
-    """The chunk's [C, C] scores: one matmul when the chunk is bounded (_chunk_factors),
+  """The chunk's [C, C] scores: one matmul when the chunk is bounded (_chunk_factors),
     else one row block per sub-chunk. With `decayed`, also qg = q exp(b) carry_in and
     kg = k exp(b_last - b) in_last (compute dtype: the operands of the fused forward's
     products)."""
-    b, r = rows(b_ref, 0, C), r_ref[...]
-    if decayed:
-        ci_ref, il_ref, a_ref, qg_ref, kg_ref = refs
-        qg = rows(q_ref, 0, C) * jnp.exp(b) * flag_column(ci_ref, 0, C)
-        qg_ref[...] = qg.astype(qg_ref.dtype)
-        kg = rows(k_ref, 0, C) * masked_exp(rows(b_ref, C - 1, 1) - b) * flag_column(il_ref, 0, C)
-        kg_ref[...] = kg.astype(kg_ref.dtype)
-    else:
-        a_ref, = refs
-    m, bounded = factors.midpoint(b)
+  b, r = rows(b_ref, 0, C), r_ref[...]
+  if decayed:
+    ci_ref, il_ref, a_ref, qg_ref, kg_ref = refs
+    qg = rows(q_ref, 0, C) * jnp.exp(b) * flag_column(ci_ref, 0, C)
+    qg_ref[...] = qg.astype(qg_ref.dtype)
+    kg = rows(k_ref, 0, C) * masked_exp(rows(b_ref, C - 1, 1) - b) * flag_column(il_ref, 0, C)
+    kg_ref[...] = kg.astype(kg_ref.dtype)
+  else:
+    a_ref, = refs
+  m, bounded = factors.midpoint(b)
 
-    def whole_chunk():
-        down, up = factors.factors(b, m)
-        a = diag.f32_mm(rows(q_ref, 0, C) * down, rows(k_ref, 0, C) * up, trans_b=True)
-        t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
-        a_ref[...] = jnp.where((s <= t) & (r[:, None] == r[None, :]), a, 0.0)
+  def whole_chunk():
+    down, up = factors.factors(b, m)
+    a = diag.f32_mm(rows(q_ref, 0, C) * down, rows(k_ref, 0, C) * up, trans_b=True)
+    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
+    a_ref[...] = jnp.where((s <= t) & (r[:, None] == r[None, :]), a, 0.0)
 
-    def by_sub_chunks():
-        def row_block(i, carry):
-            _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, pl.multiple_of(i * SUB, SUB), cd)
-            return carry
-        jax.lax.fori_loop(0, N_SUB, row_block, 0)
+  def by_sub_chunks():
 
-    jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
+    def row_block(i, carry):
+      _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, pl.multiple_of(i * SUB, SUB), cd)
+      return carry
+
+    jax.lax.fori_loop(0, N_SUB, row_block, 0)
+
+  jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
-    """dA = scale * do v^T on the causal same-segment pairs, and its transpose."""
-    v, do, r = v_ref[...], do_ref[...], r_ref[...]
-    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
-    same = r[:, None] == r[None, :]
-    da_ref[...] = jnp.where(same & (s <= t), scale * mm(do, v, cd, trans_b=True), 0.0)
-    dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
+  """dA = scale * do v^T on the causal same-segment pairs, and its transpose."""
+  v, do, r = v_ref[...], do_ref[...], r_ref[...]
+  t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
+  same = r[:, None] == r[None, :]
+  da_ref[...] = jnp.where(same & (s <= t), scale * mm(do, v, cd, trans_b=True), 0.0)
+  dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
 
 
 def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None):
-    """The in-chunk scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal);
+  """The in-chunk scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal);
     num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
     decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
     compute dtype (see _scores_kernel)."""
-    B, Tp, H, Dk = q.shape
-    g = Grid()
-    cd = compute_dtype(q.dtype)
-    specs, out_specs, outs = [g.chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], \
-        g.scores(), scores_shape(B, H, Tp)
-    flags = ()
-    if decayed_with is not None:
-        flags = tuple(decayed_with)
-        specs += [g.flags(), g.flags()]
-        out_specs = (out_specs, g.chunk(Dk), g.chunk(Dk))
-        outs = (outs, jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
-    return chunk_call(
-        functools.partial(_scores_kernel, cd=cd, decayed=decayed_with is not None),
-        (B, H, Tp // C, 1), specs, out_specs, outs, num_warps=num_warps,
-        interpret=interpret, name="gla_chunk_scores", num_stages=num_stages,
-    )(q, k, b, runs, *flags)
+  B, Tp, H, Dk = q.shape
+  g = Grid()
+  cd = compute_dtype(q.dtype)
+  specs, out_specs, outs = [g.chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], \
+      g.scores(), scores_shape(B, H, Tp)
+  flags = ()
+  if decayed_with is not None:
+    flags = tuple(decayed_with)
+    specs += [g.flags(), g.flags()]
+    out_specs = (out_specs, g.chunk(Dk), g.chunk(Dk))
+    outs = (outs, jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
+  return chunk_call(
+      functools.partial(_scores_kernel, cd=cd, decayed=decayed_with is not None),
+      (B, H, Tp // C, 1),
+      specs,
+      out_specs,
+      outs,
+      num_warps=num_warps,
+      interpret=interpret,
+      name="gla_chunk_scores",
+      num_stages=num_stages,
+  )(q, k, b, runs, *flags)
 
 
 def chunk_score_grads(v, runs, do, *, scale, interpret, num_warps=4):
-    """dA = scale * do v^T on causal same-segment pairs [B, H, NT, C, C], and dA transposed."""
-    B, Tp, H, Dv = v.shape
-    g = Grid()
-    return chunk_call(
-        functools.partial(_dscores_kernel, scale=scale, cd=compute_dtype(v.dtype)),
-        (B, H, Tp // C, 1), [g.chunk(Dv), g.flags(), g.chunk(Dv)],
-        (g.scores(), g.scores()), (scores_shape(B, H, Tp),) * 2, num_warps=num_warps,
-        interpret=interpret, name="gla_chunk_score_grads",
-    )(v, runs, do)
+  """dA = scale * do v^T on causal same-segment pairs [B, H, NT, C, C], and dA transposed."""
+  B, Tp, H, Dv = v.shape
+  g = Grid()
+  return chunk_call(
+      functools.partial(_dscores_kernel, scale=scale, cd=compute_dtype(v.dtype)),
+      (B, H, Tp // C, 1),
+      [g.chunk(Dv), g.flags(), g.chunk(Dv)],
+      (g.scores(), g.scores()),
+      (scores_shape(B, H, Tp),) * 2,
+      num_warps=num_warps,
+      interpret=interpret,
+      name="gla_chunk_score_grads",
+  )(v, runs, do)

@@ -25,201 +25,208 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C
-from pallas_kernels.linear_attention._pallas_common import (
-    F32, N_SUB, SUB, flag_column, iota, masked_exp, mm, row_as_column, rows)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota,
+                                                            masked_exp, mm, row_as_column, rows)
 
 
 def _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, n, cd, block_v):
-    """do S^T, v_new dS^T and dX S^T for the n rows at s ([n, BK] each)."""
-    dqg = dkg = dxs = 0.0
-    for j in range(do_ref.shape[-1] // block_v):
-        cols = pl.ds(j * block_v, block_v)
-        S, dS = h_ref[:, cols], dh_ref[:, cols]
-        dqg += mm(do_ref[pl.ds(s, n), cols], S, cd, trans_b=True)
-        dkg += mm(vn_ref[pl.ds(s, n), cols], dS, cd, trans_b=True)
-        dxs += mm(dx_ref[pl.ds(s, n), cols], S, cd, trans_b=True)
-    return dqg, dkg, dxs
+  """do S^T, v_new dS^T and dX S^T for the n rows at s ([n, BK] each)."""
+  dqg = dkg = dxs = 0.0
+  for j in range(do_ref.shape[-1] // block_v):
+    cols = pl.ds(j * block_v, block_v)
+    S, dS = h_ref[:, cols], dh_ref[:, cols]
+    dqg += mm(do_ref[pl.ds(s, n), cols], S, cd, trans_b=True)
+    dkg += mm(vn_ref[pl.ds(s, n), cols], dS, cd, trans_b=True)
+    dxs += mm(dx_ref[pl.ds(s, n), cols], S, cd, trans_b=True)
+  return dqg, dkg, dxs
 
 
 def _state_overlap(h_ref, dh_ref, block_v):
-    """sum_v S dS as a [1, BK] row: the gradient of exp(b_last) scaling the start state."""
-    kept = jnp.zeros((1, h_ref.shape[0]), F32)
-    for j in range(h_ref.shape[-1] // block_v):
-        cols = pl.ds(j * block_v, block_v)
-        kept += jnp.sum(h_ref[:, cols].astype(F32) * dh_ref[:, cols].astype(F32), axis=1)[None, :]
-    return kept
+  """sum_v S dS as a [1, BK] row: the gradient of exp(b_last) scaling the start state."""
+  kept = jnp.zeros((1, h_ref.shape[0]), F32)
+  for j in range(h_ref.shape[-1] // block_v):
+    cols = pl.ds(j * block_v, block_v)
+    kept += jnp.sum(h_ref[:, cols].astype(F32) * dh_ref[:, cols].astype(F32), axis=1)[None, :]
+  return kept
 
 
 def _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd):
-    """Gradients of the decayed scores for the sub-chunk at row s ([16, BK] each): dq from
+  """Gradients of the decayed scores for the sub-chunk at row s ([16, BK] each): dq from
     dP as queries, g = dA (x) k as queries of A_kk (dk = beta g), and dk as keys of both.
     s is a loop index: the first sub-chunk's earlier keys and the last one's later queries
     are empty masks."""
-    t_idx = iota(C, 0, (C, 1))
-    q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
-    b_i = rows(b_ref, s, SUB)
-    # earlier keys, decay split at the last token of the previous sub-chunk
-    b_edge = rows(b_ref, jnp.maximum(s - 1, 0), 1)
-    k_off = jnp.where(t_idx < s, k * masked_exp(b_edge - b), 0.0)
-    e_q = masked_exp(b_i - b_edge)
-    dq = mm(dp_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
-    g = mm(da_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
-    # later queries, decay split at the last token of this sub-chunk
-    b_edge = rows(b_ref, s + SUB - 1, 1)
-    later = t_idx >= s + SUB
-    e_later = masked_exp(b - b_edge)
-    q_off = jnp.where(later, q * e_later, 0.0)
-    kb_off = jnp.where(later, beta_ref[...].astype(F32)[:, None] * k * e_later, 0.0)
-    dk = (mm(dp_ref[:, pl.ds(s, SUB)], q_off, cd, trans_a=True)
-          + mm(da_ref[:, pl.ds(s, SUB)], kb_off, cd, trans_a=True)) * masked_exp(b_edge - b_i)
+  t_idx = iota(C, 0, (C, 1))
+  q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
+  b_i = rows(b_ref, s, SUB)
+  # earlier keys, decay split at the last token of the previous sub-chunk
+  b_edge = rows(b_ref, jnp.maximum(s - 1, 0), 1)
+  k_off = jnp.where(t_idx < s, k * masked_exp(b_edge - b), 0.0)
+  e_q = masked_exp(b_i - b_edge)
+  dq = mm(dp_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
+  g = mm(da_ref[pl.ds(s, SUB), :], k_off, cd) * e_q
+  # later queries, decay split at the last token of this sub-chunk
+  b_edge = rows(b_ref, s + SUB - 1, 1)
+  later = t_idx >= s + SUB
+  e_later = masked_exp(b - b_edge)
+  q_off = jnp.where(later, q * e_later, 0.0)
+  kb_off = jnp.where(later, beta_ref[...].astype(F32)[:, None] * k * e_later, 0.0)
+  dk = (mm(dp_ref[:, pl.ds(s, SUB)], q_off, cd, trans_a=True) +
+        mm(da_ref[:, pl.ds(s, SUB)], kb_off, cd, trans_a=True)) * masked_exp(b_edge - b_i)
 
-    return _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk)
+  return _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk)
 
 
 def _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk):
-    """Adds the diagonal block's paths: two matmuls each way where the sub-chunk's decays
+  """Adds the diagonal block's paths: two matmuls each way where the sub-chunk's decays
     factor (_diagonal_blocks), else exact, one token at a time."""
-    b_i, b_r = rows(b_ref, s, SUB), rows(b_ref, s, 1)
+  b_i, b_r = rows(b_ref, s, SUB), rows(b_ref, s, 1)
 
-    def factored(dq, g, dk):
-        down, up = diag.decay_factors(b_i, b_r)
-        dp_d = dp_ref[pl.ds(s, SUB), pl.ds(s, SUB)].astype(F32)
-        da_d = da_ref[pl.ds(s, SUB), pl.ds(s, SUB)].astype(F32)
-        key = rows(k_ref, s, SUB) * up
-        as_query = down * rows(q_ref, s, SUB)
-        beta_k = down * beta_ref[pl.ds(s, SUB)].astype(F32)[:, None] * rows(k_ref, s, SUB)
-        return (dq + diag.f32_mm(dp_d, key) * down, g + diag.f32_mm(da_d, key) * down,
-                dk + (diag.f32_mm(dp_d, as_query, trans_a=True)
-                      + diag.f32_mm(da_d, beta_k, trans_a=True)) * up)
+  def factored(dq, g, dk):
+    down, up = diag.decay_factors(b_i, b_r)
+    dp_d = dp_ref[pl.ds(s, SUB), pl.ds(s, SUB)].astype(F32)
+    da_d = da_ref[pl.ds(s, SUB), pl.ds(s, SUB)].astype(F32)
+    key = rows(k_ref, s, SUB) * up
+    as_query = down * rows(q_ref, s, SUB)
+    beta_k = down * beta_ref[pl.ds(s, SUB)].astype(F32)[:, None] * rows(k_ref, s, SUB)
+    return (
+        dq + diag.f32_mm(dp_d, key) * down, g + diag.f32_mm(da_d, key) * down, dk +
+        (diag.f32_mm(dp_d, as_query, trans_a=True) + diag.f32_mm(da_d, beta_k, trans_a=True)) * up)
 
-    def exact(dq, g, dk):
-        def token(j, acc):  # token s + j as the key of rows s.. and as the query of rows s..
-            dq, g, dk = acc
-            q_j, k_j, b_j = rows(q_ref, s + j, 1), rows(k_ref, s + j, 1), rows(b_ref, s + j, 1)
-            beta_j = beta_ref[pl.ds(s + j, 1)].astype(F32)[None, :]
-            as_key = k_j * masked_exp(b_i - b_j)  # dP, dA are zero above / on the diagonal
-            dq += dp_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
-            g += da_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
-            to_key = masked_exp(b_j - b_i)
-            dp_row = row_as_column(dp_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
-            da_row = row_as_column(da_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
-            dk += (dp_row * q_j + da_row * beta_j * k_j) * to_key
-            return dq, g, dk
+  def exact(dq, g, dk):
 
-        return jax.lax.fori_loop(0, SUB, token, (dq, g, dk))
+    def token(j, acc):  # token s + j as the key of rows s.. and as the query of rows s..
+      dq, g, dk = acc
+      q_j, k_j, b_j = rows(q_ref, s + j, 1), rows(k_ref, s + j, 1), rows(b_ref, s + j, 1)
+      beta_j = beta_ref[pl.ds(s + j, 1)].astype(F32)[None, :]
+      as_key = k_j * masked_exp(b_i - b_j)  # dP, dA are zero above / on the diagonal
+      dq += dp_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
+      g += da_ref[pl.ds(s, SUB), pl.ds(s + j, 1)] * as_key
+      to_key = masked_exp(b_j - b_i)
+      dp_row = row_as_column(dp_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
+      da_row = row_as_column(da_ref[pl.ds(s + j, 1), pl.ds(s, SUB)])
+      dk += (dp_row * q_j + da_row * beta_j * k_j) * to_key
+      return dq, g, dk
 
-    return diag.choose(b_i, b_r, factored, exact, dq, g, dk)
+    return jax.lax.fori_loop(0, SUB, token, (dq, g, dk))
+
+  return diag.choose(b_i, b_r, factored, exact, dq, g, dk)
 
 
 def _chunk_operands(q_ref, k_ref, b_ref, beta_ref, m):
-    """A bounded chunk's decayed operands (_chunk_factors), all 64 rows: keys k exp(m - b)
+  """A bounded chunk's decayed operands (_chunk_factors), all 64 rows: keys k exp(m - b)
     and, as queries, q exp(b - m) and beta k exp(b - m)."""
-    b, k = rows(b_ref, 0, C), rows(k_ref, 0, C)
-    down, up = factors.factors(b, m)
-    beta = beta_ref[...].astype(F32)[:, None]
-    return k * up, rows(q_ref, 0, C) * down, beta * k * down
+  b, k = rows(b_ref, 0, C), rows(k_ref, 0, C)
+  down, up = factors.factors(b, m)
+  beta = beta_ref[...].astype(F32)[:, None]
+  return k * up, rows(q_ref, 0, C) * down, beta * k * down
 
 
 def _factored_score_grads(b_ref, dp_ref, da_ref, operands, m, s, n):
-    """_score_grads for rows [s, s + n) of a bounded chunk: one fp32-operand matmul per
+  """_score_grads for rows [s, s + n) of a bounded chunk: one fp32-operand matmul per
     path against the whole chunk."""
-    key, q_down, bk_down = operands
-    down, up = factors.factors(rows(b_ref, s, n), m)
-    dp_rows, da_rows = dp_ref[pl.ds(s, n), :].astype(F32), da_ref[pl.ds(s, n), :].astype(F32)
-    dp_cols, da_cols = dp_ref[:, pl.ds(s, n)].astype(F32), da_ref[:, pl.ds(s, n)].astype(F32)
-    dq = diag.f32_mm(dp_rows, key) * down
-    g = diag.f32_mm(da_rows, key) * down
-    dk = (diag.f32_mm(dp_cols, q_down, trans_a=True)
-          + diag.f32_mm(da_cols, bk_down, trans_a=True)) * up
-    return dq, g, dk
+  key, q_down, bk_down = operands
+  down, up = factors.factors(rows(b_ref, s, n), m)
+  dp_rows, da_rows = dp_ref[pl.ds(s, n), :].astype(F32), da_ref[pl.ds(s, n), :].astype(F32)
+  dp_cols, da_cols = dp_ref[:, pl.ds(s, n)].astype(F32), da_ref[:, pl.ds(s, n)].astype(F32)
+  dq = diag.f32_mm(dp_rows, key) * down
+  g = diag.f32_mm(da_rows, key) * down
+  dk = (diag.f32_mm(dp_cols, q_down, trans_a=True) +
+        diag.f32_mm(da_cols, bk_down, trans_a=True)) * up
+  return dq, g, dk
 
 
 def _write_rows(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
-                dx_ref, dq_ref, dk_ref, db_ref, dbeta_ref, s, n, score_grads, db_last,
-                closes, *, scale, cd, block_v):
-    """Rows [s, s + n): the state paths added to the score-gradient terms (dq_p, g,
+                dx_ref, dq_ref, dk_ref, db_ref, dbeta_ref, s, n, score_grads, db_last, closes, *,
+                scale, cd, block_v):
+  """Rows [s, s + n): the state paths added to the score-gradient terms (dq_p, g,
     dk_key); writes dq, dk, db, dbeta and returns db_last with these rows' keys added.
     closes: these rows end the chunk, so their last row carries db_last."""
-    q_i, k_i, b_i = rows(q_ref, s, n), rows(k_ref, s, n), rows(b_ref, s, n)
-    b_last = rows(b_ref, C - 1, 1)
-    beta_i = beta_ref[pl.ds(s, n)].astype(F32)[:, None]
-    ci_i = flag_column(ci_ref, s, n)
-    dqg, dkg, dxs = _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, n, cd, block_v)
-    dq_p, g, dk_key = score_grads
-    k_w = k_i * jnp.exp(b_i) * ci_i           # K
-    dk_end = dkg * masked_exp(b_last - b_i) * flag_column(il_ref, s, n)
-    dk_w = -beta_i * dxs * jnp.exp(b_i) * ci_i
-    dq = scale * dqg * jnp.exp(b_i) * ci_i + dq_p
-    dk = dk_end + dk_w + beta_i * g + dk_key
-    db = q_i * dq + k_i * (dk_w + beta_i * g - dk_end - dk_key)
-    db_last += jnp.sum(k_i * dk_end, axis=0, keepdims=True)
-    db += jnp.where((iota(n, 0, (n, 1)) == n - 1) & closes, db_last, 0.0)
-    dbeta = jnp.sum(k_i * g, axis=1) - jnp.sum(dxs * k_w, axis=1)
-    dq_ref[pl.ds(s, n), :] = dq.astype(dq_ref.dtype)
-    dk_ref[pl.ds(s, n), :] = dk.astype(dk_ref.dtype)
-    db_ref[pl.ds(s, n), :] = db
-    dbeta_ref[pl.ds(s, n)] = dbeta
-    return db_last
+  q_i, k_i, b_i = rows(q_ref, s, n), rows(k_ref, s, n), rows(b_ref, s, n)
+  b_last = rows(b_ref, C - 1, 1)
+  beta_i = beta_ref[pl.ds(s, n)].astype(F32)[:, None]
+  ci_i = flag_column(ci_ref, s, n)
+  dqg, dkg, dxs = _state_products(do_ref, vn_ref, dx_ref, h_ref, dh_ref, s, n, cd, block_v)
+  dq_p, g, dk_key = score_grads
+  k_w = k_i * jnp.exp(b_i) * ci_i  # K
+  dk_end = dkg * masked_exp(b_last - b_i) * flag_column(il_ref, s, n)
+  dk_w = -beta_i * dxs * jnp.exp(b_i) * ci_i
+  dq = scale * dqg * jnp.exp(b_i) * ci_i + dq_p
+  dk = dk_end + dk_w + beta_i * g + dk_key
+  db = q_i * dq + k_i * (dk_w + beta_i * g - dk_end - dk_key)
+  db_last += jnp.sum(k_i * dk_end, axis=0, keepdims=True)
+  db += jnp.where((iota(n, 0, (n, 1)) == n - 1) & closes, db_last, 0.0)
+  dbeta = jnp.sum(k_i * g, axis=1) - jnp.sum(dxs * k_w, axis=1)
+  dq_ref[pl.ds(s, n), :] = dq.astype(dq_ref.dtype)
+  dk_ref[pl.ds(s, n), :] = dk.astype(dk_ref.dtype)
+  db_ref[pl.ds(s, n), :] = db
+  dbeta_ref[pl.ds(s, n)] = dbeta
+  return db_last
 
 
-def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref,
-                      vn_ref, dx_ref, dp_ref, da_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *,
-                      scale, cd, block_v, bounded_rows):
-    """One loop step per `bounded_rows` rows of a bounded chunk, per 16-token sub-chunk of
+def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
+                      dx_ref, dp_ref, da_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *, scale, cd,
+                      block_v, bounded_rows):
+  """One loop step per `bounded_rows` rows of a bounded chunk, per 16-token sub-chunk of
     others: unrolled, the kernel's code outgrew the instruction cache (the GLA kernels'
     'no instruction' stalls, docs/performance.md)."""
-    b_last = rows(b_ref, C - 1, 1)
-    keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
-    # b_last scales the surviving start state and every kg row
-    db_last = keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
-    m, bounded = factors.midpoint(rows(b_ref, 0, C))
-    refs = (q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
-            dx_ref, dq_ref, dk_ref, db_ref, dbeta_ref)
-    kw = dict(scale=scale, cd=cd, block_v=block_v)
+  b_last = rows(b_ref, C - 1, 1)
+  keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
+  # b_last scales the surviving start state and every kg row
+  db_last = keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
+  m, bounded = factors.midpoint(rows(b_ref, 0, C))
+  refs = (q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref, dx_ref,
+          dq_ref, dk_ref, db_ref, dbeta_ref)
+  kw = dict(scale=scale, cd=cd, block_v=block_v)
 
-    def whole_chunk():
-        operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, m)
-        n = bounded_rows
+  def whole_chunk():
+    operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, m)
+    n = bounded_rows
 
-        def step(i, db_last):
-            s = pl.multiple_of(i * n, n)
-            grads = _factored_score_grads(b_ref, dp_ref, da_ref, operands, m, s, n)
-            return _write_rows(*refs, s, n, grads, db_last, i == C // n - 1, **kw)
+    def step(i, db_last):
+      s = pl.multiple_of(i * n, n)
+      grads = _factored_score_grads(b_ref, dp_ref, da_ref, operands, m, s, n)
+      return _write_rows(*refs, s, n, grads, db_last, i == C // n - 1, **kw)
 
-        jax.lax.fori_loop(0, C // n, step, db_last)
+    jax.lax.fori_loop(0, C // n, step, db_last)
 
-    def by_sub_chunks():
-        def sub_chunk(i, db_last):
-            s = pl.multiple_of(i * SUB, SUB)
-            grads = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd)
-            return _write_rows(*refs, s, SUB, grads, db_last, i == N_SUB - 1, **kw)
+  def by_sub_chunks():
 
-        jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
+    def sub_chunk(i, db_last):
+      s = pl.multiple_of(i * SUB, SUB)
+      grads = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd)
+      return _write_rows(*refs, s, SUB, grads, db_last, i == N_SUB - 1, **kw)
 
-    jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
+    jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
+
+  jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
 
 
-def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale,
-                    block_k, block_v, cd, interpret, bounded_rows=SUB):
-    """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
+def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale, block_k,
+                    block_v, cd, interpret, bounded_rows=SUB):
+  """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
     bounded_rows: rows per loop step in bounded chunks (more rows: more live tiles,
     spills; chosen by measurement: docs/kernel_tuning.md, "KDA key gradients")."""
-    B, Tp, H, Dk = q.shape
-    Dv = do.shape[-1]
-    nk = Dk // block_k
-    keys, vals = L.kblock_rows(block_k), L.kblock_values(Dv)
-    state, square, flag = L.kblock_state(block_k, Dv), L.kblock_square(), L.kblock_flags()
-    kernel = functools.partial(_key_grads_kernel, scale=scale, cd=cd, block_v=block_v,
-                               bounded_rows=bounded_rows)
-    dq, dk, db, dbeta = L.call(
-        kernel, (B, H, Tp // C, nk),
-        [keys, keys, keys, L.kblock_beta(), flag, flag, state, state, vals, vals, vals, square,
-         square],
-        (keys, keys, keys, L.kblock_partial_beta()),
-        (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk),
-         L.shape(F32, B, Tp, H, Dk), L.shape(F32, B, nk, Tp, H)),
-        # two stages keep the sub-chunk loop's loads in flight (three would need 194 KiB
-        # of shared memory); docs/kernel_tuning.md, "KDA key gradients"
-        interpret=interpret, name="kda_key_grads", num_stages=2,
-    )(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da)
-    return dq, dk, db, jnp.sum(dbeta, axis=1)
+  B, Tp, H, Dk = q.shape
+  Dv = do.shape[-1]
+  nk = Dk // block_k
+  keys, vals = L.kblock_rows(block_k), L.kblock_values(Dv)
+  state, square, flag = L.kblock_state(block_k, Dv), L.kblock_square(), L.kblock_flags()
+  kernel = functools.partial(_key_grads_kernel, scale=scale, cd=cd, block_v=block_v,
+                             bounded_rows=bounded_rows)
+  dq, dk, db, dbeta = L.call(
+      kernel,
+      (B, H, Tp // C, nk),
+      [
+          keys, keys, keys,
+          L.kblock_beta(), flag, flag, state, state, vals, vals, vals, square, square
+      ],
+      (keys, keys, keys, L.kblock_partial_beta()),
+      (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk), L.shape(
+          F32, B, Tp, H, Dk), L.shape(F32, B, nk, Tp, H)),
+      # two stages keep the sub-chunk loop's loads in flight (three would need 194 KiB
+      # of shared memory); docs/kernel_tuning.md, "KDA key gradients"
+      interpret=interpret,
+      name="kda_key_grads",
+      num_stages=2,
+  )(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da)
+  return dq, dk, db, jnp.sum(dbeta, axis=1)

@@ -21,99 +21,100 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C
-from pallas_kernels.linear_attention._pallas_common import (
-    F32, N_SUB, SUB, flag_column, iota, masked_exp, rows)
-from pallas_kernels.linear_attention._score_rows import (
-    edge_decay, store_diagonal, store_row_blocks)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota,
+                                                            masked_exp, rows)
+from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
+                                                         store_row_blocks)
 
 
 def _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start):
-    """16x16 diagonal blocks of A_kk / beta (strict) and A_qk: two matmuls where the
+  """16x16 diagonal blocks of A_kk / beta (strict) and A_qk: two matmuls where the
     sub-chunk's decays factor (_diagonal_blocks), else exact, one key at a time."""
-    b_r = rows(b_ref, start, 1)
+  b_r = rows(b_ref, start, 1)
 
-    def factored(q_i, k_i, b_i):
-        down, up = diag.decay_factors(b_i, b_r)
-        key = k_i * up
-        return (diag.lower(diag.f32_mm(k_i * down, key, trans_b=True), strict=True),
-                diag.lower(diag.f32_mm(q_i * down, key, trans_b=True)))
+  def factored(q_i, k_i, b_i):
+    down, up = diag.decay_factors(b_i, b_r)
+    key = k_i * up
+    return (diag.lower(diag.f32_mm(k_i * down, key, trans_b=True),
+                       strict=True), diag.lower(diag.f32_mm(q_i * down, key, trans_b=True)))
 
-    def exact(q_i, k_i, b_i):
-        t, cols = iota(SUB, 0, (SUB, SUB)), iota(SUB, 1, (SUB, SUB))
+  def exact(q_i, k_i, b_i):
+    t, cols = iota(SUB, 0, (SUB, SUB)), iota(SUB, 1, (SUB, SUB))
 
-        def key(j, acc):
-            a_kk, a_qk = acc
-            k_j = rows(k_ref, start + j, 1) * masked_exp(b_i - rows(b_ref, start + j, 1))
-            kk = jnp.sum(k_i * k_j, axis=1)[:, None]
-            qk = jnp.sum(q_i * k_j, axis=1)[:, None]
-            a_kk = a_kk + jnp.where((cols == j) & (t > j), kk, 0.0)
-            a_qk = a_qk + jnp.where((cols == j) & (t >= j), qk, 0.0)
-            return a_kk, a_qk
+    def key(j, acc):
+      a_kk, a_qk = acc
+      k_j = rows(k_ref, start + j, 1) * masked_exp(b_i - rows(b_ref, start + j, 1))
+      kk = jnp.sum(k_i * k_j, axis=1)[:, None]
+      qk = jnp.sum(q_i * k_j, axis=1)[:, None]
+      a_kk = a_kk + jnp.where((cols == j) & (t > j), kk, 0.0)
+      a_qk = a_qk + jnp.where((cols == j) & (t >= j), qk, 0.0)
+      return a_kk, a_qk
 
-        zero = jnp.zeros((SUB, SUB), F32)
-        return jax.lax.fori_loop(0, SUB, key, (zero, zero))
+    zero = jnp.zeros((SUB, SUB), F32)
+    return jax.lax.fori_loop(0, SUB, key, (zero, zero))
 
-    return diag.choose(b_i, b_r, factored, exact, q_i, k_i, b_i)
+  return diag.choose(b_i, b_r, factored, exact, q_i, k_i, b_i)
 
 
 def _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, start, cd):
-    """Rows [start, start + 16) of A_kk and A_qk from 16x16 blocks: any decay."""
-    q_i, k_i, b_i = rows(q_ref, start, SUB), rows(k_ref, start, SUB), rows(b_ref, start, SUB)
-    beta_i = beta_ref[pl.ds(start, SUB)].astype(F32)[:, None]
-    b_edge = edge_decay(b_ref, start)
-    to_edge = masked_exp(b_i - b_edge)
-    store_row_blocks([(akk_ref, beta_i * k_i * to_edge, cd), (aqk_ref, q_i * to_edge, cd)],
-                     k_ref, b_ref, r_ref, start, b_edge, out_row=start)
+  """Rows [start, start + 16) of A_kk and A_qk from 16x16 blocks: any decay."""
+  q_i, k_i, b_i = rows(q_ref, start, SUB), rows(k_ref, start, SUB), rows(b_ref, start, SUB)
+  beta_i = beta_ref[pl.ds(start, SUB)].astype(F32)[:, None]
+  b_edge = edge_decay(b_ref, start)
+  to_edge = masked_exp(b_i - b_edge)
+  store_row_blocks([(akk_ref, beta_i * k_i * to_edge, cd), (aqk_ref, q_i * to_edge, cd)], k_ref,
+                   b_ref, r_ref, start, b_edge, out_row=start)
 
-    kk_d, qk_d = _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start)
-    r_i = r_ref[pl.ds(start, SUB)]
-    same = r_i[:, None] == r_i[None, :]
-    store_diagonal(akk_ref, jnp.where(same, beta_i * kk_d, 0.0), start, out_row=start)
-    store_diagonal(aqk_ref, jnp.where(same, qk_d, 0.0), start, out_row=start)
+  kk_d, qk_d = _diagonal_blocks(q_i, k_i, b_i, k_ref, b_ref, start)
+  r_i = r_ref[pl.ds(start, SUB)]
+  same = r_i[:, None] == r_i[None, :]
+  store_diagonal(akk_ref, jnp.where(same, beta_i * kk_d, 0.0), start, out_row=start)
+  store_diagonal(aqk_ref, jnp.where(same, qk_d, 0.0), start, out_row=start)
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref,
-                   qg_ref, kg_ref, akk_ref, aqk_ref, *, cd):
-    """One chunk: qg, kg, and A_kk, A_qk as two matmuls when the chunk is bounded
+def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, akk_ref,
+                   aqk_ref, *, cd):
+  """One chunk: qg, kg, and A_kk, A_qk as two matmuls when the chunk is bounded
     (_chunk_factors), else one row block per sub-chunk."""
-    q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
-    qg_ref[...] = (q * jnp.exp(b) * flag_column(ci_ref, 0, C)).astype(qg_ref.dtype)
-    b_last = rows(b_ref, C - 1, 1)
-    kg_ref[...] = (k * masked_exp(b_last - b) * flag_column(il_ref, 0, C)).astype(kg_ref.dtype)
-    m, bounded = factors.midpoint(b)
+  q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
+  qg_ref[...] = (q * jnp.exp(b) * flag_column(ci_ref, 0, C)).astype(qg_ref.dtype)
+  b_last = rows(b_ref, C - 1, 1)
+  kg_ref[...] = (k * masked_exp(b_last - b) * flag_column(il_ref, 0, C)).astype(kg_ref.dtype)
+  m, bounded = factors.midpoint(b)
 
-    def whole_chunk():
-        down, up = factors.factors(b, m)
-        key = k * up
-        r = r_ref[...]
-        t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
-        same = r[:, None] == r[None, :]
-        beta = beta_ref[...].astype(F32)[:, None]
-        a_kk = diag.f32_mm(k * down, key, trans_b=True)
-        akk_ref[...] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
-        a_qk = diag.f32_mm(q * down, key, trans_b=True)
-        aqk_ref[...] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
+  def whole_chunk():
+    down, up = factors.factors(b, m)
+    key = k * up
+    r = r_ref[...]
+    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
+    same = r[:, None] == r[None, :]
+    beta = beta_ref[...].astype(F32)[:, None]
+    a_kk = diag.f32_mm(k * down, key, trans_b=True)
+    akk_ref[...] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
+    a_qk = diag.f32_mm(q * down, key, trans_b=True)
+    aqk_ref[...] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
 
-    def by_sub_chunks():
-        def row_block(i, carry):
-            _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref,
-                            pl.multiple_of(i * SUB, SUB), cd)
-            return carry
-        jax.lax.fori_loop(0, N_SUB, row_block, 0)
+  def by_sub_chunks():
 
-    jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
+    def row_block(i, carry):
+      _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref,
+                      pl.multiple_of(i * SUB, SUB), cd)
+      return carry
+
+    jax.lax.fori_loop(0, N_SUB, row_block, 0)
+
+  jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4):
-    """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd)."""
-    B, Tp, H, Dk = k.shape
-    n = Tp // C
-    keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
-    # two stages keep the sub-chunk path's loads over earlier sub-chunks in flight
-    return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n),
-                  [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
-                  (keys, keys, square, square),
-                  (L.shape(cd, B, Tp, H, Dk),) * 2 + (L.shape(F32, B, H, n, C, C),
-                                                      L.shape(cd, B, H, n, C, C)),
-                  interpret=interpret, name="kda_chunk_scores", num_warps=num_warps,
-                  num_stages=2)(q, k, b, beta, runs, carry_in, in_last)
+  """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd)."""
+  B, Tp, H, Dk = k.shape
+  n = Tp // C
+  keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
+  # two stages keep the sub-chunk path's loads over earlier sub-chunks in flight
+  return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n),
+                [keys, keys, keys, L.chunk_beta(), flag, flag, flag], (keys, keys, square, square),
+                (L.shape(cd, B, Tp, H, Dk),) * 2 +
+                (L.shape(F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C)), interpret=interpret,
+                name="kda_chunk_scores", num_warps=num_warps, num_stages=2)(q, k, b, beta, runs,
+                                                                            carry_in, in_last)

@@ -20,94 +20,95 @@ from pallas_kernels.linear_attention._mosaic_common import F32, kernel, load, sm
 
 
 def publish(value, buf, dst):
-    """value -> shared memory (buf's dtype) -> dst through TMA."""
-    buf[...] = value.astype(buf.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(buf, dst)
+  """value -> shared memory (buf's dtype) -> dst through TMA."""
+  buf[...] = value.astype(buf.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(buf, dst)
 
 
 def prefetch(fetch, stages, n_chunks):
-    """fetch(i, slot) for the first stages - 1 chunks, before the loop over chunks."""
-    for i in range(min(stages - 1, n_chunks)):
-        fetch(i, i)
+  """fetch(i, slot) for the first stages - 1 chunks, before the loop over chunks."""
+  for i in range(min(stages - 1, n_chunks)):
+    fetch(i, i)
 
 
 def next_slot(fetch, i, stages, n_chunks):
-    """The slot of chunk i (its loads still to be waited for); starts the loads of chunk
+  """The slot of chunk i (its loads still to be waited for); starts the loads of chunk
     i + stages - 1 into the slot chunk i - 1 has freed."""
-    plgpu.commit_smem()  # this warpgroup is done reading the slot refilled next
+  plgpu.commit_smem()  # this warpgroup is done reading the slot refilled next
 
-    @pl.when(i + stages - 1 < n_chunks)
-    def _():
-        fetch(i + stages - 1, lax.rem(i + stages - 1, stages))
+  @pl.when(i + stages - 1 < n_chunks)
+  def _():
+    fetch(i + stages - 1, lax.rem(i + stages - 1, stages))
 
-    return lax.rem(i, stages)
+  return lax.rem(i, stages)
 
 
 def _slot_buffer(kind, arr, stages, bk, bv):
-    if kind == "chunk_keys":
-        return plgpu.SMEM((stages, bk), F32)
-    if kind == "flags":
-        return plgpu.SMEM((stages, C), arr.dtype)
-    width = bk if kind == "keys" else bv
-    # warpgroup-matmul operands share the swizzle of a value-tile row
-    return smem((stages, C, width), arr.dtype, swizzle_row=bv)
+  if kind == "chunk_keys":
+    return plgpu.SMEM((stages, bk), F32)
+  if kind == "flags":
+    return plgpu.SMEM((stages, C), arr.dtype)
+  width = bk if kind == "keys" else bv
+  # warpgroup-matmul operands share the swizzle of a value-tile row
+  return smem((stages, C, width), arr.dtype, swizzle_row=bv)
 
 
-def chunk_walk(inputs, h0, out_types, step, *, block_k, block_v, stages, reverse, scratch,
-               name, interpret):
-    """inputs: [(kind, array)]; out_types: the outputs, the last one the final fp32 state
+def chunk_walk(inputs, h0, out_types, step, *, block_k, block_v, stages, reverse, scratch, name,
+               interpret):
+  """inputs: [(kind, array)]; out_types: the outputs, the last one the final fp32 state
     [B, H, Dk, Dv] (written here; the others by `step`). step(slots, scratch, outs,
     where=(b, h, key cols, value cols), chunk, S) -> the tile after the chunk."""
-    B, H, Dk, Dv = h0.shape
-    n_chunks = inputs[0][1].shape[1] // C
-    bk, bv = block_k, block_v
-    n_in, n_out = len(inputs), len(out_types)
+  B, H, Dk, Dv = h0.shape
+  n_chunks = inputs[0][1].shape[1] // C
+  bk, bv = block_k, block_v
+  n_in, n_out = len(inputs), len(out_types)
 
-    def body(*refs):
-        in_refs, h0_ref = refs[:n_in], refs[n_in]
-        outs = refs[n_in + 1:n_in + 1 + n_out]
-        slots = refs[n_in + 1 + n_out:2 * n_in + 1 + n_out]
-        work, bars = refs[2 * n_in + 1 + n_out:-1], refs[-1]
-        kt, vt = lax.axis_index("k"), lax.axis_index("v")
-        h, bi = lax.axis_index("h"), lax.axis_index("b")
-        kcols, vcols = pl.ds(kt * bk, bk), pl.ds(vt * bv, bv)
+  def body(*refs):
+    in_refs, h0_ref = refs[:n_in], refs[n_in]
+    outs = refs[n_in + 1:n_in + 1 + n_out]
+    slots = refs[n_in + 1 + n_out:2 * n_in + 1 + n_out]
+    work, bars = refs[2 * n_in + 1 + n_out:-1], refs[-1]
+    kt, vt = lax.axis_index("k"), lax.axis_index("v")
+    h, bi = lax.axis_index("h"), lax.axis_index("b")
+    kcols, vcols = pl.ds(kt * bk, bk), pl.ds(vt * bv, bv)
 
-        def chunk_at(i):
-            return n_chunks - 1 - i if reverse else i
+    def chunk_at(i):
+      return n_chunks - 1 - i if reverse else i
 
-        def fetch(i, slot):
-            n = chunk_at(i)
-            tok = pl.ds(n * C, C)
-            for (kind, _), ref, buf in zip(inputs, in_refs, slots):
-                src = {"keys": lambda: ref.at[bi, tok, h, kcols],
-                       "values": lambda: ref.at[bi, tok, h, vcols],
-                       "chunk_keys": lambda: ref.at[bi, n, h, kcols],
-                       "flags": lambda: ref.at[bi, tok]}[kind]()
-                plgpu.copy_gmem_to_smem(src, buf.at[slot], bars.at[slot])
+    def fetch(i, slot):
+      n = chunk_at(i)
+      tok = pl.ds(n * C, C)
+      for (kind, _), ref, buf in zip(inputs, in_refs, slots):
+        src = {
+            "keys": lambda: ref.at[bi, tok, h, kcols],
+            "values": lambda: ref.at[bi, tok, h, vcols],
+            "chunk_keys": lambda: ref.at[bi, n, h, kcols],
+            "flags": lambda: ref.at[bi, tok]
+        }[kind]()
+        plgpu.copy_gmem_to_smem(src, buf.at[slot], bars.at[slot])
 
-        prefetch(fetch, stages, n_chunks)
+    prefetch(fetch, stages, n_chunks)
 
-        def chunk_step(i, S):
-            slot = next_slot(fetch, i, stages, n_chunks)
-            plgpu.barrier_wait(bars.at[slot])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores are out
-            return step([s.at[slot] for s in slots], work, outs, (bi, h, kcols, vcols),
-                        chunk_at(i), S)
+    def chunk_step(i, S):
+      slot = next_slot(fetch, i, stages, n_chunks)
+      plgpu.barrier_wait(bars.at[slot])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores are out
+      return step([s.at[slot] for s in slots], work, outs, (bi, h, kcols, vcols), chunk_at(i), S)
 
-        S = lax.fori_loop(0, n_chunks, chunk_step, load(h0_ref.at[bi, h, kcols, vcols]))
-        outs[-1].at[bi, h, kcols, vcols][...] = S
-        plgpu.wait_smem_to_gmem(0)
+    S = lax.fori_loop(0, n_chunks, chunk_step, load(h0_ref.at[bi, h, kcols, vcols]))
+    outs[-1].at[bi, h, kcols, vcols][...] = S
+    plgpu.wait_smem_to_gmem(0)
 
-    slot_buffers = tuple(_slot_buffer(kind, arr, stages, bk, bv) for kind, arr in inputs)
-    barrier = plgpu.Barrier(num_arrivals=n_in, num_barriers=stages)
-    walk = kernel(body, tuple(out_types), (Dk // bk, Dv // bv, H, B), ("k", "v", "h", "b"),
-                  slot_buffers + tuple(scratch) + (barrier,), name, interpret)
-    return walk(*(arr for _, arr in inputs), h0.astype(F32))
+  slot_buffers = tuple(_slot_buffer(kind, arr, stages, bk, bv) for kind, arr in inputs)
+  barrier = plgpu.Barrier(num_arrivals=n_in, num_barriers=stages)
+  walk = kernel(body, tuple(out_types), (Dk // bk, Dv // bv, H, B), ("k", "v", "h", "b"),
+                slot_buffers + tuple(scratch) + (barrier,), name, interpret)
+  return walk(*(arr for _, arr in inputs), h0.astype(F32))
 
 
 def state_outputs(B, H, n_chunks, Dk, Dv, cd, *extra):
-    """The walks' usual outputs: the tile entering every chunk [B, H, NT, Dk, Dv] (cd),
+  """The walks' usual outputs: the tile entering every chunk [B, H, NT, Dk, Dv] (cd),
     any `extra` ShapeDtypeStructs, and the final fp32 state."""
-    return (jax.ShapeDtypeStruct((B, H, n_chunks, Dk, Dv), cd), *extra,
-            jax.ShapeDtypeStruct((B, H, Dk, Dv), F32))
+  return (jax.ShapeDtypeStruct((B, H, n_chunks, Dk, Dv),
+                               cd), *extra, jax.ShapeDtypeStruct((B, H, Dk, Dv), F32))

@@ -12,65 +12,66 @@ F32 = jnp.float32
 
 
 def interpret_mode():
-    return jax.default_backend() == "cpu"
+  return jax.default_backend() == "cpu"
 
 
 def compiler_params(num_warps=4, num_stages=1):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def compute_dtype(dtype):
-    """Matmul operand dtype: bf16/f16 inputs stay bf16/f16; fp32 inputs stay fp32 (TF32
+  """Matmul operand dtype: bf16/f16 inputs stay bf16/f16; fp32 inputs stay fp32 (TF32
     tensor cores on GPU, exact in interpret mode)."""
-    return dtype if dtype in (jnp.bfloat16, jnp.float16) else F32
+  return dtype if dtype in (jnp.bfloat16, jnp.float16) else F32
 
 
 def mm(a, b, cd, trans_a=False, trans_b=False):
-    """a @ b (optionally transposed operands) with operands cast to cd and fp32 accumulation."""
-    dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
-    return jax.lax.dot_general(a.astype(cd), b.astype(cd), (dims, ((), ())),
-                               preferred_element_type=F32)
+  """a @ b (optionally transposed operands) with operands cast to cd and fp32 accumulation."""
+  dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
+  return jax.lax.dot_general(a.astype(cd), b.astype(cd), (dims, ((), ())),
+                             preferred_element_type=F32)
 
 
 def rows(ref, start, n):
-    """Rows [start, start + n) of a [T, D] ref, as fp32."""
-    return ref[pl.ds(start, n), :].astype(F32)
+  """Rows [start, start + n) of a [T, D] ref, as fp32."""
+  return ref[pl.ds(start, n), :].astype(F32)
 
 
 def flag_column(ref, start, n=SUB):
-    """Per-token 0/1 flags [start, start + n) of a [T] ref as an fp32 [n, 1] column."""
-    return ref[pl.ds(start, n)].astype(F32)[:, None]
+  """Per-token 0/1 flags [start, start + n) of a [T] ref as an fp32 [n, 1] column."""
+  return ref[pl.ds(start, n)].astype(F32)[:, None]
 
 
 def masked_exp(x):
-    """exp(min(x, 0)): decays are only ever exponentiated as exp(x <= 0); the clamp keeps
+  """exp(min(x, 0)): decays are only ever exponentiated as exp(x <= 0); the clamp keeps
     masked-out entries (exponents of the wrong sign) finite before they are zeroed."""
-    return jnp.exp(jnp.minimum(x, 0.0))
+  return jnp.exp(jnp.minimum(x, 0.0))
 
 
 def iota(n, axis=0, shape=None):
-    return jax.lax.broadcasted_iota(jnp.int32, shape or (n,), axis)
+  return jax.lax.broadcasted_iota(jnp.int32, shape or (n,), axis)
 
 
 def row_as_column(x_row):
-    """[1, D] -> [D, 1] (per-channel factor applied to the rows of a [D, Dv] state)."""
-    return x_row.reshape(x_row.shape[1])[:, None]
+  """[1, D] -> [D, 1] (per-channel factor applied to the rows of a [D, Dv] state)."""
+  return x_row.reshape(x_row.shape[1])[:, None]
 
 
 def chunk_call(kernel, grid, in_specs, out_specs, out_shape, *, num_warps, interpret, name,
                num_stages=1):
-    """pallas_call on the logical grid (b, h, chunk, j); index maps take (b, h, c, j).
+  """pallas_call on the logical grid (b, h, chunk, j); index maps take (b, h, c, j).
 
     Launched as (j, chunk, b, h): CUDA runs the first axis fastest, so the programs of
     one chunk (its sub-chunks or channel blocks) run side by side and share the chunk's
     loads through L2 instead of each reading them from HBM (measured: docs/kernel_tuning.md,
     "Launch order of the parallel kernels")."""
-    def launch_order(spec):
-        return pl.BlockSpec(spec.block_shape, lambda j, c, b, h, f=spec.index_map: f(b, h, c, j))
 
-    in_specs, out_specs = jax.tree.map(
-        launch_order, (in_specs, out_specs), is_leaf=lambda s: isinstance(s, pl.BlockSpec))
-    return pl.pallas_call(kernel, grid=(grid[3], grid[2], grid[0], grid[1]),
-                          in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          compiler_params=compiler_params(num_warps, num_stages),
-                          interpret=interpret, name=name)
+  def launch_order(spec):
+    return pl.BlockSpec(spec.block_shape, lambda j, c, b, h, f=spec.index_map: f(b, h, c, j))
+
+  in_specs, out_specs = jax.tree.map(launch_order, (in_specs, out_specs),
+                                     is_leaf=lambda s: isinstance(s, pl.BlockSpec))
+  return pl.pallas_call(kernel, grid=(grid[3], grid[2], grid[0], grid[1]), in_specs=in_specs,
+                        out_specs=out_specs, out_shape=out_shape,
+                        compiler_params=compiler_params(num_warps,
+                                                        num_stages), interpret=interpret, name=name)

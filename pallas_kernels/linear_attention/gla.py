@@ -17,94 +17,95 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import (
-    _chunk_prep, _gla_forward_mosaic, _gla_states, _gla_states_mosaic)
-from pallas_kernels.linear_attention._gla_chunks import (
-    chunk_key_grads, chunk_outputs, chunk_value_grads)
+from pallas_kernels.linear_attention import (_chunk_prep, _gla_forward_mosaic, _gla_states,
+                                             _gla_states_mosaic)
+from pallas_kernels.linear_attention._gla_chunks import (chunk_key_grads, chunk_outputs,
+                                                         chunk_value_grads)
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
-from pallas_kernels.linear_attention._inputs import (
-    check_head_dims, check_tile, default_scale, validate)
-from pallas_kernels.linear_attention._mosaic_common import (
-    choose_walk, require_mosaic, sixteen_bit)
+from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
+                                                     validate)
+from pallas_kernels.linear_attention._mosaic_common import (choose_walk, require_mosaic,
+                                                            sixteen_bit)
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
 class Tiling(NamedTuple):
-    """Launch settings (hashable: they are static arguments of the custom VJP).
+  """Launch settings (hashable: they are static arguments of the custom VJP).
     Defaults chosen by measurement: docs/kernel_tuning.md, "GLA tiling"."""
-    block_k: int = 64
-    block_v: int = 64
-    state_warps: int = 4
-    state_stages: int = 3
-    chunk_warps: int = 2  # forward outputs
-    score_warps: int = 4  # the scores kernel, one program per chunk
-    score_stages: int = 2  # loads in flight in the score kernel's loops
-    grad_warps: int = 4  # backward: score gradients, value and key gradients
-    grad_stages: int = 3  # loads in flight in the key-gradient kernel's sub-chunk loop
-    # value channels per program of the value-gradient kernel: whole 128-wide heads read
-    # the chunk's keys and decays once (the forward outputs kernel keeps block_v)
-    grad_block_v: int = 128
-    # the two sequential kernels (chunk states, state gradients): "mosaic" (Hopper: TMA
-    # and warpgroup matmuls) or "triton"; "auto" takes "mosaic" where it runs
-    # (state_walk_kind)
-    state_walk: str = "auto"
-    # "split" or "fused" (_FORWARDS; the fused forward runs on Mosaic GPU, Hopper only).
-    # "split" by default: its state kernel is shared with the backward's recomputation
-    forward: str = "split"
-    interpret: bool = False
+  block_k: int = 64
+  block_v: int = 64
+  state_warps: int = 4
+  state_stages: int = 3
+  chunk_warps: int = 2  # forward outputs
+  score_warps: int = 4  # the scores kernel, one program per chunk
+  score_stages: int = 2  # loads in flight in the score kernel's loops
+  grad_warps: int = 4  # backward: score gradients, value and key gradients
+  grad_stages: int = 3  # loads in flight in the key-gradient kernel's sub-chunk loop
+  # value channels per program of the value-gradient kernel: whole 128-wide heads read
+  # the chunk's keys and decays once (the forward outputs kernel keeps block_v)
+  grad_block_v: int = 128
+  # the two sequential kernels (chunk states, state gradients): "mosaic" (Hopper: TMA
+  # and warpgroup matmuls) or "triton"; "auto" takes "mosaic" where it runs
+  # (state_walk_kind)
+  state_walk: str = "auto"
+  # "split" or "fused" (_FORWARDS; the fused forward runs on Mosaic GPU, Hopper only).
+  # "split" by default: its state kernel is shared with the backward's recomputation
+  forward: str = "split"
+  interpret: bool = False
 
 
 def state_walk_kind(t: Tiling, dtypes, Dk, Dv):
-    """The state kernels' implementation: the Mosaic GPU walk needs q, k, v in one 16-bit
+  """The state kernels' implementation: the Mosaic GPU walk needs q, k, v in one 16-bit
     dtype and 64-wide state tiles, and compiles for Hopper only (interpreted on CPU when
     asked for)."""
-    block = _gla_states_mosaic.BLOCK
-    return choose_walk(
-        t.state_walk, _STATE_WALKS, sixteen_bit(dtypes) and Dk % block == 0 and Dv % block == 0,
-        t.interpret, f"q, k, v in one 16-bit dtype and head sizes that are multiples of "
-        f"{block}; got {[str(d) for d in dtypes]}, Dk = {Dk}, Dv = {Dv}")
+  block = _gla_states_mosaic.BLOCK
+  return choose_walk(
+      t.state_walk, _STATE_WALKS,
+      sixteen_bit(dtypes) and Dk % block == 0 and Dv % block == 0, t.interpret,
+      f"q, k, v in one 16-bit dtype and head sizes that are multiples of "
+      f"{block}; got {[str(d) for d in dtypes]}, Dk = {Dk}, Dv = {Dv}")
 
 
 def _triton_walks(t: Tiling):
-    kw = dict(block_k=t.block_k, block_v=t.block_v, interpret=t.interpret,
-              num_warps=t.state_warps, num_stages=t.state_stages)
-    return (functools.partial(_gla_states.chunk_states, **kw),
-            functools.partial(_gla_states.chunk_state_grads, **kw))
+  kw = dict(block_k=t.block_k, block_v=t.block_v, interpret=t.interpret, num_warps=t.state_warps,
+            num_stages=t.state_stages)
+  return (functools.partial(_gla_states.chunk_states,
+                            **kw), functools.partial(_gla_states.chunk_state_grads, **kw))
 
 
 def _mosaic_walks(t: Tiling):
-    return (functools.partial(_gla_states_mosaic.chunk_states, interpret=t.interpret),
-            functools.partial(_gla_states_mosaic.chunk_state_grads, interpret=t.interpret))
+  return (functools.partial(_gla_states_mosaic.chunk_states, interpret=t.interpret),
+          functools.partial(_gla_states_mosaic.chunk_state_grads, interpret=t.interpret))
 
 
 _STATE_WALKS = {"triton": _triton_walks, "mosaic": _mosaic_walks}
 
 
 def state_walks(t: Tiling):
-    """(chunk_states, chunk_state_grads) of t.state_walk ("auto" resolved), settings bound."""
-    return _STATE_WALKS[t.state_walk](t)
+  """(chunk_states, chunk_state_grads) of t.state_walk ("auto" resolved), settings bound."""
+  return _STATE_WALKS[t.state_walk](t)
 
 
 def _states(k, v, b, masks, h0, t: Tiling):
-    carry_in, in_last = masks
-    return state_walks(t)[0](k, v, b, in_last, carry_in, h0)
+  carry_in, in_last = masks
+  return state_walks(t)[0](k, v, b, in_last, carry_in, h0)
 
 
 def _split_forward(q, k, v, b, h0, runs, masks, scale, t):
-    h, ht = _states(k, v, b, masks, h0, t)
-    a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
-                     num_stages=t.score_stages)
-    o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v,
-                      interpret=t.interpret, num_warps=t.chunk_warps)
-    return (o, ht), a
+  h, ht = _states(k, v, b, masks, h0, t)
+  a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
+                   num_stages=t.score_stages)
+  o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v, interpret=t.interpret,
+                    num_warps=t.chunk_warps)
+  return (o, ht), a
 
 
 def _fused_forward(q, k, v, b, h0, runs, masks, scale, t):
-    a, qg, kg = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
-                             num_stages=t.score_stages, decayed_with=masks)
-    out = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
-                                          interpret=t.interpret)
-    return out, a
+  a, qg, kg = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
+                           num_stages=t.score_stages, decayed_with=masks)
+  out = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
+                                        interpret=t.interpret)
+  return out, a
 
 
 # Tiling.forward: "split" (state kernel, then the outputs kernel) or "fused" (the
@@ -114,49 +115,50 @@ _FORWARDS = {"split": _split_forward, "fused": _fused_forward}
 
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t):
-    return _FORWARDS[t.forward](q, k, v, b, h0, runs, masks, scale, t)
+  return _FORWARDS[t.forward](q, k, v, b, h0, runs, masks, scale, t)
 
 
 def check_forward(t: Tiling, dtypes, Dk, Dv):
-    """Tiling.forward names a forward that can run here."""
-    if t.forward not in _FORWARDS:
-        raise ValueError(f"Tiling.forward = {t.forward!r}: expected one of {sorted(_FORWARDS)}")
-    if t.forward == "fused":
-        fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK
-                and Dv % _gla_forward_mosaic.BLOCK_V == 0)
-        require_mosaic("Tiling.forward = 'fused'", fits, t.interpret,
-                       f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and Dv a multiple of "
-                       f"{_gla_forward_mosaic.BLOCK_V}; got {[str(d) for d in dtypes]}, "
-                       f"Dk = {Dk}, Dv = {Dv}")
-    return t
+  """Tiling.forward names a forward that can run here."""
+  if t.forward not in _FORWARDS:
+    raise ValueError(f"Tiling.forward = {t.forward!r}: expected one of {sorted(_FORWARDS)}")
+  if t.forward == "fused":
+    fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
+            Dv % _gla_forward_mosaic.BLOCK_V == 0)
+    require_mosaic(
+        "Tiling.forward = 'fused'", fits, t.interpret,
+        f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and Dv a multiple of "
+        f"{_gla_forward_mosaic.BLOCK_V}; got {[str(d) for d in dtypes]}, "
+        f"Dk = {Dk}, Dv = {Dv}")
+  return t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _gla_core(q, k, v, b, h0, runs, masks, scale, t):
-    return _forward(q, k, v, b, h0, runs, masks, scale, t)[0]
+  return _forward(q, k, v, b, h0, runs, masks, scale, t)[0]
 
 
 def _gla_core_fwd(q, k, v, b, h0, runs, masks, scale, t):
-    # per-chunk states are recomputed in the backward; the in-chunk scores are kept
-    out, a = _forward(q, k, v, b, h0, runs, masks, scale, t)
-    a, = residuals.keep(a)  # kept with the core's output by a remat policy saving "attention"
-    return out, (q, k, v, b, h0, runs, masks, a)
+  # per-chunk states are recomputed in the backward; the in-chunk scores are kept
+  out, a = _forward(q, k, v, b, h0, runs, masks, scale, t)
+  a, = residuals.keep(a)  # kept with the core's output by a remat policy saving "attention"
+  return out, (q, k, v, b, h0, runs, masks, a)
 
 
 def _gla_core_bwd(scale, t, res, cts):
-    q, k, v, b, h0, runs, masks, a = res
-    do, dht = cts
-    do = do.astype(v.dtype)
-    h, _ = _states(k, v, b, masks, h0, t)
-    ds, dh0 = state_walks(t)[1](q, b, masks[0], do, dht, scale=scale)
-    dv = chunk_value_grads(k, b, masks[1], ds, a, do, scale=scale, block_v=t.grad_block_v,
-                           interpret=t.interpret, num_warps=t.grad_warps)
-    da, dat = chunk_score_grads(v, runs, do, scale=scale, interpret=t.interpret,
-                                num_warps=t.grad_warps)
-    dq, dk, db = chunk_key_grads(q, k, v, b, *masks, h, ds, do, da, dat,
-                                 scale=scale, block_k=t.block_k, interpret=t.interpret,
-                                 num_warps=t.grad_warps, num_stages=t.grad_stages)
-    return dq, dk, dv, db, dh0, None, None
+  q, k, v, b, h0, runs, masks, a = res
+  do, dht = cts
+  do = do.astype(v.dtype)
+  h, _ = _states(k, v, b, masks, h0, t)
+  ds, dh0 = state_walks(t)[1](q, b, masks[0], do, dht, scale=scale)
+  dv = chunk_value_grads(k, b, masks[1], ds, a, do, scale=scale, block_v=t.grad_block_v,
+                         interpret=t.interpret, num_warps=t.grad_warps)
+  da, dat = chunk_score_grads(v, runs, do, scale=scale, interpret=t.interpret,
+                              num_warps=t.grad_warps)
+  dq, dk, db = chunk_key_grads(q, k, v, b, *masks, h, ds, do, da, dat, scale=scale,
+                               block_k=t.block_k, interpret=t.interpret, num_warps=t.grad_warps,
+                               num_stages=t.grad_stages)
+  return dq, dk, dv, db, dh0, None, None
 
 
 _gla_core.defvjp(_gla_core_fwd, _gla_core_bwd)
@@ -164,19 +166,20 @@ _gla_core.defvjp(_gla_core_fwd, _gla_core_bwd)
 
 def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, tiling: Tiling | None = None):
-    """Chunked GLA on Pallas kernels; same contract as reference.gla_chunked."""
-    B, T, H, Dk, Dv = validate(q, k, v, g, None, initial_state, segment_ids)
-    check_head_dims(Dk, Dv)
-    scale = default_scale(scale, Dk)
-    qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
-    masks = _chunk_prep.segment_masks(runs)
-    h0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
-    t = (tiling or Tiling())._replace(interpret=interpret_mode())
-    t = t._replace(block_k=check_tile("block_k", min(t.block_k, Dk), "Dk", Dk),
-                   block_v=check_tile("block_v", min(t.block_v, Dv), "Dv", Dv),
-                   grad_block_v=check_tile("grad_block_v", min(t.grad_block_v, Dv), "Dv", Dv))
-    dtypes = (q.dtype, k.dtype, v.dtype)
-    t = check_forward(t._replace(state_walk=state_walk_kind(t, dtypes, Dk, Dv)), dtypes, Dk, Dv)
-    o, ht = _gla_core(qp, kp, vp, b, h0, runs, masks, float(scale), t)
-    return o[:, :T], (ht if output_final_state else None)
+  """Chunked GLA on Pallas kernels; same contract as reference.gla_chunked."""
+  B, T, H, Dk, Dv = validate(q, k, v, g, None, initial_state, segment_ids)
+  check_head_dims(Dk, Dv)
+  scale = default_scale(scale, Dk)
+  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
+  masks = _chunk_prep.segment_masks(runs)
+  h0 = (jnp.zeros(
+      (B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32))
+  t = (tiling or Tiling())._replace(interpret=interpret_mode())
+  t = t._replace(block_k=check_tile("block_k", min(t.block_k, Dk), "Dk", Dk),
+                 block_v=check_tile("block_v", min(t.block_v, Dv), "Dv",
+                                    Dv), grad_block_v=check_tile("grad_block_v",
+                                                                 min(t.grad_block_v, Dv), "Dv", Dv))
+  dtypes = (q.dtype, k.dtype, v.dtype)
+  t = check_forward(t._replace(state_walk=state_walk_kind(t, dtypes, Dk, Dv)), dtypes, Dk, Dv)
+  o, ht = _gla_core(qp, kp, vp, b, h0, runs, masks, float(scale), t)
+  return o[:, :T], (ht if output_final_state else None)

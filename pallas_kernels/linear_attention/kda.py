@@ -21,12 +21,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import residuals
 from pallas_kernels.linear_attention import _chunk_prep, _kda_states, _kda_states_mosaic
-from pallas_kernels.linear_attention._inputs import (
-    check_head_dims, check_tile, default_scale, l2_normalize, pad_time, validate)
+from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
+                                                     l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
-from pallas_kernels.linear_attention._kda_value_side import (
-    chunk_dv_local, chunk_output, chunk_wy_grads)
+from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
+                                                             chunk_wy_grads)
 from pallas_kernels.linear_attention._mosaic_common import choose_walk, on_hopper, sixteen_bit
 from pallas_kernels.linear_attention._pallas_common import compute_dtype, interpret_mode
 
@@ -38,85 +38,84 @@ _STATE_WALKS = {
 
 
 class Tiling(NamedTuple):
-    """Static launch settings: value-channel block (all kernels), key-channel block
+  """Static launch settings: value-channel block (all kernels), key-channel block
     (kda_key_grads), the forward and backward state kernels' implementations (keys of
     _STATE_WALKS) and interpret mode."""
-    block_v: int
-    block_k: int
-    state_walks: tuple[str, str]
-    interpret: bool
+  block_v: int
+  block_k: int
+  state_walks: tuple[str, str]
+  interpret: bool
 
 
 def available_state_walks(interpret):
-    """{implementation: (chunk_states, chunk_state_grads)} of the walks that run here: the
+  """{implementation: (chunk_states, chunk_state_grads)} of the walks that run here: the
     Mosaic GPU ones on Hopper, or interpreted."""
-    return {k: v for k, v in _STATE_WALKS.items()
-            if k != "mosaic" or interpret or on_hopper()}
+  return {k: v for k, v in _STATE_WALKS.items() if k != "mosaic" or interpret or on_hopper()}
 
 
 def state_walk_kinds(choice, dtypes, Dk, block_v, interpret):
-    """(forward, backward) implementations of the state kernels for `choice`. The Mosaic
+  """(forward, backward) implementations of the state kernels for `choice`. The Mosaic
     GPU walk keeps the whole [Dk, BV] state in one warpgroup's registers: it needs q, k, v
     in one 16-bit dtype, Dk of 64 or 128 and 32-multiple value blocks. "auto" takes it for
     both walks where it fits, the choice that measured best end to end although the
     forward walk alone is not the faster one (docs/kernel_tuning.md, "KDA state walks")."""
-    fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _kda_states_mosaic.MAX_DK
-            and block_v % 32 == 0)
-    kind = choose_walk(choice, _STATE_WALKS, fits, interpret,
-                       f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and a value block that "
-                       f"is a multiple of 32; got {[str(d) for d in dtypes]}, Dk = {Dk}, "
-                       f"block_v = {block_v}")
-    return kind, kind
+  fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _kda_states_mosaic.MAX_DK and
+          block_v % 32 == 0)
+  kind = choose_walk(
+      choice, _STATE_WALKS, fits, interpret,
+      f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and a value block that "
+      f"is a multiple of 32; got {[str(d) for d in dtypes]}, Dk = {Dk}, "
+      f"block_v = {block_v}")
+  return kind, kind
 
 
 def _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, for_backward):
-    cd = compute_dtype(q.dtype)
-    intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=cd, emit_inverse=for_backward,
-                        interpret=t.interpret)
-    qg, kg, w, u0, aqk = intra[:5]
-    h, vn, ht = _STATE_WALKS[t.state_walks[0]][0](w, u0, kg, b, masks[0], h0,
-                                                  block_v=t.block_v, cd=cd,
-                                                  interpret=t.interpret)
-    return intra, h, vn, ht
+  cd = compute_dtype(q.dtype)
+  intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=cd, emit_inverse=for_backward,
+                      interpret=t.interpret)
+  qg, kg, w, u0, aqk = intra[:5]
+  h, vn, ht = _STATE_WALKS[t.state_walks[0]][0](w, u0, kg, b, masks[0], h0, block_v=t.block_v,
+                                                cd=cd, interpret=t.interpret)
+  return intra, h, vn, ht
 
 
 def _output(q, v, intra, h, vn, scale, t):
-    qg, _, _, _, aqk = intra[:5]
-    return chunk_output(qg, aqk, h, vn, scale=scale, out_dtype=v.dtype, block_v=t.block_v,
-                        cd=compute_dtype(q.dtype), interpret=t.interpret)
+  qg, _, _, _, aqk = intra[:5]
+  return chunk_output(qg, aqk, h, vn, scale=scale, out_dtype=v.dtype, block_v=t.block_v,
+                      cd=compute_dtype(q.dtype), interpret=t.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
-    intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, False)
-    return _output(q, v, intra, h, vn, scale, t), ht
+  intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, False)
+  return _output(q, v, intra, h, vn, scale, t), ht
 
 
 def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
-    # The in-chunk kernel is the costliest of the forward (docs/kernel_tuning.md, "KDA
-    # in-chunk results as residuals"), so its results are kept for the backward
-    # (bf16, 1.8 KB per token and head at D = 128 with the chunk states) instead of
-    # recomputed; tagged so that a remat policy keeping "attention" keeps them too.
-    intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, True)
-    out = _output(q, v, intra, h, vn, scale, t), ht
-    qg, kg, w, _, aqk, inverse = intra
-    qg, kg, w, aqk, inverse, h, vn = residuals.keep(qg, kg, w, aqk, inverse, h, vn)
-    return out, (q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn)
+  # The in-chunk kernel is the costliest of the forward (docs/kernel_tuning.md, "KDA
+  # in-chunk results as residuals"), so its results are kept for the backward
+  # (bf16, 1.8 KB per token and head at D = 128 with the chunk states) instead of
+  # recomputed; tagged so that a remat policy keeping "attention" keeps them too.
+  intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, True)
+  out = _output(q, v, intra, h, vn, scale, t), ht
+  qg, kg, w, _, aqk, inverse = intra
+  qg, kg, w, aqk, inverse, h, vn = residuals.keep(qg, kg, w, aqk, inverse, h, vn)
+  return out, (q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn)
 
 
 def _kda_core_bwd(scale, t, res, cts):
-    q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn = res
-    do, dht = cts
-    do = do.astype(v.dtype)
-    cd = compute_dtype(q.dtype)
-    kw = dict(block_v=t.block_v, cd=cd, interpret=t.interpret)
-    dvl, dp = chunk_dv_local(aqk, do, vn, runs, scale=scale, **kw)
-    dh, dvn, dh0 = _STATE_WALKS[t.state_walks[1]][1](qg, kg, w, b, masks[0], dvl, do, dht,
-                                                     scale=scale, **kw)
-    dv, dx, da, dbeta_v = chunk_wy_grads(inverse, dvn, vn, v, beta, runs, **kw)
-    dq, dk, db, dbeta_k = chunk_key_grads(q, k, b, beta, *masks, h, dh, do, vn, dx, dp, da,
-                                          scale=scale, block_k=t.block_k, **kw)
-    return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None
+  q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn = res
+  do, dht = cts
+  do = do.astype(v.dtype)
+  cd = compute_dtype(q.dtype)
+  kw = dict(block_v=t.block_v, cd=cd, interpret=t.interpret)
+  dvl, dp = chunk_dv_local(aqk, do, vn, runs, scale=scale, **kw)
+  dh, dvn, dh0 = _STATE_WALKS[t.state_walks[1]][1](qg, kg, w, b, masks[0], dvl, do, dht,
+                                                   scale=scale, **kw)
+  dv, dx, da, dbeta_v = chunk_wy_grads(inverse, dvn, vn, v, beta, runs, **kw)
+  dq, dk, db, dbeta_k = chunk_key_grads(q, k, b, beta, *masks, h, dh, do, vn, dx, dp, da,
+                                        scale=scale, block_k=t.block_k, **kw)
+  return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None
 
 
 _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
@@ -125,28 +124,28 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, block_v=None, block_k=None,
                 state_walk="auto"):
-    """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
+  """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0). Returns
     (o [B, T, H, Dv] in v's dtype, fp32 final state [B, H, Dk, Dv] or None). block_v /
     block_k: the value-channel tile of every kernel / the key-channel tile of the
     key-gradient kernel (defaults by Dk, Dv). state_walk: the sequential kernels'
     implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds)."""
-    B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids)
-    check_head_dims(Dk, Dv)
-    scale = default_scale(scale, Dk)
-    if normalize_qk:  # plain JAX (autodiff) outside the kernels, back to the input dtype
-        q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
-    # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)
-    qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
-    beta = pad_time(beta.astype(jnp.float32), qp.shape[1])
-    masks = _chunk_prep.segment_masks(runs)
-    h0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
-    # BV = 32 at Dk = 256 keeps the sequential kernels' [Dk, BV] fp32 state small
-    bv = check_tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
-    bk = check_tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
-    interpret = interpret_mode()
-    walks = state_walk_kinds(state_walk, (q.dtype, k.dtype, v.dtype), Dk, bv, interpret)
-    t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret)
-    o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
-    return o[:, :T], (ht if output_final_state else None)
+  B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids)
+  check_head_dims(Dk, Dv)
+  scale = default_scale(scale, Dk)
+  if normalize_qk:  # plain JAX (autodiff) outside the kernels, back to the input dtype
+    q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
+  # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)
+  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
+  beta = pad_time(beta.astype(jnp.float32), qp.shape[1])
+  masks = _chunk_prep.segment_masks(runs)
+  h0 = (jnp.zeros(
+      (B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32))
+  # BV = 32 at Dk = 256 keeps the sequential kernels' [Dk, BV] fp32 state small
+  bv = check_tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
+  bk = check_tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
+  interpret = interpret_mode()
+  walks = state_walk_kinds(state_walk, (q.dtype, k.dtype, v.dtype), Dk, bv, interpret)
+  t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret)
+  o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
+  return o[:, :T], (ht if output_final_state else None)

@@ -20,18 +20,18 @@ MASK_BYTES = 4 << 30
 
 
 def prefers_dense(q_shape, k_shape, top_k: int, dtype) -> bool:
-    """Whether masked dense attention is expected to beat the gather kernels."""
-    b, t, hq, d = q_shape
-    tk, hk = k_shape[1], k_shape[2]
-    fused = (jnp.dtype(dtype) in map(jnp.dtype, FUSED_DTYPES) and d % 8 == 0 and d <= 256
-             and t % 2 == 0 and tk % 2 == 0)
-    mask_ok = 2 * b * t * tk <= MASK_BYTES  # the bf16 bias the attention builds from it
-    pairs = t * tk / 2 if t == tk else t * tk  # the causal pass, or every pair of a range
-    return fused and mask_ok and pairs * hq * DENSE_NS < t * top_k * hk * GATHER_NS
+  """Whether masked dense attention is expected to beat the gather kernels."""
+  b, t, hq, d = q_shape
+  tk, hk = k_shape[1], k_shape[2]
+  fused = (jnp.dtype(dtype) in map(jnp.dtype, FUSED_DTYPES) and d % 8 == 0 and d <= 256 and
+           t % 2 == 0 and tk % 2 == 0)
+  mask_ok = 2 * b * t * tk <= MASK_BYTES  # the bf16 bias the attention builds from it
+  pairs = t * tk / 2 if t == tk else t * tk  # the causal pass, or every pair of a range
+  return fused and mask_ok and pairs * hq * DENSE_NS < t * top_k * hk * GATHER_NS
 
 
 def sparse_attention_by_density(q, k, v, indices, *, scale=None):
-    """sparse_attention's contract; masked dense attention where prefers_dense says so."""
-    if prefers_dense(q.shape, k.shape, indices.shape[2], q.dtype):
-        return masked_dense_attention(q, k, v, indices, scale=scale)
-    return sparse_attention(q, k, v, indices, scale=scale)
+  """sparse_attention's contract; masked dense attention where prefers_dense says so."""
+  if prefers_dense(q.shape, k.shape, indices.shape[2], q.dtype):
+    return masked_dense_attention(q, k, v, indices, scale=scale)
+  return sparse_attention(q, k, v, indices, scale=scale)

@@ -15,17 +15,17 @@ KEYS_PER_RANGE = 16384  # 24 MB of K, V, dk and dv rows per KV head (D = 128)
 
 
 def n_ranges(num_keys: int, keys_per_range: int) -> int:
-    return -(-num_keys // keys_per_range)
+  return -(-num_keys // keys_per_range)
 
 
 def split_by_range(indices, num_keys: int, keys_per_range: int):
-    """(indices sorted ascending with the unused -1 entries last [B, T, K];
+  """(indices sorted ascending with the unused -1 entries last [B, T, K];
     lo, hi [B, T, R] int32: entries [lo, hi) of a row lie in key range r)."""
-    unused = indices < 0
-    ordered = jnp.sort(jnp.where(unused, num_keys, indices), axis=-1)
-    ordered = jnp.where(ordered >= num_keys, -1, ordered).astype(jnp.int32)
-    r = n_ranges(num_keys, keys_per_range)
-    edges = jnp.arange(r + 1, dtype=jnp.int32) * keys_per_range  # [R + 1]
-    valid = ordered >= 0
-    before = jnp.sum(valid[..., None] & (ordered[..., None] < edges), axis=-2, dtype=jnp.int32)
-    return ordered, before[..., :-1], before[..., 1:]
+  unused = indices < 0
+  ordered = jnp.sort(jnp.where(unused, num_keys, indices), axis=-1)
+  ordered = jnp.where(ordered >= num_keys, -1, ordered).astype(jnp.int32)
+  r = n_ranges(num_keys, keys_per_range)
+  edges = jnp.arange(r + 1, dtype=jnp.int32) * keys_per_range  # [R + 1]
+  valid = ordered >= 0
+  before = jnp.sum(valid[..., None] & (ordered[..., None] < edges), axis=-2, dtype=jnp.int32)
+  return ordered, before[..., :-1], before[..., 1:]

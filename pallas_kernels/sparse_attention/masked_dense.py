@@ -27,47 +27,48 @@ FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def selection_mask(indices, num_keys):
-    """bool [B, 1, T, num_keys]: True where key s is among indices[b, t] (-1 ignored)."""
-    b, t, _ = indices.shape
-    # -1 (unused) goes out of range and is dropped by the scatter
-    cols = jnp.where(indices >= 0, indices, num_keys)
-    rows = jnp.arange(t, dtype=jnp.int32)[None, :, None]
-    batch = jnp.arange(b, dtype=jnp.int32)[:, None, None]
-    mask = jnp.zeros((b, t, num_keys), jnp.bool_)
-    mask = mask.at[batch, rows, cols].set(True, mode="drop", unique_indices=False)
-    return mask[:, None]
+  """bool [B, 1, T, num_keys]: True where key s is among indices[b, t] (-1 ignored)."""
+  b, t, _ = indices.shape
+  # -1 (unused) goes out of range and is dropped by the scatter
+  cols = jnp.where(indices >= 0, indices, num_keys)
+  rows = jnp.arange(t, dtype=jnp.int32)[None, :, None]
+  batch = jnp.arange(b, dtype=jnp.int32)[:, None, None]
+  mask = jnp.zeros((b, t, num_keys), jnp.bool_)
+  mask = mask.at[batch, rows, cols].set(True, mode="drop", unique_indices=False)
+  return mask[:, None]
 
 
 def masked_dense_attention(q, k, v, indices, *, scale=None, implementation=None):
-    """Same contract as sparse_attention (q [B,T,HQ,D], k/v [B,Tk,HK,D], indices [B,T,K]).
+  """Same contract as sparse_attention (q [B,T,HQ,D], k/v [B,Tk,HK,D], indices [B,T,K]).
 
     implementation: "cudnn" or "xla" (jax.nn.dot_product_attention); default cuDNN on GPU
     for bf16/f16, XLA otherwise.
     """
-    input_checks.check_attention_inputs(q, k, v, indices)
-    if implementation is None:
-        fused = jax.default_backend() == "gpu" and q.dtype in FUSED_DTYPES
-        implementation = "cudnn" if fused else "xla"
-    mask = selection_mask(indices, k.shape[1])
-    t = q.shape[1]
-    # The indexer selects keys s <= t only; then the kernel may skip every tile past the
-    # diagonal (half the pairs). A selection past its query, which the contract allows,
-    # takes the full pass; so does a range of the queries (positions unknown here).
-    causal = (jnp.all(indices <= jnp.arange(t, dtype=indices.dtype)[None, :, None])
-              if k.shape[1] == t else None)
-    o = _attention_keeping_residuals(q, k, v, mask, causal, scale, implementation)
-    has_keys = jnp.any(indices >= 0, axis=-1)[:, :, None, None]
-    return jnp.where(has_keys, o, 0).astype(q.dtype)
+  input_checks.check_attention_inputs(q, k, v, indices)
+  if implementation is None:
+    fused = jax.default_backend() == "gpu" and q.dtype in FUSED_DTYPES
+    implementation = "cudnn" if fused else "xla"
+  mask = selection_mask(indices, k.shape[1])
+  t = q.shape[1]
+  # The indexer selects keys s <= t only; then the kernel may skip every tile past the
+  # diagonal (half the pairs). A selection past its query, which the contract allows,
+  # takes the full pass; so does a range of the queries (positions unknown here).
+  causal = (jnp.all(
+      indices <= jnp.arange(t, dtype=indices.dtype)[None, :, None]) if k.shape[1] == t else None)
+  o = _attention_keeping_residuals(q, k, v, mask, causal, scale, implementation)
+  has_keys = jnp.any(indices >= 0, axis=-1)[:, :, None, None]
+  return jnp.where(has_keys, o, 0).astype(q.dtype)
 
 
 def _attention(q, k, v, mask, causal, scale, implementation):
-    def attend(is_causal):
-        return lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation=implementation)
 
-    if causal is None:
-        return attend(False)(q, k, v)
-    return jax.lax.cond(causal, attend(True), attend(False), q, k, v)
+  def attend(is_causal):
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=
+                                                        is_causal, implementation=implementation)
+
+  if causal is None:
+    return attend(False)(q, k, v)
+  return jax.lax.cond(causal, attend(True), attend(False), q, k, v)
 
 
 # jax's fused attention keeps its residuals (output, softmax statistics, the mask as a
@@ -76,17 +77,17 @@ def _attention(q, k, v, mask, causal, scale, implementation):
 # pallas_kernels/residuals.py), as the Pallas kernels do.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention_keeping_residuals(q, k, v, mask, causal, scale, implementation):
-    return _attention(q, k, v, mask, causal, scale, implementation)
+  return _attention(q, k, v, mask, causal, scale, implementation)
 
 
 def _attention_fwd(q, k, v, mask, causal, scale, implementation):
-    o, pullback = jax.vjp(
-        lambda q, k, v: _attention(q, k, v, mask, causal, scale, implementation), q, k, v)
-    return o, jax.tree.map(lambda a: residuals.keep(a)[0], pullback)
+  o, pullback = jax.vjp(lambda q, k, v: _attention(q, k, v, mask, causal, scale, implementation), q,
+                        k, v)
+  return o, jax.tree.map(lambda a: residuals.keep(a)[0], pullback)
 
 
 def _attention_bwd(scale, implementation, pullback, do):
-    return (*pullback(do), None, None)
+  return (*pullback(do), None, None)
 
 
 _attention_keeping_residuals.defvjp(_attention_fwd, _attention_bwd)

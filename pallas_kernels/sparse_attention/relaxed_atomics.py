@@ -15,20 +15,20 @@ _PINNED = "0.11.2"  # the lowering's private signature was checked against this 
 
 
 def enable():
-    """Makes Pallas Triton atomics relaxed; returns False (and warns) if it cannot."""
-    import jax
-    try:
-        from jax._src.pallas.triton import lowering
-        semantic = lowering.tt_dialect.MemSemantic
-        mask, _, scope = lowering._atomic_rmw.__defaults__
-    except (ImportError, AttributeError, ValueError) as e:
-        warnings.warn(f"relaxed atomics unavailable on jax {jax.__version__} ({e}); the "
-                      "sparse-attention backward keeps acquire-release atomics (slower)")
-        return False
-    lowering._atomic_rmw.__defaults__ = (mask, semantic.RELAXED, scope)
-    return True
+  """Makes Pallas Triton atomics relaxed; returns False (and warns) if it cannot."""
+  import jax
+  try:
+    from jax._src.pallas.triton import lowering
+    semantic = lowering.tt_dialect.MemSemantic
+    mask, _, scope = lowering._atomic_rmw.__defaults__
+  except (ImportError, AttributeError, ValueError) as e:
+    warnings.warn(f"relaxed atomics unavailable on jax {jax.__version__} ({e}); the "
+                  "sparse-attention backward keeps acquire-release atomics (slower)")
+    return False
+  lowering._atomic_rmw.__defaults__ = (mask, semantic.RELAXED, scope)
+  return True
 
 
 def enabled():
-    from jax._src.pallas.triton import lowering
-    return lowering._atomic_rmw.__defaults__[1] == lowering.tt_dialect.MemSemantic.RELAXED
+  from jax._src.pallas.triton import lowering
+  return lowering._atomic_rmw.__defaults__[1] == lowering.tt_dialect.MemSemantic.RELAXED

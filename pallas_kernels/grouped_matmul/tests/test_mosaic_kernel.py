@@ -9,8 +9,8 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import grouped_matmul_reference, make_grouped_matmul
-from pallas_kernels.grouped_matmul.mosaic_kernel import (
-    BLOCK_K, BLOCK_M, BLOCK_N, fits_mosaic_kernel, mosaic_ragged_dot)
+from pallas_kernels.grouped_matmul.mosaic_kernel import (BLOCK_K, BLOCK_M, BLOCK_N,
+                                                         fits_mosaic_kernel, mosaic_ragged_dot)
 
 # M not a multiple of BLOCK_M (the wrapper pads), empty first and third groups, and
 # 200 - 171 = 29 rows past the groups.
@@ -20,29 +20,29 @@ mosaic_matmul = make_grouped_matmul(mosaic_ragged_dot)
 
 
 def _inputs():
-    k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
-    lhs = jax.random.normal(k1, (M, K), jnp.bfloat16)
-    rhs = (jax.random.normal(k2, (4, K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
-    return lhs, rhs, jax.random.normal(k3, (M, N), jnp.float32)
+  k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
+  lhs = jax.random.normal(k1, (M, K), jnp.bfloat16)
+  rhs = (jax.random.normal(k2, (4, K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+  return lhs, rhs, jax.random.normal(k3, (M, N), jnp.float32)
 
 
 def _rel(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert np.all(np.isfinite(actual))
-    return np.linalg.norm(actual - expected) / np.linalg.norm(expected)
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert np.all(np.isfinite(actual))
+  return np.linalg.norm(actual - expected) / np.linalg.norm(expected)
 
 
 def test_interpreted_kernel_matches_reference_forward_and_input_gradient():
-    lhs, rhs, cot = _inputs()
-    # both directions take the kernel, not the XLA fallback
-    assert M % BLOCK_M and fits_mosaic_kernel(lhs, rhs, False)
-    assert fits_mosaic_kernel(cot.astype(rhs.dtype), rhs, True)
-    loss = lambda f: (lambda l: jnp.sum(f(l, rhs, GROUP_SIZES).astype(jnp.float32) * cot))
-    with plgpu.force_gpu_interpret_mode():
-        out = jax.jit(mosaic_matmul)(lhs, rhs, GROUP_SIZES)
-        dlhs = jax.jit(jax.grad(loss(mosaic_matmul)))(lhs)
-    assert out.shape == (M, N) and out.dtype == jnp.bfloat16
-    assert _rel(out, grouped_matmul_reference(lhs, rhs, GROUP_SIZES)) < 1e-2
-    assert _rel(dlhs, jax.grad(loss(grouped_matmul_reference))(lhs)) < 1e-2
-    np.testing.assert_array_equal(np.asarray(out[171:], np.float32), 0.0)
-    np.testing.assert_array_equal(np.asarray(dlhs[171:], np.float32), 0.0)
+  lhs, rhs, cot = _inputs()
+  # both directions take the kernel, not the XLA fallback
+  assert M % BLOCK_M and fits_mosaic_kernel(lhs, rhs, False)
+  assert fits_mosaic_kernel(cot.astype(rhs.dtype), rhs, True)
+  loss = lambda f: (lambda l: jnp.sum(f(l, rhs, GROUP_SIZES).astype(jnp.float32) * cot))
+  with plgpu.force_gpu_interpret_mode():
+    out = jax.jit(mosaic_matmul)(lhs, rhs, GROUP_SIZES)
+    dlhs = jax.jit(jax.grad(loss(mosaic_matmul)))(lhs)
+  assert out.shape == (M, N) and out.dtype == jnp.bfloat16
+  assert _rel(out, grouped_matmul_reference(lhs, rhs, GROUP_SIZES)) < 1e-2
+  assert _rel(dlhs, jax.grad(loss(grouped_matmul_reference))(lhs)) < 1e-2
+  np.testing.assert_array_equal(np.asarray(out[171:], np.float32), 0.0)
+  np.testing.assert_array_equal(np.asarray(dlhs[171:], np.float32), 0.0)

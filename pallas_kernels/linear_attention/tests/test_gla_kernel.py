@@ -6,63 +6,66 @@ import pytest
 
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention.gla import Tiling
-from pallas_kernels.linear_attention.tests._data import (
-    bounded_chunks, fast_jit, loss_fn, make_inputs, rel_rms, with_strong_decay)
+from pallas_kernels.linear_attention.tests._data import (bounded_chunks, fast_jit, loss_fn,
+                                                         make_inputs, rel_rms, with_strong_decay)
 
 
 def _check(x, out_tol, grad_tol, **kernel_kw):
-    args = (x["q"], x["k"], x["v"], x["g"])
-    kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
-    f32 = [a.astype(jnp.float32) if a.dtype != jnp.float32 else a for a in args]
-    o_ref, s_ref = fast_jit(lambda *a: gla_recurrent(*a, **kw))(*f32)
-    o, s = fast_jit(lambda *a: chunked_gla(*a, **kw, **kernel_kw))(*args)
-    chex.assert_type([o, s], [x["v"].dtype, jnp.float32])
-    assert rel_rms(o_ref, o) < out_tol and rel_rms(s_ref, s) < out_tol
-    kernel = lambda *a, **k: chunked_gla(*a, **k, **kernel_kw)
-    grads_ref = fast_jit(jax.grad(loss_fn(gla_recurrent, x["segment_ids"]), (0, 1, 2, 3, 4)))(*f32, x["initial_state"])
-    grads = fast_jit(jax.grad(loss_fn(kernel, x["segment_ids"]), (0, 1, 2, 3, 4)))(*args, x["initial_state"])
-    for name, a, b in zip("q k v g h0".split(), grads_ref, grads):
-        assert rel_rms(a, b) < grad_tol, name
+  args = (x["q"], x["k"], x["v"], x["g"])
+  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
+  f32 = [a.astype(jnp.float32) if a.dtype != jnp.float32 else a for a in args]
+  o_ref, s_ref = fast_jit(lambda *a: gla_recurrent(*a, **kw))(*f32)
+  o, s = fast_jit(lambda *a: chunked_gla(*a, **kw, **kernel_kw))(*args)
+  chex.assert_type([o, s], [x["v"].dtype, jnp.float32])
+  assert rel_rms(o_ref, o) < out_tol and rel_rms(s_ref, s) < out_tol
+  kernel = lambda *a, **k: chunked_gla(*a, **k, **kernel_kw)
+  grads_ref = fast_jit(jax.grad(loss_fn(gla_recurrent, x["segment_ids"]),
+                                (0, 1, 2, 3, 4)))(*f32, x["initial_state"])
+  grads = fast_jit(jax.grad(loss_fn(kernel, x["segment_ids"]), (0, 1, 2, 3, 4)))(*args,
+                                                                                 x["initial_state"])
+  for name, a, b in zip("q k v g h0".split(), grads_ref, grads):
+    assert rel_rms(a, b) < grad_tol, name
 
 
 def test_fp32_exact_with_resets_initial_state_strong_decay_and_split_dv():
-    # T=80 pads to 128; 16-wide state tiles exercise the tiled sequential kernels
-    _check(make_inputs(seed=5, T=80, Dk=32, Dv=32), 1e-4, 1e-4,
-           tiling=Tiling(block_k=16, block_v=16, grad_block_v=16))
+  # T=80 pads to 128; 16-wide state tiles exercise the tiled sequential kernels
+  _check(make_inputs(seed=5, T=80, Dk=32, Dv=32), 1e-4, 1e-4,
+         tiling=Tiling(block_k=16, block_v=16, grad_block_v=16))
 
 
 def _mixed_decay_inputs(seed, T=150, Dk=32, Dv=32, H=2):
-    # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
-    # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 (all four of its
-    # sub-chunks) and on channels 16.. only sends those sub-chunks down the exact path:
-    # in key blocks of 16, one block factors while the other is exact. Chunks 0 and 2 are
-    # bounded (whole-chunk matmuls, _chunk_factors), chunk 1 is not, but its first key
-    # block of 16 is
-    x = make_inputs(seed=seed, T=T, H=H, Dk=Dk, Dv=Dv, min_log_decay=-2.0)
-    t = jnp.arange(T)
-    return with_strong_decay(x, (t >= 66) & (t < 128) & (t % 4 == 0), jnp.arange(Dk) >= 16)
+  # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
+  # chunk 0 takes the matmul path; g = -20 on a few tokens of chunk 1 (all four of its
+  # sub-chunks) and on channels 16.. only sends those sub-chunks down the exact path:
+  # in key blocks of 16, one block factors while the other is exact. Chunks 0 and 2 are
+  # bounded (whole-chunk matmuls, _chunk_factors), chunk 1 is not, but its first key
+  # block of 16 is
+  x = make_inputs(seed=seed, T=T, H=H, Dk=Dk, Dv=Dv, min_log_decay=-2.0)
+  t = jnp.arange(T)
+  return with_strong_decay(x, (t >= 66) & (t < 128) & (t % 4 == 0), jnp.arange(Dk) >= 16)
 
 
 def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
-    _check(_mixed_decay_inputs(9), 1e-4, 1e-4)
+  _check(_mixed_decay_inputs(9), 1e-4, 1e-4)
 
 
 def test_fp32_exact_over_key_and_value_blocks():
-    # two 16-channel blocks of keys and of values: every parallel kernel's block grid
-    _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16, grad_block_v=16))
+  # two 16-channel blocks of keys and of values: every parallel kernel's block grid
+  _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16,
+                                                            grad_block_v=16))
 
 
 @pytest.mark.parametrize("min_log_decay, bounded", [(-5.0, False), (-2.0, True)])
 def test_bf16_inputs_within_tolerance(min_log_decay, bounded):
-    # one chunk: sub-chunk blocks (its widest channel decays by 86 > 2 * FACTOR_LIMIT) or
-    # the whole-chunk matmuls (_chunk_factors)
-    x = make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=min_log_decay)
-    assert bool(bounded_chunks(x["g"]).all()) == bounded
-    _check(x, 5e-3, 1e-2)
+  # one chunk: sub-chunk blocks (its widest channel decays by 86 > 2 * FACTOR_LIMIT) or
+  # the whole-chunk matmuls (_chunk_factors)
+  x = make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=min_log_decay)
+  assert bool(bounded_chunks(x["g"]).all()) == bounded
+  _check(x, 5e-3, 1e-2)
 
 
 def test_fp32_exact_at_the_widest_key_head():
-    # Dk = 256: chunk 0 bounded (whole-chunk products over all 256 channels), chunk 1 not
-    x = _mixed_decay_inputs(12, T=128, Dk=256, Dv=32, H=1)
-    assert bounded_chunks(x["g"])[0, :, 0].tolist() == [True, False]
-    _check(x, 1e-4, 1e-4)
+  # Dk = 256: chunk 0 bounded (whole-chunk products over all 256 channels), chunk 1 not
+  x = _mixed_decay_inputs(12, T=128, Dk=256, Dv=32, H=1)
+  assert bounded_chunks(x["g"])[0, :, 0].tolist() == [True, False]
+  _check(x, 1e-4, 1e-4)

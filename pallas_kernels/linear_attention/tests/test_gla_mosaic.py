@@ -19,56 +19,54 @@ D = 2 * _gla_states_mosaic.BLOCK
 
 
 def test_walks_match_the_triton_walks():
-    x = make_inputs(seed=21, T=200, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
-                    segment_rate=0.02)
-    x["segment_ids"] = x["segment_ids"].at[:, 128:].add(1)  # a reset on a chunk's first token
-    B, T = x["segment_ids"].shape
-    q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
-    carry_in, in_last = _chunk_prep.segment_masks(runs)
-    h0, do = x["initial_state"], jax.random.normal(jax.random.key(3), v.shape, v.dtype)
-    kw = dict(block_k=64, block_v=64, interpret=True)
-    h_ref, final_ref = _gla_states.chunk_states(k, v, b, in_last, carry_in, h0, **kw)
-    h, final = _gla_states_mosaic.chunk_states(k, v, b, in_last, carry_in, h0, interpret=True)
-    chex.assert_type([h, final], [h_ref.dtype, jnp.float32])
-    assert rel_rms(h_ref, h) < 1e-4 and rel_rms(final_ref, final) < 1e-5
-    ds_ref, dh0_ref = _gla_states.chunk_state_grads(q, b, carry_in, do, h0, scale=0.3, **kw)
-    ds, dh0 = _gla_states_mosaic.chunk_state_grads(q, b, carry_in, do, h0, scale=0.3,
-                                                   interpret=True)
-    # the Mosaic walk rounds scale * q_dec to bf16 (the Triton one q_dec, then scales)
-    assert rel_rms(ds_ref, ds) < 3e-3 and rel_rms(dh0_ref, dh0) < 3e-3
+  x = make_inputs(seed=21, T=200, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
+                  segment_rate=0.02)
+  x["segment_ids"] = x["segment_ids"].at[:, 128:].add(1)  # a reset on a chunk's first token
+  B, T = x["segment_ids"].shape
+  q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
+  carry_in, in_last = _chunk_prep.segment_masks(runs)
+  h0, do = x["initial_state"], jax.random.normal(jax.random.key(3), v.shape, v.dtype)
+  kw = dict(block_k=64, block_v=64, interpret=True)
+  h_ref, final_ref = _gla_states.chunk_states(k, v, b, in_last, carry_in, h0, **kw)
+  h, final = _gla_states_mosaic.chunk_states(k, v, b, in_last, carry_in, h0, interpret=True)
+  chex.assert_type([h, final], [h_ref.dtype, jnp.float32])
+  assert rel_rms(h_ref, h) < 1e-4 and rel_rms(final_ref, final) < 1e-5
+  ds_ref, dh0_ref = _gla_states.chunk_state_grads(q, b, carry_in, do, h0, scale=0.3, **kw)
+  ds, dh0 = _gla_states_mosaic.chunk_state_grads(q, b, carry_in, do, h0, scale=0.3, interpret=True)
+  # the Mosaic walk rounds scale * q_dec to bf16 (the Triton one q_dec, then scales)
+  assert rel_rms(ds_ref, ds) < 3e-3 and rel_rms(dh0_ref, dh0) < 3e-3
 
 
 def test_chunked_gla_through_the_mosaic_walks_matches_the_oracle():
-    x = make_inputs(seed=22, T=100, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16, min_log_decay=-5.0)
-    _check(x, 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic"))
+  x = make_inputs(seed=22, T=100, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16, min_log_decay=-5.0)
+  _check(x, 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic"))
 
 
 def test_mosaic_walk_refuses_what_it_cannot_take():
-    x = make_inputs(seed=23, T=64, H=1, Dk=32, Dv=32, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="multiples of 64"):
-        chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="mosaic"))
-    with pytest.raises(ValueError, match="state_walk = .cuda.: expected"):
-        chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="cuda"))
-    with pytest.raises(ValueError, match="forward = 'fused' needs"):
-        chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(forward="fused"))
-    # compiled (not interpreted) anywhere but on Hopper: here, the CPU
-    with pytest.raises(ValueError, match="runs on a Hopper GPU"):
-        require_mosaic("state_walk = 'mosaic'", True, False, "")
+  x = make_inputs(seed=23, T=64, H=1, Dk=32, Dv=32, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiples of 64"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="mosaic"))
+  with pytest.raises(ValueError, match="state_walk = .cuda.: expected"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="cuda"))
+  with pytest.raises(ValueError, match="forward = 'fused' needs"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(forward="fused"))
+  # compiled (not interpreted) anywhere but on Hopper: here, the CPU
+  with pytest.raises(ValueError, match="runs on a Hopper GPU"):
+    require_mosaic("state_walk = 'mosaic'", True, False, "")
 
 
 def test_fused_forward_matches_the_split_forward():
-    # the fused forward (scores kernel with qg, kg + one two-warpgroup Mosaic GPU kernel)
-    # against the split one on the same inputs: 4 chunks, resets, an initial state
-    x = make_inputs(seed=24, T=200, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
-                    segment_rate=0.02)
-    args = (x["q"], x["k"], x["v"], x["g"])
-    kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"],
-              output_final_state=True)
-    o_ref, s_ref = chunked_gla(*args, **kw, tiling=Tiling(state_walk="mosaic"))
-    o, s = chunked_gla(*args, **kw, tiling=Tiling(state_walk="mosaic", forward="fused"))
-    assert o.dtype == o_ref.dtype and rel_rms(o_ref, o) < 1e-4 and rel_rms(s_ref, s) < 1e-5
+  # the fused forward (scores kernel with qg, kg + one two-warpgroup Mosaic GPU kernel)
+  # against the split one on the same inputs: 4 chunks, resets, an initial state
+  x = make_inputs(seed=24, T=200, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
+                  segment_rate=0.02)
+  args = (x["q"], x["k"], x["v"], x["g"])
+  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
+  o_ref, s_ref = chunked_gla(*args, **kw, tiling=Tiling(state_walk="mosaic"))
+  o, s = chunked_gla(*args, **kw, tiling=Tiling(state_walk="mosaic", forward="fused"))
+  assert o.dtype == o_ref.dtype and rel_rms(o_ref, o) < 1e-4 and rel_rms(s_ref, s) < 1e-5
 
 
 def test_chunked_gla_with_the_fused_forward_matches_the_oracle():
-    x = make_inputs(seed=25, T=100, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16, min_log_decay=-5.0)
-    _check(x, 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic", forward="fused"))
+  x = make_inputs(seed=25, T=100, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16, min_log_decay=-5.0)
+  _check(x, 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic", forward="fused"))

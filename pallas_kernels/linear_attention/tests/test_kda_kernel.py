@@ -5,112 +5,113 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
-from pallas_kernels.linear_attention.tests._data import (
-    bounded_chunks, fast_jit, make_inputs, rel_rms, with_strong_decay)
+from pallas_kernels.linear_attention.tests._data import (bounded_chunks, fast_jit, make_inputs,
+                                                         rel_rms, with_strong_decay)
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def _loss(fn, x, **kw):
-    """Random linear functional of the output and the final state (dense cotangents)."""
-    def loss(q, k, v, g, beta, h0):
-        o, s = fn(q, k, v, g, beta, initial_state=h0, segment_ids=x["segment_ids"],
-                  output_final_state=True, **kw)
-        w_o = jax.random.normal(jax.random.key(101), o.shape)
-        w_s = jax.random.normal(jax.random.key(102), s.shape)
-        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
-    return loss
+  """Random linear functional of the output and the final state (dense cotangents)."""
+
+  def loss(q, k, v, g, beta, h0):
+    o, s = fn(q, k, v, g, beta, initial_state=h0, segment_ids=x["segment_ids"],
+              output_final_state=True, **kw)
+    w_o = jax.random.normal(jax.random.key(101), o.shape)
+    w_s = jax.random.normal(jax.random.key(102), s.shape)
+    return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
+
+  return loss
 
 
 def _errors(x, **kernel_kw):
-    """Relative RMS errors of o, the final state and every gradient vs the fp32 oracle."""
-    args = [x[n] for n in NAMES]
-    f32 = [a.astype(jnp.float32) for a in args]
-    oracle_kw = {k: v for k, v in kernel_kw.items() if k == "normalize_qk"}
-    kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
-    o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw, **oracle_kw))(*f32[:5])
-    o, s = fast_jit(lambda *a: chunked_kda(*a, **kw, **kernel_kw))(*args[:5])
-    chex.assert_equal_shape([o, o_ref])
-    chex.assert_type([o, s], [x["v"].dtype, jnp.float32])
-    errs = {"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}
-    argnums = tuple(range(6))
-    g_ref = fast_jit(jax.grad(_loss(kda_recurrent, x, **oracle_kw), argnums))(*f32)
-    g_ker = fast_jit(jax.grad(_loss(chunked_kda, x, **kernel_kw), argnums))(*args)
-    chex.assert_trees_all_equal_dtypes(g_ker, tuple(args))  # each gradient in its input's dtype
-    for name, a, b in zip(NAMES, g_ref, g_ker):
-        errs["d" + name] = rel_rms(a, b)
-    return errs
+  """Relative RMS errors of o, the final state and every gradient vs the fp32 oracle."""
+  args = [x[n] for n in NAMES]
+  f32 = [a.astype(jnp.float32) for a in args]
+  oracle_kw = {k: v for k, v in kernel_kw.items() if k == "normalize_qk"}
+  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
+  o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw, **oracle_kw))(*f32[:5])
+  o, s = fast_jit(lambda *a: chunked_kda(*a, **kw, **kernel_kw))(*args[:5])
+  chex.assert_equal_shape([o, o_ref])
+  chex.assert_type([o, s], [x["v"].dtype, jnp.float32])
+  errs = {"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}
+  argnums = tuple(range(6))
+  g_ref = fast_jit(jax.grad(_loss(kda_recurrent, x, **oracle_kw), argnums))(*f32)
+  g_ker = fast_jit(jax.grad(_loss(chunked_kda, x, **kernel_kw), argnums))(*args)
+  chex.assert_trees_all_equal_dtypes(g_ker, tuple(args))  # each gradient in its input's dtype
+  for name, a, b in zip(NAMES, g_ref, g_ker):
+    errs["d" + name] = rel_rms(a, b)
+  return errs
 
 
 def _assert_within(errs, out_tol, grad_tol):
-    bad = {k: e for k, e in errs.items() if e > (grad_tol if k.startswith("d") else out_tol)}
-    assert not bad, f"errors over tolerance: {bad} (all: {errs})"
+  bad = {k: e for k, e in errs.items() if e > (grad_tol if k.startswith("d") else out_tol)}
+  assert not bad, f"errors over tolerance: {bad} (all: {errs})"
 
 
 @pytest.mark.parametrize("normalize_qk", [True, False])
 def test_fp32_exact_with_resets_initial_state_strong_decay_padding_and_split_dv(normalize_qk):
-    # T=130 pads to 192 (three chunks); Dv=32 in two blocks of 16; g down to -20
-    x = make_inputs(seed=5, T=130, Dk=16, Dv=32, segment_rate=0.03)
-    if not normalize_qk:  # the delta rule needs |k|^2 beta <= 2 to stay stable
-        x["k"] = x["k"] / jnp.linalg.norm(x["k"], axis=-1, keepdims=True)
-    _assert_within(_errors(x, block_v=16, normalize_qk=normalize_qk), 1e-4, 1e-4)
+  # T=130 pads to 192 (three chunks); Dv=32 in two blocks of 16; g down to -20
+  x = make_inputs(seed=5, T=130, Dk=16, Dv=32, segment_rate=0.03)
+  if not normalize_qk:  # the delta rule needs |k|^2 beta <= 2 to stay stable
+    x["k"] = x["k"] / jnp.linalg.norm(x["k"], axis=-1, keepdims=True)
+  _assert_within(_errors(x, block_v=16, normalize_qk=normalize_qk), 1e-4, 1e-4)
 
 
 def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
-    # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
-    # chunks 0 and 2 take the matmul path; g = -20 on a few tokens of chunk 1 sends its
-    # sub-chunks down the exact path, in the same kernel launch
-    x = make_inputs(seed=9, T=130, Dk=16, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
-    t = jnp.arange(130)
-    x = with_strong_decay(x, (t >= 70) & (t % 5 == 0) & (t < 128))
-    _assert_within(_errors(x, block_v=16), 1e-4, 1e-4)
+  # g >= -2 per token keeps a sub-chunk's decay range within 15 * 2 < FACTOR_LIMIT, so
+  # chunks 0 and 2 take the matmul path; g = -20 on a few tokens of chunk 1 sends its
+  # sub-chunks down the exact path, in the same kernel launch
+  x = make_inputs(seed=9, T=130, Dk=16, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
+  t = jnp.arange(130)
+  x = with_strong_decay(x, (t >= 70) & (t % 5 == 0) & (t < 128))
+  _assert_within(_errors(x, block_v=16), 1e-4, 1e-4)
 
 
 def test_fp32_exact_over_key_blocks_taking_different_diagonal_paths():
-    # Dk = 32 in two key blocks of 16 for the key-gradient kernel; g = -20 on channels of
-    # the second block only (a few tokens of chunk 1), so in the same sub-chunk one key
-    # block factors its diagonal block and the other takes the exact path
-    x = make_inputs(seed=13, T=150, Dk=32, Dv=16, min_log_decay=-2.0, segment_rate=0.03)
-    t = jnp.arange(150)
-    x = with_strong_decay(x, (t >= 70) & (t < 128) & (t % 5 == 0), jnp.arange(32) >= 16)
-    _assert_within(_errors(x, block_k=16), 1e-4, 1e-4)
+  # Dk = 32 in two key blocks of 16 for the key-gradient kernel; g = -20 on channels of
+  # the second block only (a few tokens of chunk 1), so in the same sub-chunk one key
+  # block factors its diagonal block and the other takes the exact path
+  x = make_inputs(seed=13, T=150, Dk=32, Dv=16, min_log_decay=-2.0, segment_rate=0.03)
+  t = jnp.arange(150)
+  x = with_strong_decay(x, (t >= 70) & (t < 128) & (t % 5 == 0), jnp.arange(32) >= 16)
+  _assert_within(_errors(x, block_k=16), 1e-4, 1e-4)
 
 
 def test_fp32_exact_at_the_widest_key_head():
-    # Dk = 256 (its default value tile, 32): chunk 0 bounded (whole-chunk products over
-    # all 256 channels), chunk 1 not
-    x = make_inputs(seed=14, T=128, H=1, Dk=256, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
-    t = jnp.arange(128)
-    x = with_strong_decay(x, (t >= 70) & (t % 5 == 0))
-    assert bounded_chunks(x["g"])[0, :, 0].tolist() == [True, False]
-    _assert_within(_errors(x), 1e-4, 1e-4)
+  # Dk = 256 (its default value tile, 32): chunk 0 bounded (whole-chunk products over
+  # all 256 channels), chunk 1 not
+  x = make_inputs(seed=14, T=128, H=1, Dk=256, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
+  t = jnp.arange(128)
+  x = with_strong_decay(x, (t >= 70) & (t % 5 == 0))
+  assert bounded_chunks(x["g"])[0, :, 0].tolist() == [True, False]
+  _assert_within(_errors(x), 1e-4, 1e-4)
 
 
 def test_bf16_inputs_within_tolerance():
-    # B=2, D=64, strong decays (g down to -20), segment resets, initial state, T=130
-    x = make_inputs(seed=7, B=2, T=130, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16,
-                    segment_rate=0.02)
-    _assert_within(_errors(x), 5e-3, 1e-2)
+  # B=2, D=64, strong decays (g down to -20), segment resets, initial state, T=130
+  x = make_inputs(seed=7, B=2, T=130, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16, segment_rate=0.02)
+  _assert_within(_errors(x), 5e-3, 1e-2)
 
 
 def test_bf16_single_segment_no_initial_state():
-    x = make_inputs(seed=8, B=1, T=100, H=2, Dk=32, Dv=64, dtype=jnp.bfloat16,
-                    min_log_decay=-3.0, segment_rate=0.0)
-    kw = dict(segment_ids=None)
-    args = [x[n] for n in NAMES[:5]]
-    o_ref, _ = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*(a.astype(jnp.float32) for a in args))
-    o, s = fast_jit(lambda *a: chunked_kda(*a, **kw))(*args)
-    assert s is None and rel_rms(o_ref, o) < 5e-3
-    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a, **kw)[0].astype(jnp.float32)))
-    g_ref = fast_jit(jax.grad(loss(kda_recurrent), range(5)))(*(a.astype(jnp.float32) for a in args))
-    g_ker = fast_jit(jax.grad(loss(chunked_kda), range(5)))(*args)
-    for name, a, b in zip(NAMES, g_ref, g_ker):
-        assert rel_rms(a, b) < 1e-2, name
+  x = make_inputs(seed=8, B=1, T=100, H=2, Dk=32, Dv=64, dtype=jnp.bfloat16, min_log_decay=-3.0,
+                  segment_rate=0.0)
+  kw = dict(segment_ids=None)
+  args = [x[n] for n in NAMES[:5]]
+  o_ref, _ = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*(a.astype(jnp.float32) for a in args))
+  o, s = fast_jit(lambda *a: chunked_kda(*a, **kw))(*args)
+  assert s is None and rel_rms(o_ref, o) < 5e-3
+  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a, **kw)[0].astype(jnp.float32)))
+  g_ref = fast_jit(jax.grad(loss(kda_recurrent), range(5)))(*(a.astype(jnp.float32) for a in args))
+  g_ker = fast_jit(jax.grad(loss(chunked_kda), range(5)))(*args)
+  for name, a, b in zip(NAMES, g_ref, g_ker):
+    assert rel_rms(a, b) < 1e-2, name
 
 
 @pytest.fixture(scope="module")
 def small():
-    return make_inputs(seed=0, T=8)
+  return make_inputs(seed=0, T=8)
 
 
 @pytest.mark.parametrize("name,bad,match", [
@@ -121,20 +122,20 @@ def small():
     ("beta", jnp.zeros((1, 8)), "beta has shape"),
 ])
 def test_bad_shapes(small, name, bad, match):
-    args = {n: small[n] for n in NAMES[:5]}
-    args[name] = bad
-    with pytest.raises(ValueError, match=match):
-        chunked_kda(*args.values())
+  args = {n: small[n] for n in NAMES[:5]}
+  args[name] = bad
+  with pytest.raises(ValueError, match=match):
+    chunked_kda(*args.values())
 
 
 def test_bad_keywords_and_head_dims(small):
-    args = [small[n] for n in NAMES[:5]]
-    with pytest.raises(ValueError, match="initial_state has shape"):
-        chunked_kda(*args, initial_state=jnp.zeros((1, 2, 16, 8)))
-    with pytest.raises(ValueError, match="segment_ids has shape"):
-        chunked_kda(*args, segment_ids=jnp.zeros((1, 9), jnp.int32))
-    q, k, v, g, beta = args
-    with pytest.raises(ValueError, match="power of two"):
-        chunked_kda(q[..., :12], k[..., :12], v, g[..., :12], beta)
-    with pytest.raises(ValueError, match="block_v"):
-        chunked_kda(*args, block_v=12)
+  args = [small[n] for n in NAMES[:5]]
+  with pytest.raises(ValueError, match="initial_state has shape"):
+    chunked_kda(*args, initial_state=jnp.zeros((1, 2, 16, 8)))
+  with pytest.raises(ValueError, match="segment_ids has shape"):
+    chunked_kda(*args, segment_ids=jnp.zeros((1, 9), jnp.int32))
+  q, k, v, g, beta = args
+  with pytest.raises(ValueError, match="power of two"):
+    chunked_kda(q[..., :12], k[..., :12], v, g[..., :12], beta)
+  with pytest.raises(ValueError, match="block_v"):
+    chunked_kda(*args, block_v=12)

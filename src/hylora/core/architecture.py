@@ -90,10 +90,9 @@ def lora_targets(lora: LoRAConfig | None, name: str) -> bool:
 
 
 def frozen_linear(save_as: str, n: int, fan_in: int, fan_out: int, lora: LoRAConfig | None,
-                   name: str) -> list[Work]:
+                  name: str) -> list[Work]:
   """y = x W (+ x A B): its output kept as `save_as`, the adapter's x A as LORA_A."""
-  work = [Work(save_as, n * fan_out * 2, 2.0 * n * fan_in * fan_out,
-               2.0 * n * fan_in * fan_out)]
+  work = [Work(save_as, n * fan_out * 2, 2.0 * n * fan_in * fan_out, 2.0 * n * fan_in * fan_out)]
   if lora_targets(lora, name):
     r = lora.rank
     lora_flops = 2.0 * n * fan_in * r + 2.0 * n * r * fan_out
@@ -160,8 +159,8 @@ def _sparse_attention_is_masked_dense(cfg: Config, n: int) -> bool:
   from pallas_kernels.sparse_attention.by_density import prefers_dense
   sa, seq = cfg.model.sparse_attention, cfg.train.seq_len
   rows = max(1, n // seq)
-  return prefers_dense((rows, seq, sa.q_heads, sa.head_dim),
-                       (rows, seq, sa.kv_heads, sa.head_dim), sa.top_k, "bfloat16")
+  return prefers_dense((rows, seq, sa.q_heads, sa.head_dim), (rows, seq, sa.kv_heads, sa.head_dim),
+                       sa.top_k, "bfloat16")
 
 
 def _sparse_attention_work(cfg: Config, n: int) -> list[Work]:
@@ -174,9 +173,9 @@ def _sparse_attention_work(cfg: Config, n: int) -> list[Work]:
   work += frozen_linear(sp.QKV, n, d, kv_dim, lora, "v")
   ih, ihd = sa.index_heads, sa.index_head_dim
   # The indexer runs forward only: the selection is stopped at its inputs.
-  work.append(Work(sp.INDEXER, n * (ih * ihd * 2 + ihd * 2 + ih * 4),
-                   2.0 * n * (d * sa.index_q_rank + sa.index_q_rank * ih * ihd + d * ihd
-                              + d * ih)))
+  work.append(
+      Work(sp.INDEXER, n * (ih * ihd * 2 + ihd * 2 + ih * 4),
+           2.0 * n * (d * sa.index_q_rank + sa.index_q_rank * ih * ihd + d * ihd + d * ih)))
   # Scores over the causal keys (on average half the row), then the top-K pick.
   work.append(Work(sp.TOPK, n * sa.top_k * 4, float(n) * seq * ih * ihd))
   # q.k and p.v over the selected keys. Kept: the output and the log-sum-exp; masked dense
@@ -187,15 +186,15 @@ def _sparse_attention_work(cfg: Config, n: int) -> list[Work]:
   if _sparse_attention_is_masked_dense(cfg, n):
     extra, executed = n * seq * 2, (seq // 2) / keys
   core = 4.0 * n * sa.q_heads * keys * sa.head_dim
-  work.append(Work(sp.ATTENTION, n * q_dim * 2 + n * sa.q_heads * 4 + extra, core, 2.0 * core,
-                   executed))
+  work.append(
+      Work(sp.ATTENTION, n * q_dim * 2 + n * sa.q_heads * 4 + extra, core, 2.0 * core, executed))
   work += frozen_linear(sp.MIXER_OUT, n, q_dim, d, lora, "o")
   return work
 
 
 def _swiglu(n: int, d: int, ffn: int, lora: LoRAConfig | None) -> list[Work]:
-  return (frozen_linear(sp.MLP_GATE_UP, n, d, 2 * ffn, lora, "gate_up")
-          + frozen_linear(sp.MLP_DOWN, n, ffn, d, lora, "down"))
+  return (frozen_linear(sp.MLP_GATE_UP, n, d, 2 * ffn, lora, "gate_up") +
+          frozen_linear(sp.MLP_DOWN, n, ffn, d, lora, "down"))
 
 
 def _dense_ffn_work(cfg: Config, n: int) -> list[Work]:
@@ -212,10 +211,11 @@ def _moe_work(cfg: Config, n: int) -> list[Work]:
     # the experts compute every row of the capacity-sized receive buffers
     computed = math.ceil(pairs * max(1.0, moe.capacity_factor))
   padding = computed / pairs
-  work = [_norm(sp.FFN_NORM, n, d),
-          Work(sp.ROUTER, n * moe.experts * 4, 2.0 * n * d * moe.experts,
-               2.0 * n * d * moe.experts),
-          Work(sp.EXPERT_INPUT, computed * d * 2)]
+  work = [
+      _norm(sp.FFN_NORM, n, d),
+      Work(sp.ROUTER, n * moe.experts * 4, 2.0 * n * d * moe.experts, 2.0 * n * d * moe.experts),
+      Work(sp.EXPERT_INPUT, computed * d * 2)
+  ]
   gate_up = 2.0 * pairs * d * 2 * f
   work.append(Work(sp.EXPERT_GATE_UP, computed * 2 * f * 2, gate_up, gate_up, padding))
   if lora_targets(lora, "gate_up"):
@@ -245,40 +245,49 @@ def _swiglu_tensors(module: str, kind: str, prefix: str) -> tuple[Tensor, ...]:
 MIXER_BLOCKS: dict[str, Block] = {
     # Chunked linear attention (GLA / KDA): low-rank decay gate (f), output gate (g),
     # delta-rule beta (b), a per-head output norm.
-    "linear": Block("linear", _ATTENTION_PROJECTIONS + (
-        _linear("mixer/decay_down/kernel", "attention", "self_attn.f_a_proj.weight"),
-        _linear("mixer/decay_up/kernel", "attention", "self_attn.f_b_proj.weight"),
-        _linear("mixer/out_gate_down/kernel", "attention", "self_attn.g_a_proj.weight"),
-        _linear("mixer/out_gate_up/kernel", "attention", "self_attn.g_b_proj.weight"),
-        _linear("mixer/beta/kernel", "attention", "self_attn.b_proj.weight"),
-        Tensor("mixer/head_norm", "norms", ("self_attn.o_norm.weight",)),
-    ), _linear_attention_work),
+    "linear":
+        Block(
+            "linear", _ATTENTION_PROJECTIONS + (
+                _linear("mixer/decay_down/kernel", "attention", "self_attn.f_a_proj.weight"),
+                _linear("mixer/decay_up/kernel", "attention", "self_attn.f_b_proj.weight"),
+                _linear("mixer/out_gate_down/kernel", "attention", "self_attn.g_a_proj.weight"),
+                _linear("mixer/out_gate_up/kernel", "attention", "self_attn.g_b_proj.weight"),
+                _linear("mixer/beta/kernel", "attention", "self_attn.b_proj.weight"),
+                Tensor("mixer/head_norm", "norms", ("self_attn.o_norm.weight",)),
+            ), _linear_attention_work),
     # Top-K sparse attention and its indexer.
-    "sparse": Block("sparse", _ATTENTION_PROJECTIONS + (
-        _linear("mixer/index_q_down/kernel", "attention", "self_attn.indexer.q_a_proj.weight"),
-        _linear("mixer/index_q_up/kernel", "attention", "self_attn.indexer.q_b_proj.weight"),
-        _linear("mixer/index_k/kernel", "attention", "self_attn.indexer.k_proj.weight"),
-        _linear("mixer/index_w/kernel", "attention", "self_attn.indexer.weights_proj.weight"),
-    ), _sparse_attention_work),
+    "sparse":
+        Block(
+            "sparse", _ATTENTION_PROJECTIONS + (
+                _linear("mixer/index_q_down/kernel", "attention",
+                        "self_attn.indexer.q_a_proj.weight"),
+                _linear("mixer/index_q_up/kernel", "attention",
+                        "self_attn.indexer.q_b_proj.weight"),
+                _linear("mixer/index_k/kernel", "attention", "self_attn.indexer.k_proj.weight"),
+                _linear("mixer/index_w/kernel", "attention",
+                        "self_attn.indexer.weights_proj.weight"),
+            ), _sparse_attention_work),
 }
 
 FFN_BLOCKS: dict[str, Block] = {
     # The first `dense_layers` layers.
-    "dense": Block("dense", _swiglu_tensors("ffn/mlp", "dense_ffn", "mlp"), _dense_ffn_work),
+    "dense":
+        Block("dense", _swiglu_tensors("ffn/mlp", "dense_ffn", "mlp"), _dense_ffn_work),
     # Router, routed experts (stacked along the expert axis), shared experts. The slot ->
     # expert table (hylora.model.ffn.placement) has no checkpoint tensor: checkpoints store
     # experts in logical order, so loading starts from the initial placement.
-    "moe": Block("moe", (
-        _linear("ffn/router/kernel", "router", "mlp.gate.weight", adapter=False),
-        Tensor("ffn/router/bias", "router", ("mlp.gate.e_score_correction_bias",),
-               optional=True),
-        Tensor("ffn/placement", "other", (), fill="expert_ids"),
-        Tensor("ffn/experts/gate_up", "experts", ("mlp.experts.{e}.gate_proj.weight",
-                                                  "mlp.experts.{e}.up_proj.weight"),
-               linear=True, per_expert=True, adapter="ffn/experts"),
-        Tensor("ffn/experts/down", "experts", ("mlp.experts.{e}.down_proj.weight",),
-               linear=True, per_expert=True),
-    ) + _swiglu_tensors("ffn/shared", "shared_experts", "mlp.shared_experts"), _moe_work),
+    "moe":
+        Block("moe", (
+            _linear("ffn/router/kernel", "router", "mlp.gate.weight", adapter=False),
+            Tensor("ffn/router/bias", "router",
+                   ("mlp.gate.e_score_correction_bias",), optional=True),
+            Tensor("ffn/placement", "other", (), fill="expert_ids"),
+            Tensor("ffn/experts/gate_up", "experts",
+                   ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+                   linear=True, per_expert=True, adapter="ffn/experts"),
+            Tensor("ffn/experts/down", "experts",
+                   ("mlp.experts.{e}.down_proj.weight",), linear=True, per_expert=True),
+        ) + _swiglu_tensors("ffn/shared", "shared_experts", "mlp.shared_experts"), _moe_work),
 }
 
 # Every decoder layer's own tensors, whatever its blocks.

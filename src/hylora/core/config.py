@@ -91,7 +91,7 @@ class VisionConfig:
 
   @property
   def tokens_per_tile(self) -> int:
-    return (self.grid // self.merge) ** 2
+    return (self.grid // self.merge)**2
 
 
 @dataclass(frozen=True)
@@ -242,8 +242,8 @@ class Config:
     _check(moe.aux_loss_kind in ("global", "sequence"), "model.moe.aux_loss_kind",
            f"must be 'global' or 'sequence', got {moe.aux_loss_kind!r}")
     for name in ("spare_slots", "rebalance_every", "bias_update_every"):
-      _check(getattr(moe, name) >= 0, f"model.moe.{name}",
-             f"must be >= 0, got {getattr(moe, name)}")
+      _check(
+          getattr(moe, name) >= 0, f"model.moe.{name}", f"must be >= 0, got {getattr(moe, name)}")
     _check(moe.bias_update_rate > 0 or moe.bias_update_every == 0, "model.moe.bias_update_rate",
            f"must be > 0 when model.moe.bias_update_every > 0, got {moe.bias_update_rate}")
     _check(self.lora.rank >= 1, "lora.rank", f"must be >= 1, got {self.lora.rank}")
@@ -259,7 +259,8 @@ class Config:
            f"must be >= 1, got {t.max_nonfinite_in_a_row}")
     _check(self.checkpoint.every >= 0, "checkpoint.every",
            f"must be >= 0, got {self.checkpoint.every}")
-    _check(self.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.checkpoint.keep}")
+    _check(self.checkpoint.keep >= 1, "checkpoint.keep",
+           f"must be >= 1, got {self.checkpoint.keep}")
     v = m.vision
     if v.enabled:
       _check(v.image_size % v.patch_size == 0, "model.vision.image_size",
@@ -270,22 +271,23 @@ class Config:
              f"{v.width} is not a multiple of model.vision.heads={v.heads}")
       _check(v.max_tiles >= 1, "model.vision.max_tiles", f"must be >= 1, got {v.max_tiles}")
       most = v.max_tiles + (1 if v.max_tiles > 1 else 0)  # the grid and its thumbnail
-      _check(t.tiles_per_row == 0 or t.tiles_per_row >= most, "train.tiles_per_row",
-             f"{t.tiles_per_row} slots cannot hold one image of model.vision.max_tiles="
-             f"{v.max_tiles} tiles plus its thumbnail ({most}); use >= {most}, or 0 for "
-             "text-only data")
+      _check(
+          t.tiles_per_row == 0 or t.tiles_per_row >= most, "train.tiles_per_row",
+          f"{t.tiles_per_row} slots cannot hold one image of model.vision.max_tiles="
+          f"{v.max_tiles} tiles plus its thumbnail ({most}); use >= {most}, or 0 for "
+          "text-only data")
     _check(t.tiles_per_row >= 0, "train.tiles_per_row", f"must be >= 0, got {t.tiles_per_row}")
     la = m.linear_attention
     _check(la.chunk_size == 64, "model.linear_attention.chunk_size",
            f"the kernels run chunks of 64 tokens, got {la.chunk_size}")
     if "linear" in m.pattern:
-      _check(t.seq_len % la.chunk_size == 0, "train.seq_len",
-             f"{t.seq_len} is not a multiple of model.linear_attention.chunk_size="
-             f"{la.chunk_size} (packed rows run whole chunks)")
+      _check(
+          t.seq_len % la.chunk_size == 0, "train.seq_len",
+          f"{t.seq_len} is not a multiple of model.linear_attention.chunk_size="
+          f"{la.chunk_size} (packed rows run whole chunks)")
     return self
 
 
 def _check(ok: bool, name: str, message: str):
   if not ok:
     raise ConfigError(f"{name}: {message}")
-

@@ -3,22 +3,20 @@
 
 from __future__ import annotations
 
-from hylora.core.config import (Config, LinearAttentionConfig, LoRAConfig, MeshConfig,
-                           ModelConfig, MoEConfig, SparseAttentionConfig, TrainConfig,
-                           VisionConfig)
+from hylora.core.config import (Config, LinearAttentionConfig, LoRAConfig, MeshConfig, ModelConfig,
+                                MoEConfig, SparseAttentionConfig, TrainConfig, VisionConfig)
 from hylora.core.errors import ConfigError
 
-_TARGET_LINEAR = LinearAttentionConfig(heads=64, head_dim=128, gate_rank=128,
-                                       output_gate_rank=128, delta_rule=True)
+_TARGET_LINEAR = LinearAttentionConfig(heads=64, head_dim=128, gate_rank=128, output_gate_rank=128,
+                                       delta_rule=True)
 _TARGET_SPARSE = SparseAttentionConfig(q_heads=64, kv_heads=8, head_dim=128, top_k=2048,
                                        index_heads=64, index_head_dim=128, index_q_rank=1536,
                                        block_q=512)
 _TARGET_LORA = LoRAConfig(rank=16, alpha=32.0)
 # ~0.39B: a ViT-L-sized encoder (24 x 1024, patch 14, 336-pixel tiles -> 144 tokens
 # per tile after 2x2 merging) and a two-layer projector into d_model.
-_TARGET_VISION = VisionConfig(enabled=True, image_size=336, patch_size=14, width=1024,
-                              layers=24, heads=16, mlp=4096, merge=2, max_tiles=6,
-                              max_image_side=8192)
+_TARGET_VISION = VisionConfig(enabled=True, image_size=336, patch_size=14, width=1024, layers=24,
+                              heads=16, mlp=4096, merge=2, max_tiles=6, max_image_side=8192)
 
 
 def tiny() -> Config:
@@ -39,27 +37,24 @@ def gpu_1() -> Config:
   """The target's layer widths on one GPU: 8 layers (L L L S x 2), 32 experts top-8."""
   return Config(
       preset="gpu-1",
-      model=ModelConfig(vocab_size=163840, d_model=7168, layers=8, dense_layers=1,
-                        dense_ffn=18432, linear_attention=_TARGET_LINEAR,
-                        sparse_attention=_TARGET_SPARSE,
-                        moe=MoEConfig(experts=32, top_k=8, expert_ffn=2048, score_fn="sigmoid"),
-                        vision=_TARGET_VISION),
+      model=ModelConfig(vocab_size=163840, d_model=7168, layers=8, dense_layers=1, dense_ffn=18432,
+                        linear_attention=_TARGET_LINEAR, sparse_attention=_TARGET_SPARSE,
+                        moe=MoEConfig(experts=32, top_k=8, expert_ffn=2048,
+                                      score_fn="sigmoid"), vision=_TARGET_VISION),
       lora=_TARGET_LORA,
       mesh=MeshConfig(fsdp=1, expert=1),
-      train=TrainConfig(steps=20, batch_size=2, seq_len=8192, learning_rate=2e-4,
-                        warmup_steps=2),
+      train=TrainConfig(steps=20, batch_size=2, seq_len=8192, learning_rate=2e-4, warmup_steps=2),
   )
 
 
 def target_2p8t() -> Config:
   return Config(
       preset="2p8t",
-      model=ModelConfig(vocab_size=163840, d_model=7168, layers=72, dense_layers=2,
-                        dense_ffn=18432, linear_attention=_TARGET_LINEAR,
-                        sparse_attention=_TARGET_SPARSE,
-                        moe=MoEConfig(experts=896, top_k=16, expert_ffn=2048, shared_experts=1,
-                                      score_fn="sigmoid"),
-                        vision=_TARGET_VISION),
+      model=ModelConfig(
+          vocab_size=163840, d_model=7168, layers=72, dense_layers=2, dense_ffn=18432,
+          linear_attention=_TARGET_LINEAR, sparse_attention=_TARGET_SPARSE,
+          moe=MoEConfig(experts=896, top_k=16, expert_ffn=2048, shared_experts=1,
+                        score_fn="sigmoid"), vision=_TARGET_VISION),
       lora=_TARGET_LORA,
       mesh=MeshConfig(fsdp=2, expert=64),
       train=TrainConfig(steps=1000, batch_size=64, seq_len=32768, learning_rate=2e-4,

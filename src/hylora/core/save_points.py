@@ -30,8 +30,8 @@ EXPERT_GATE_UP = "expert_gate_up"  # routed experts' grouped gate_up output
 EXPERT_DOWN = "expert_down"  # routed experts' grouped down output
 LORA_A = "lora_a"  # x @ A of the adapters
 
-ALL = (LAYER_INPUT, MIXER_NORM, QKV, GATES, INDEXER, TOPK, ATTENTION, MIXER_OUT, FFN_NORM,
-       ROUTER, MLP_GATE_UP, MLP_DOWN, EXPERT_INPUT, EXPERT_GATE_UP, EXPERT_DOWN, LORA_A)
+ALL = (LAYER_INPUT, MIXER_NORM, QKV, GATES, INDEXER, TOPK, ATTENTION, MIXER_OUT, FFN_NORM, ROUTER,
+       MLP_GATE_UP, MLP_DOWN, EXPERT_INPUT, EXPERT_GATE_UP, EXPERT_DOWN, LORA_A)
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:

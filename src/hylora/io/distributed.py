@@ -42,8 +42,11 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None,
   """The process group from explicit flags, else from SLURM (more than one task), else
   None (a single-process run)."""
   env = os.environ if env is None else env
-  given = {"--coordinator": coordinator, "--num-processes": num_processes,
-           "--process-id": process_id}
+  given = {
+      "--coordinator": coordinator,
+      "--num-processes": num_processes,
+      "--process-id": process_id
+  }
   if any(v is not None for v in given.values()):
     missing = [k for k, v in given.items() if v is None]
     if missing:
@@ -55,8 +58,8 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None,
     if not nodelist or "SLURM_PROCID" not in env:
       raise ConfigError("SLURM: SLURM_NTASKS > 1 but SLURM_PROCID / SLURM_STEP_NODELIST are "
                         "not set; pass --coordinator, --num-processes and --process-id")
-    port = env.get("JAX_COORDINATOR_PORT") or str(
-        DEFAULT_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % 4096)
+    port = env.get("JAX_COORDINATOR_PORT") or str(DEFAULT_PORT_BASE +
+                                                  int(env.get("SLURM_JOB_ID", "0")) % 4096)
     group = ProcessGroup(f"{first_host(nodelist)}:{port}", int(env["SLURM_NTASKS"]),
                          int(env["SLURM_PROCID"]), "slurm")
   else:
@@ -85,8 +88,10 @@ def initialize(group: ProcessGroup, *, heartbeat_timeout_s: int = 30,
 def local_rows(sharding, global_shape: tuple[int, ...]) -> slice:
   """The rows of a global batch [rows, ...] placed by `sharding` that this process's
   devices hold: what it passes to `jax.make_array_from_process_local_data`."""
-  spans = {index[0].indices(global_shape[0])[:2]
-           for index in sharding.addressable_devices_indices_map(global_shape).values()}
+  spans = {
+      index[0].indices(global_shape[0])[:2]
+      for index in sharding.addressable_devices_indices_map(global_shape).values()
+  }
   covered = sorted(spans)
   end = covered[0][0]
   for a, b in covered:  # replicas overlap; a gap would need rows from elsewhere

@@ -22,8 +22,8 @@ from typing import Iterator
 
 import jax
 
-from hylora.core.architecture import (ALL_LAYER_TENSORS, MODEL_TENSORS, Tensor,
-                                      stacked_layers, stacked_position)
+from hylora.core.architecture import (ALL_LAYER_TENSORS, MODEL_TENSORS, Tensor, stacked_layers,
+                                      stacked_position)
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
 
@@ -135,4 +135,3 @@ def _leaf(cfg: Config, path: tuple, shape, dtype) -> Leaf:
     return Leaf(path, rule, shape, dtype, None, rule.names)
   raise ConfigError(f"model parameter {joined}: no checkpoint name in the architecture's "
                     "description (hylora.core.architecture.MODEL_TENSORS); add one")
-

@@ -137,8 +137,8 @@ def _read_item(leaf: Leaf, files: CheckpointFiles, names, bounds) -> np.ndarray:
     if lo < hi:
       pieces.append(files.read(name, (slice(lo - p * part, hi - p * part), slice(col_lo, col_hi))))
   block = np.concatenate(pieces, axis=0).T  # [in, out]
-  block = block.reshape(bounds[0][1] - bounds[0][0], *in_shape[1:],
-                        bounds[n][1] - bounds[n][0], *out_shape[1:])
+  block = block.reshape(bounds[0][1] - bounds[0][0], *in_shape[1:], bounds[n][1] - bounds[n][0],
+                        *out_shape[1:])
   return block[(slice(None), *cut[1:n], slice(None), *cut[n + 1:])]
 
 
@@ -168,8 +168,10 @@ def _build(leaf: Leaf, files: CheckpointFiles, sharding) -> jax.Array:
 
 
 def flat_paths(tree) -> dict[tuple, object]:
-  return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): v
-          for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+      tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path):
+          v for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def _unflatten_like(tree, values: dict[tuple, object]):
@@ -193,13 +195,19 @@ def load(directory: str | Path, cfg: Config, frozen_abstract: dict, lora=None):
   extras = plan(cfg, non_adapters(lora)) if lora is not None else []
   check(files, leaves, extras)
   shardings = flat_paths(frozen_abstract)
-  frozen = _unflatten_like(frozen_abstract, {
-      leaf.path: _build(leaf, files, shardings[leaf.path].sharding) for leaf in leaves})
+  frozen = _unflatten_like(
+      frozen_abstract,
+      {leaf.path: _build(leaf, files, shardings[leaf.path].sharding) for leaf in leaves})
   if lora is not None:
-    present = {leaf.path: leaf for leaf in extras
-               if all(n in files.info for _, names in leaf.items() for n in names)}
-    values = {p: (_build(present[p], files, v.sharding) if p in present else v)
-              for p, v in flat_paths(lora).items()}
+    present = {
+        leaf.path: leaf
+        for leaf in extras
+        if all(n in files.info for _, names in leaf.items() for n in names)
+    }
+    values = {
+        p: (_build(present[p], files, v.sharding) if p in present else v)
+        for p, v in flat_paths(lora).items()
+    }
     lora = _unflatten_like(lora, values)
   return frozen, lora
 
@@ -245,13 +253,18 @@ def hf_config(cfg: Config) -> dict:
   from hylora.core.overrides import to_dict
 
   out = {key: _field(cfg, field) for key, field in CONFIG_KEYS.items()}
-  out.update({"architectures": ["HybridLMForCausalLM"], "model_type": "hylora_hybrid",
-              "rms_norm_eps": cfg.model.norm_eps, "tie_word_embeddings": False,
-              "hylora_model": to_dict(cfg.model)})
+  out.update({
+      "architectures": ["HybridLMForCausalLM"],
+      "model_type": "hylora_hybrid",
+      "rms_norm_eps": cfg.model.norm_eps,
+      "tie_word_embeddings": False,
+      "hylora_model": to_dict(cfg.model)
+  })
   return out
 
 
 # ---- writing ---------------------------------------------------------------------------
+
 
 def item_reader(array: jax.Array, stack_dims: int):
   """index -> the host copy of `array[index]` (one layer / expert slice), gathered on every

@@ -82,26 +82,34 @@ def _factors(leaf: Leaf, names, a: np.ndarray, b: np.ndarray):
 def adapter_config(cfg: Config, module_names: list[str], whole: list[str]) -> dict:
   targets = sorted({m.rsplit(".", 1)[-1] for m in module_names})
   return {
-      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank,
-      "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout,
-      "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-      "use_rslora": False, "use_dora": False, "inference_mode": True,
-      "modules_to_save": None, "base_model_name_or_path": cfg.checkpoint.base_weights or None,
+      "peft_type": "LORA",
+      "task_type": "CAUSAL_LM",
+      "r": cfg.lora.rank,
+      "lora_alpha": cfg.lora.alpha,
+      "lora_dropout": cfg.lora.dropout,
+      "target_modules": targets,
+      "bias": "none",
+      "fan_in_fan_out": False,
+      "use_rslora": False,
+      "use_dora": False,
+      "inference_mode": True,
+      "modules_to_save": None,
+      "base_model_name_or_path": cfg.checkpoint.base_weights or None,
       # trainable tensors that are not LoRA factors, stored whole (see the module doc)
       "hylora_whole_tensors": whole,
   }
 
 
-def export(directory: str | Path, cfg: Config, frozen: dict, lora: dict,
-           merge: bool = False, max_shard_bytes: int = 4 << 30) -> Path:
+def export(directory: str | Path, cfg: Config, frozen: dict, lora: dict, merge: bool = False,
+           max_shard_bytes: int = 4 << 30) -> Path:
   """Writes the adapter (and with `merge` the merged model under `merged/`); every
   process must call it (the per-slice gathers are collectives), process 0 writes."""
   out = Path(directory)
   tensors = dict(adapter_tensors(cfg, frozen, lora))
   if jax.process_index() == 0:
     out.mkdir(parents=True, exist_ok=True)
-    modules = sorted({n[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0] for n in tensors
-                      if ".lora_" in n})
+    modules = sorted(
+        {n[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0] for n in tensors if ".lora_" in n})
     whole = sorted(n[len(PEFT_PREFIX):] for n in tensors if ".lora_" not in n)
     save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
     config = adapter_config(cfg, modules, whole)

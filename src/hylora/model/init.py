@@ -27,7 +27,7 @@ def _mix(x: jax.Array) -> jax.Array:
 
 def weight_std(init_std: float, fan_in: int) -> float:
   """The configured std, or 1/sqrt(fan_in) when it is 0."""
-  return init_std if init_std > 0 else fan_in ** -0.5
+  return init_std if init_std > 0 else fan_in**-0.5
 
 
 class ParamInit:

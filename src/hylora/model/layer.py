@@ -22,6 +22,7 @@ from meshes.rules import constrain
 
 
 class DecoderLayer(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, mixer: str, ffn: str, *,
                init: ParamInit):
     d, eps = m.d_model, m.norm_eps
@@ -34,7 +35,8 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, stream, ctx):
     names = (ax.BATCH, ax.SEQ, ax.EMBED)
-    x = save_points.tag(constrain(self.residual.block_input(stream, ctx), names), save_points.LAYER_INPUT)
+    x = save_points.tag(constrain(self.residual.block_input(stream, ctx), names),
+                        save_points.LAYER_INPUT)
     h, mixer_aux = self.mixer(save_points.tag(self.mixer_norm(x), save_points.MIXER_NORM), ctx)
     x = constrain(x + h, names)
     h, ffn_aux = self.ffn(save_points.tag(self.ffn_norm(x), save_points.FFN_NORM), ctx)

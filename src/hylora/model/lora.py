@@ -59,10 +59,9 @@ def _contract(x: jax.Array, w: jax.Array, n_in: int, *, fp32_result: bool) -> ja
 class Linear(nnx.Module):
   """y = x W (+ scale * x A B when `name` matches a LoRA target)."""
 
-  def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int],
-               in_axes: Sequence[str], out_axes: Sequence[str], *, name: str,
-               lora: LoRAConfig | None, init: ParamInit, init_std: float = 0.0,
-               dtype="bfloat16"):
+  def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], in_axes: Sequence[str],
+               out_axes: Sequence[str], *, name: str, lora: LoRAConfig | None, init: ParamInit,
+               init_std: float = 0.0, dtype="bfloat16"):
     self.name = name
     self.n_in = len(in_shape)
     shape = (*in_shape, *out_shape)
@@ -87,6 +86,6 @@ class Linear(nnx.Module):
       xa = _contract(dropout(x, self.lora_dropout, dropout_key, self.name), self.lora_a[...],
                      self.n_in, fp32_result=True)
       xa = save_points.tag(xa, save_points.LORA_A)
-      y = y + (self.lora_scale * _contract(xa, self.lora_b[...], 1, fp32_result=True)
-               ).astype(y.dtype)
+      y = y + (self.lora_scale * _contract(xa, self.lora_b[...], 1, fp32_result=True)).astype(
+          y.dtype)
     return y

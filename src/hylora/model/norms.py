@@ -17,6 +17,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
+
   def __init__(self, dim: int, axis_name: str, *, eps: float = 1e-6):
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **logical(None))
     self.eps = eps

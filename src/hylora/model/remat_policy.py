@@ -90,9 +90,9 @@ def remat_policy(cfg: MemoryConfig, backend: str | None = None):
                f"jit (memory.host_offload={cfg.host_offload!r})")
   if not host:
     return cp.save_only_these_names(*hbm)
-  return cp.save_and_offload_only_these_names(
-      names_which_can_be_saved=list(hbm), names_which_can_be_offloaded=list(host),
-      offload_src="device", offload_dst="pinned_host")
+  return cp.save_and_offload_only_these_names(names_which_can_be_saved=list(hbm),
+                                              names_which_can_be_offloaded=list(host),
+                                              offload_src="device", offload_dst="pinned_host")
 
 
 def _warn_once(message: str) -> None:

@@ -56,8 +56,8 @@ class DepthMixResidual(nnx.Module):
 
   def __init__(self, m: ModelConfig, *, init: ParamInit):
     del init
-    self.weights = LoRAParam(jnp.zeros((m.residual_window + 1,), jnp.float32).at[0].set(1.0),
-                             **logical(None))
+    self.weights = LoRAParam(
+        jnp.zeros((m.residual_window + 1,), jnp.float32).at[0].set(1.0), **logical(None))
 
   @staticmethod
   def start(m: ModelConfig, x: jax.Array):

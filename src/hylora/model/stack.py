@@ -27,21 +27,22 @@ from hylora.model.residual import RESIDUALS
 
 
 class Period(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, kinds, *, init: ParamInit):
-    self.layers = nnx.List([DecoderLayer(m, lora, mixer, ffn, init=init)
-                            for mixer, ffn in kinds])
+    self.layers = nnx.List([DecoderLayer(m, lora, mixer, ffn, init=init) for mixer, ffn in kinds])
 
   def __call__(self, x, ctx, first_layer):
     auxes = []
     for i, layer in enumerate(self.layers):
       layer_ctx = ctx.for_layer(first_layer + i)
       x, aux = remat_policy.wrap(lambda x, layer=layer, c=layer_ctx: layer(x, c),
-                                ctx.execution.memory)(x)
+                                 ctx.execution.memory)(x)
       auxes.append(aux)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
 
 class Segment(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, kinds, repeats: int, *,
                init: ParamInit):
     self.period_len = len(kinds)
@@ -67,13 +68,14 @@ class Segment(nnx.Module):
 
 
 class LayerStack(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     kinds = m.layer_kinds()
     self.plan = plan_segments(kinds, len(m.pattern))
     self.residual = RESIDUALS[m.residual]  # the stream the layers carry
     self.cfg = m
-    self.segments = nnx.List([Segment(m, lora, chunk, repeats, init=init)
-                              for chunk, repeats in self.plan])
+    self.segments = nnx.List(
+        [Segment(m, lora, chunk, repeats, init=init) for chunk, repeats in self.plan])
 
   def __call__(self, x, ctx):
     first, auxes = 0, []

@@ -23,6 +23,7 @@ IGNORE_INDEX = -100
 
 
 class HybridLM(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     self.cfg = m
     emb = init.normal((m.vocab_size, m.d_model), m.init_std or 1.0, jnp.dtype(m.weight_dtype))

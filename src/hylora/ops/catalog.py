@@ -50,8 +50,8 @@ def catalog() -> OpRegistry:
   # (training lengths), the Pallas gather kernels past that (pallas_kernels/sparse_attention/
   # by_density.py); the masked dense form alone is picked by name.
   registry.register("sparse_attention.attend", "by_density",
-                    f"{_SA}.by_density:sparse_attention_by_density", backends=("gpu",),
-                    priority=1, per_shard="sparse_attention")
+                    f"{_SA}.by_density:sparse_attention_by_density", backends=("gpu",), priority=1,
+                    per_shard="sparse_attention")
   registry.register("sparse_attention.attend", "masked_dense",
                     f"{_SA}.masked_dense:masked_dense_attention", backends=("cpu", "gpu", "tpu"),
                     priority=-2, per_shard="sparse_attention")
@@ -66,8 +66,7 @@ def catalog() -> OpRegistry:
   registry.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
                     backends=("cpu", "gpu", "tpu"))
   # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
-  registry.register("residual_mix", "pallas", f"{_RM}:residual_mix", backends=("gpu",),
-                    priority=-2)
+  registry.register("residual_mix", "pallas", f"{_RM}:residual_mix", backends=("gpu",), priority=-2)
   return registry
 
 

@@ -20,7 +20,6 @@ import jax
 AUTO = "auto"
 REFERENCE = "reference"
 
-
 PER_SHARD_MODES = ("rows", "linear_recurrence", "sparse_attention", "indexer")
 
 
@@ -36,9 +35,12 @@ def _per_shard_mode(per_shard: bool | str) -> str | None:
 def _per_shard_wrappers() -> dict[str, Callable]:
   from meshes.per_shard import split_over_batch
   from meshes import sequence_parallel as sp
-  return {"rows": split_over_batch, "linear_recurrence": sp.split_recurrence_over_devices,
-          "sparse_attention": sp.sparse_attention_over_devices,
-          "indexer": sp.indexer_over_devices}
+  return {
+      "rows": split_over_batch,
+      "linear_recurrence": sp.split_recurrence_over_devices,
+      "sparse_attention": sp.sparse_attention_over_devices,
+      "indexer": sp.indexer_over_devices
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,4 +126,3 @@ class OpRegistry:
 
   def resolve(self, op: str, choice: str = AUTO, backend: str | None = None):
     return self.pick(op, choice, backend).load()
-

@@ -46,8 +46,21 @@ def involuntary_replications(log: str) -> list[dict]:
 
 _VALUE = re.compile(r"%\S+ = (\w+)\[([0-9,]+)\][^ ]* (\S+?)\(.*?(?:op_name=\"([^\"]*)\")?")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8
+}
 
 
 def largest_values(hlo_text: str, count: int = 6) -> list[dict]:
@@ -68,6 +81,10 @@ def largest_values(hlo_text: str, count: int = 6) -> list[dict]:
     shape = f"{m.group(1)}[{m.group(2)}]"
     if shape not in best:
       op_name = re.search(r'op_name="([^"]*)"', line)
-      best[shape] = {"shape": shape, "bytes": nbytes, "op": m.group(3),
-                     "source": op_name.group(1)[-120:] if op_name else ""}
+      best[shape] = {
+          "shape": shape,
+          "bytes": nbytes,
+          "op": m.group(3),
+          "source": op_name.group(1)[-120:] if op_name else ""
+      }
   return sorted(best.values(), key=lambda v: -v["bytes"])[:count]

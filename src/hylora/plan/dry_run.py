@@ -38,8 +38,7 @@ import numpy as np
 from hylora.plan import param_count
 from hylora.core.architecture import stacked_position
 from hylora.core.config import Config
-from hylora.plan.compiled_program import (captured_stderr, involuntary_replications,
-                                          largest_values)
+from hylora.plan.compiled_program import (captured_stderr, involuntary_replications, largest_values)
 from hylora.plan.dry_run_report import format_report, format_sweep
 from hylora.plan.dry_run_setup import implementations, set_xla_flags, stand_ins
 from hylora.core.errors import ConfigError
@@ -50,8 +49,8 @@ GB = 1e9
 DEFAULT_DEVICE_MEMORY = 141 * GB  # one H200
 LARGE_PER_LAYER = 1 << 20  # arrays with at least this many elements per layer are "large"
 
-
 # ---- inputs ---------------------------------------------------------------------------
+
 
 def abstract_inputs(trainer) -> tuple[dict, dict, dict, dict]:
   """(lora, opt_state, frozen, batch) as sharded ShapeDtypeStructs."""
@@ -60,8 +59,11 @@ def abstract_inputs(trainer) -> tuple[dict, dict, dict, dict]:
   opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                            opt_abstract, trainer.optimizer_sharding(lora))
   tc = trainer.cfg.train
-  batch = {k: jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len), np.int32,
-                                   sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+  batch = {
+      k:
+          jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len), np.int32,
+                               sharding=trainer.batch_sharding) for k in BATCH_KEYS
+  }
   return lora, opt_state, frozen, batch
 
 
@@ -79,6 +81,7 @@ def tree_bytes(tree) -> int:
 
 # ---- shardings ------------------------------------------------------------------------
 
+
 def _spec_text(a) -> str:
   """The mesh axes of each dimension, e.g. "[-, expert, fsdp, -]"."""
   spec = tuple(a.sharding.spec) + (None,) * (len(a.shape) - len(a.sharding.spec))
@@ -93,12 +96,18 @@ def array_table(lora: dict, frozen: dict) -> list[dict]:
     for keys, a in param_count.leaves(tree):
       stacked = stacked_position(keys) is not None  # a leading layers axis
       per_layer = math.prod(a.shape[1:] if stacked else a.shape)
-      axes = sorted({n for s in a.sharding.spec if s is not None
-                     for n in ((s,) if isinstance(s, str) else s)})
+      axes = sorted({
+          n for s in a.sharding.spec if s is not None for n in ((s,) if isinstance(s, str) else s)
+      })
       rows.append({
-          "tree": tree_name, "path": "/".join(keys), "kind": param_count.kind_of(keys),
-          "shape": list(a.shape), "dtype": str(np.dtype(a.dtype)), "spec": _spec_text(a),
-          "mesh_axes": axes, "shard_shape": list(shard_shape(a)),
+          "tree": tree_name,
+          "path": "/".join(keys),
+          "kind": param_count.kind_of(keys),
+          "shape": list(a.shape),
+          "dtype": str(np.dtype(a.dtype)),
+          "spec": _spec_text(a),
+          "mesh_axes": axes,
+          "shard_shape": list(shard_shape(a)),
           "split": math.prod(a.shape) // max(1, math.prod(shard_shape(a))),
           "large": per_layer >= LARGE_PER_LAYER,
       })
@@ -112,12 +121,19 @@ def sharding_summary(rows: list[dict]) -> dict:
     key = (r["tree"], r["spec"], r["split"])
     kind = out.setdefault(r["kind"], {})
     kind[key] = kind.get(key, 0) + 1
-  return {kind: [{"tree": t, "spec": s, "split": split, "arrays": n}
-                 for (t, s, split), n in sorted(layouts.items(), key=lambda kv: -kv[1])]
-          for kind, layouts in out.items()}
+  return {
+      kind: [{
+          "tree": t,
+          "spec": s,
+          "split": split,
+          "arrays": n
+      } for (t, s, split), n in sorted(layouts.items(), key=lambda kv: -kv[1])
+            ] for kind, layouts in out.items()
+  }
 
 
 # ---- memory ---------------------------------------------------------------------------
+
 
 def tokens_per_device(batch: dict) -> int:
   """Tokens each device processes per step: the batch shard it holds."""
@@ -137,21 +153,31 @@ def analytic_bytes(cfg: Config, lora, opt_state, frozen, batch, mesh) -> dict:
   arguments = weights + adapters + optimizer + batch_bytes + 4  # + the int32 step
   grads = sum(math.prod(shard_shape(a)) * 4 for a in jax.tree.leaves(lora))  # fp32
   micro_tokens = micro_batch_tokens(cfg, mesh)
-  checkpoints = (cfg.model.layers * micro_tokens * cfg.model.d_model * 2
-                 if cfg.memory.remat != "none" else 0)
-  return {"weights": weights, "lora": adapters, "grads": grads, "optimizer": optimizer,
-          "batch": batch_bytes, "analytic_arguments": arguments,
-          "analytic_checkpoints": checkpoints,
-          "analytic_peak": arguments + grads + checkpoints}
+  checkpoints = (cfg.model.layers * micro_tokens * cfg.model.d_model *
+                 2 if cfg.memory.remat != "none" else 0)
+  return {
+      "weights": weights,
+      "lora": adapters,
+      "grads": grads,
+      "optimizer": optimizer,
+      "batch": batch_bytes,
+      "analytic_arguments": arguments,
+      "analytic_checkpoints": checkpoints,
+      "analytic_peak": arguments + grads + checkpoints
+  }
 
 
 def xla_bytes(compiled) -> dict:
   m = compiled.memory_analysis()
-  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
-  return {"xla_arguments": m.argument_size_in_bytes, "xla_outputs": m.output_size_in_bytes,
-          "xla_aliased": m.alias_size_in_bytes, "xla_temporaries": m.temp_size_in_bytes,
-          "xla_peak": peak}
+  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes +
+          m.temp_size_in_bytes)
+  return {
+      "xla_arguments": m.argument_size_in_bytes,
+      "xla_outputs": m.output_size_in_bytes,
+      "xla_aliased": m.alias_size_in_bytes,
+      "xla_temporaries": m.temp_size_in_bytes,
+      "xla_peak": peak
+  }
 
 
 def memory_plan(cfg: Config, mesh, device_memory: float) -> dict | None:
@@ -167,9 +193,14 @@ def memory_plan(cfg: Config, mesh, device_memory: float) -> dict | None:
     best = planner.plan_memory(cfg, shape, device_memory)
   except Exception as e:  # the planner must never stop a dry run
     return {"error": f"{type(e).__name__}: {e}"}
-  return {"policy": cfg.memory.remat, "predicted_peak": this.predicted_peak_bytes,
-          "fits": bool(this.fits), "best_plan_peak": best.predicted_peak_bytes,
-          "best_plan_fits": bool(best.fits), "best_plan": best.table()}
+  return {
+      "policy": cfg.memory.remat,
+      "predicted_peak": this.predicted_peak_bytes,
+      "fits": bool(this.fits),
+      "best_plan_peak": best.predicted_peak_bytes,
+      "best_plan_fits": bool(best.fits),
+      "best_plan": best.table()
+  }
 
 
 def host_peak_bytes() -> int:
@@ -186,12 +217,22 @@ def parse_bytes(text: str) -> float:
   if not m or not math.isfinite(value) or value <= 0:
     raise ConfigError(f"--device-memory: expected a positive size like 141GB, got {text!r}")
   unit = m.group(2) or "GB"
-  scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-           "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+  scale = {
+      "B": 1,
+      "KB": 1e3,
+      "MB": 1e6,
+      "GB": 1e9,
+      "TB": 1e12,
+      "KiB": 2**10,
+      "MiB": 2**20,
+      "GiB": 2**30,
+      "TiB": 2**40
+  }[unit]
   return value * scale
 
 
 # ---- the dry run ----------------------------------------------------------------------
+
 
 def check_devices(cfg: Config) -> None:
   want, have = cfg.mesh.devices, len(jax.devices())
@@ -249,7 +290,9 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
       "params_lora": counts["lora"],
       "params_by_kind": counts["by_kind"],
       "devices": mesh.size,
-      "mesh": {name: int(size) for name, size in mesh.shape.items()},
+      "mesh": {
+          name: int(size) for name, size in mesh.shape.items()
+      },
       "bytes_per_device": memory,
       "compile_seconds": trainer.compile_seconds if compile_step else None,
       "compiled": compile_step,
@@ -257,12 +300,19 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
       "fits": bool(peak <= device_memory),
       "peak_source": source,
       "memory_plan": plan,
-      "step": {"layers": m.layers, "batch_size": tc.batch_size, "seq_len": tc.seq_len,
-               "grad_accum": tc.grad_accum, "tokens_per_device": tokens_per_device(batch),
-               "micro_batch_tokens_per_device": micro_batch_tokens(cfg, mesh),
-               "batch_spec": _spec_text(batch["tokens"]), "remat": cfg.memory.remat,
-               "dispatch": m.moe.dispatch, "capacity_factor": m.moe.capacity_factor,
-               "backend": jax.default_backend()},
+      "step": {
+          "layers": m.layers,
+          "batch_size": tc.batch_size,
+          "seq_len": tc.seq_len,
+          "grad_accum": tc.grad_accum,
+          "tokens_per_device": tokens_per_device(batch),
+          "micro_batch_tokens_per_device": micro_batch_tokens(cfg, mesh),
+          "batch_spec": _spec_text(batch["tokens"]),
+          "remat": cfg.memory.remat,
+          "dispatch": m.moe.dispatch,
+          "capacity_factor": m.moe.capacity_factor,
+          "backend": jax.default_backend()
+      },
       "implementations": implementations(cfg.kernels),
       "stand_ins": stand_ins(cfg),
       "partitioner_replications": replicated,
@@ -279,6 +329,7 @@ class PlanDoesNotFit(ConfigError):
 
 # ---- sweep ----------------------------------------------------------------------------
 
+
 def sweep_variants(cfg: Config) -> list[tuple[str, Config]]:
   """One factor at a time around `cfg`: sequence length, batch, remat policy."""
   tc, chunk = cfg.train, cfg.model.linear_attention.chunk_size
@@ -286,30 +337,38 @@ def sweep_variants(cfg: Config) -> list[tuple[str, Config]]:
   for div in (4, 2):
     seq = max(chunk, tc.seq_len // div // chunk * chunk)
     if seq != tc.seq_len:
-      out.append((f"seq/{div}", dataclasses.replace(
-          cfg, train=dataclasses.replace(tc, seq_len=seq))))
+      out.append((f"seq/{div}", dataclasses.replace(cfg, train=dataclasses.replace(tc,
+                                                                                   seq_len=seq))))
   half = tc.batch_size // 2
   if half >= tc.grad_accum and half % tc.grad_accum == 0:
-    out.append(("batch/2", dataclasses.replace(
-        cfg, train=dataclasses.replace(tc, batch_size=half))))
+    out.append(("batch/2", dataclasses.replace(cfg, train=dataclasses.replace(tc,
+                                                                              batch_size=half))))
   for remat in ("full", "minimal", "none"):
     if remat != cfg.memory.remat:
-      out.append((f"remat={remat}", dataclasses.replace(
-          cfg, memory=dataclasses.replace(cfg.memory, remat=remat))))
+      out.append((f"remat={remat}",
+                  dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, remat=remat))))
   return out
 
 
 def _sweep_row(label: str, r: dict) -> dict:
   b, s, plan = r["bytes_per_device"], r["step"], r.get("memory_plan") or {}
-  return {"variant": label, "seq_len": s["seq_len"], "batch_size": s["batch_size"],
-          "tokens_per_device": s["tokens_per_device"], "remat": s["remat"],
-          "xla_temporaries": b.get("xla_temporaries"), "xla_peak": b.get("xla_peak"),
-          "analytic_peak": b["analytic_peak"], "planner_peak": plan.get("predicted_peak"),
-          "fits": r["fits"], "compile_seconds": r["compile_seconds"]}
+  return {
+      "variant": label,
+      "seq_len": s["seq_len"],
+      "batch_size": s["batch_size"],
+      "tokens_per_device": s["tokens_per_device"],
+      "remat": s["remat"],
+      "xla_temporaries": b.get("xla_temporaries"),
+      "xla_peak": b.get("xla_peak"),
+      "analytic_peak": b["analytic_peak"],
+      "planner_peak": plan.get("predicted_peak"),
+      "fits": r["fits"],
+      "compile_seconds": r["compile_seconds"]
+  }
 
 
-def sweep(cfg: Config, device_memory: float, *, compile_step: bool = True,
-          base: dict | None = None, log=print) -> list[dict]:
+def sweep(cfg: Config, device_memory: float, *, compile_step: bool = True, base: dict | None = None,
+          log=print) -> list[dict]:
   """One row per `sweep_variants` entry; `base`: the report of `cfg` itself, if made."""
   rows = []
   for label, variant in sweep_variants(cfg):
@@ -321,8 +380,14 @@ def sweep(cfg: Config, device_memory: float, *, compile_step: bool = True,
       r = dry_run(variant, device_memory, compile_step=compile_step)
     except PlanDoesNotFit as e:
       s = variant.train
-      rows.append({"variant": label, "seq_len": s.seq_len, "batch_size": s.batch_size,
-                   "remat": variant.memory.remat, "fits": False, "note": str(e)})
+      rows.append({
+          "variant": label,
+          "seq_len": s.seq_len,
+          "batch_size": s.batch_size,
+          "remat": variant.memory.remat,
+          "fits": False,
+          "note": str(e)
+      })
       continue
     rows.append(_sweep_row(label, r))
     log(f"  sweep {label}: done ({time.perf_counter() - start:.0f} s)")
@@ -330,6 +395,7 @@ def sweep(cfg: Config, device_memory: float, *, compile_step: bool = True,
 
 
 # ---- command line ---------------------------------------------------------------------
+
 
 def command(cfg: Config, *, device_memory: str | float, json_path: str | None = None,
             compile_step: bool = True, run_sweep: bool = False) -> int:
@@ -343,8 +409,9 @@ def command(cfg: Config, *, device_memory: str | float, json_path: str | None = 
     return 1
   print(format_report(report), flush=True)
   if run_sweep:
-    print("\nhow the peak moves (one factor at a time"
-          + ("; each row is a compile):" if compile_step else "; not compiled):"), flush=True)
+    print(
+        "\nhow the peak moves (one factor at a time" +
+        ("; each row is a compile):" if compile_step else "; not compiled):"), flush=True)
     report["sweep"] = sweep(cfg, memory, compile_step=compile_step, base=report)
     print(format_sweep(report["sweep"], memory))
     report["host_peak_bytes"] = host_peak_bytes()

@@ -44,8 +44,8 @@ def format_report(r: dict) -> str:
                    f"  ({lay['arrays']} arrays)")
   lines += ["", f"  {'bytes per device':<34}{'analytic':>12}{'XLA':>13}"]
   for label, key in (("base weights (bf16)", "weights"), ("LoRA params (fp32)", "lora"),
-                     ("LoRA grads (fp32)", "grads"), ("optimizer state", "optimizer"),
-                     ("batch", "batch")):
+                     ("LoRA grads (fp32)", "grads"), ("optimizer state", "optimizer"), ("batch",
+                                                                                        "batch")):
     lines.append(f"  {label:<34}{_gb(b[key]):>12}")
   lines.append(f"  {'arguments':<34}{_gb(b['analytic_arguments']):>12}"
                f"{_gb(b.get('xla_arguments')):>13}")
@@ -62,16 +62,18 @@ def format_report(r: dict) -> str:
       lines.append(f"    {v['bytes'] / GB:9.2f} GB  {v['shape']:<28} {v['op']:<10} {v['source']}")
   if r["compiled"]:
     reps = r["partitioner_replications"]
-    lines.append("  partitioner: " + ("no tensor replicated in full" if not reps else
-                 "replicated in full (involuntary): " +
-                 ", ".join(f"{x['shape']} x{x['count']}" for x in reps)))
+    lines.append("  partitioner: " + (
+        "no tensor replicated in full" if not reps else "replicated in full (involuntary): " +
+        ", ".join(f"{x['shape']} x{x['count']}" for x in reps)))
   plan = r.get("memory_plan")
   if plan is not None and "error" in plan:
     lines += ["", f"  memory planner failed: {plan['error']}"]
   elif plan is not None:
-    lines += ["", f"  memory planner (GPU model), remat {plan['policy']}: predicted peak "
-              f"{plan['predicted_peak'] / GB:.2f} GB ({'fits' if plan['fits'] else 'does not fit'})"
-              f"; its best plan:"]
+    lines += [
+        "", f"  memory planner (GPU model), remat {plan['policy']}: predicted peak "
+        f"{plan['predicted_peak'] / GB:.2f} GB ({'fits' if plan['fits'] else 'does not fit'})"
+        f"; its best plan:"
+    ]
     lines += ["    " + line for line in plan["best_plan"].splitlines()]
   lines.append("")
   if r["compiled"]:
@@ -86,14 +88,16 @@ def format_report(r: dict) -> str:
   return "\n".join(lines)
 
 
-
 def format_sweep(rows: list[dict], device_memory: float) -> str:
+
   def gb(x):
     return "-" if x is None else f"{x / GB:.1f}"
 
-  lines = ["| variant | seq | batch | tokens/device | remat | XLA temporaries GB | "
-           "XLA peak GB | analytic peak GB (lower bound) | planner peak GB (GPU model) | "
-           f"fits {device_memory / GB:.0f} GB |", "|" + "---|" * 10]
+  lines = [
+      "| variant | seq | batch | tokens/device | remat | XLA temporaries GB | "
+      "XLA peak GB | analytic peak GB (lower bound) | planner peak GB (GPU model) | "
+      f"fits {device_memory / GB:.0f} GB |", "|" + "---|" * 10
+  ]
   for r in rows:
     if "note" in r:  # the resident state alone does not fit: nothing was compiled
       lines.append(f"| {r['variant']} | {r['seq_len']} | {r['batch_size']} | - | {r['remat']} "

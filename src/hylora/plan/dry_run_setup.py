@@ -32,12 +32,11 @@ DRY_RUN_CAPACITY_FACTOR = 1.25
 # KernelConfig field -> (implementation, why its CPU lowering stands for the GPU's).
 DRY_RUN_KERNELS = {
     "grouped_matmul": ("loop", "grouped matmuls loop over the local experts (XLA:CPU "
-                               "expands ragged_dot into one [rows, N] fp32 product per "
-                               "expert; the Mosaic kernel writes one [rows, N]) and sum "
-                               "weight gradients over row blocks (XLA:CPU converts a "
-                               "row-contracting bf16 product to fp32 whole)"),
+                       "expands ragged_dot into one [rows, N] fp32 product per "
+                       "expert; the Mosaic kernel writes one [rows, N]) and sum "
+                       "weight gradients over row blocks (XLA:CPU converts a "
+                       "row-contracting bf16 product to fp32 whole)"),
 }
-
 
 # XLA:CPU's default scheduler orders the program for the CPU's threads: it runs the
 # recomputations of every layer of a scanned period side by side, holding four MoE
@@ -68,20 +67,22 @@ def dry_run_config(cfg: Config, explicit=()) -> Config:
     if cfg.mesh.fsdp < 1:
       raise ConfigError("mesh.fsdp: a dry run needs a fixed mesh (mesh.fsdp >= 1) or "
                         "--devices N")
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
-        cfg.mesh, devices=cfg.mesh.fsdp * cfg.mesh.expert))
+    cfg = dataclasses.replace(
+        cfg, mesh=dataclasses.replace(cfg.mesh, devices=cfg.mesh.fsdp * cfg.mesh.expert))
   moe_cfg = cfg.model.moe
-  if ("model.moe.dispatch" not in explicit and EP_DISPATCHER in DISPATCHERS
-      and cfg.mesh.expert > 1):
+  if ("model.moe.dispatch" not in explicit and EP_DISPATCHER in DISPATCHERS and
+      cfg.mesh.expert > 1):
     moe_cfg = dataclasses.replace(moe_cfg, dispatch=EP_DISPATCHER)
-  if (moe_cfg.dispatch == EP_DISPATCHER and moe_cfg.capacity_factor <= 0
-      and "model.moe.capacity_factor" not in explicit):
+  if (moe_cfg.dispatch == EP_DISPATCHER and moe_cfg.capacity_factor <= 0 and
+      "model.moe.capacity_factor" not in explicit):
     moe_cfg = dataclasses.replace(moe_cfg, capacity_factor=DRY_RUN_CAPACITY_FACTOR)
-  kernels = dataclasses.replace(cfg.kernels, **{
-      field: choice for field, (choice, _) in DRY_RUN_KERNELS.items()
-      if f"kernels.{field}" not in explicit})
-  cfg = dataclasses.replace(cfg, kernels=kernels, model=dataclasses.replace(
-      cfg.model, moe=moe_cfg))
+  kernels = dataclasses.replace(
+      cfg.kernels, **{
+          field: choice
+          for field, (choice, _) in DRY_RUN_KERNELS.items()
+          if f"kernels.{field}" not in explicit
+      })
+  cfg = dataclasses.replace(cfg, kernels=kernels, model=dataclasses.replace(cfg.model, moe=moe_cfg))
   return cfg.validate()
 
 
@@ -90,8 +91,10 @@ def implementations(kernels: KernelConfig, backend: str | None = None) -> dict[s
   from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, catalog
 
   backend = backend or jax.default_backend()
-  return {op: catalog().pick(op, getattr(kernels, field), backend).name
-          for op, field in sorted(KERNEL_CHOICE_FIELDS.items())}
+  return {
+      op: catalog().pick(op, getattr(kernels, field), backend).name
+      for op, field in sorted(KERNEL_CHOICE_FIELDS.items())
+  }
 
 
 def stand_ins(cfg: Config) -> list[str]:

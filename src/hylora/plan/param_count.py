@@ -81,7 +81,9 @@ def count_params(cfg: Config, lora_tree, frozen_tree) -> dict:
   for keys, leaf in leaves(lora_tree):
     by_kind[kind_of(keys)]["lora"] += math.prod(leaf.shape)
   by_kind = {k: v for k, v in by_kind.items() if any(v.values())}
-  return {"total": sum(v["total"] for v in by_kind.values()),
-          "active": sum(v["active"] for v in by_kind.values()),
-          "lora": sum(v["lora"] for v in by_kind.values()),
-          "by_kind": by_kind}
+  return {
+      "total": sum(v["total"] for v in by_kind.values()),
+      "active": sum(v["active"] for v in by_kind.values()),
+      "lora": sum(v["lora"] for v in by_kind.values()),
+      "by_kind": by_kind
+  }

@@ -87,8 +87,8 @@ class MemoryPlan:
   def policy_config(self) -> MemoryConfig:
     if self.policy != "tiered":
       return remat_policy.check(MemoryConfig(remat=self.policy))
-    return remat_policy.check(MemoryConfig(remat="tiered", hbm_names=self.hbm_names,
-                                     host_names=self.host_names))
+    return remat_policy.check(
+        MemoryConfig(remat="tiered", hbm_names=self.hbm_names, host_names=self.host_names))
 
   def table(self) -> str:
     return format_table(self)
@@ -134,21 +134,21 @@ class _Model:
     recompute = sum(self.recompute_seconds(n) for n in rec)
     copy = self.micro * host_bytes / self.hw.host_bandwidth  # one way
     hidden = self.hw.host_overlap * copy
-    step = (max(self.forward_seconds, hidden) + max(self.backward_seconds + recompute, hidden)
-            + 2 * (copy - hidden))
+    step = (max(self.forward_seconds, hidden) + max(self.backward_seconds + recompute, hidden) + 2 *
+            (copy - hidden))
     exposed = step - self.forward_seconds - self.backward_seconds - recompute
-    rows = tuple(SavePoint(n, self.points[n][0], self.points[n][1] * 1.0,
-                           self.recompute_seconds(n), tiers[n]) for n in self.points)
+    rows = tuple(
+        SavePoint(n, self.points[n][0], self.points[n][1] *
+                  1.0, self.recompute_seconds(n), tiers[n]) for n in self.points)
     return MemoryPlan(
         policy=policy, hbm_names=hbm, host_names=host, recompute_names=rec, save_points=rows,
         tokens_per_device=self.n, micro_batches=self.micro, layers=self.layers,
         device_memory_bytes=int(self.device_memory), host_memory_bytes=int(self.host_memory),
-        resident_bytes=self.resident, gathered_weight_bytes=self.gathered,
-        saved_hbm_bytes=saved, working_bytes=working, loss_bytes=self.loss_bytes,
-        host_bytes=host_bytes, predicted_peak_bytes=int(peak),
-        compute_seconds=self.forward_seconds + self.backward_seconds,
-        recompute_seconds=recompute, exposed_transfer_seconds=exposed if exposed > 1e-9 else 0.0,
-        predicted_step_seconds=step,
+        resident_bytes=self.resident, gathered_weight_bytes=self.gathered, saved_hbm_bytes=saved,
+        working_bytes=working, loss_bytes=self.loss_bytes, host_bytes=host_bytes,
+        predicted_peak_bytes=int(peak),
+        compute_seconds=self.forward_seconds + self.backward_seconds, recompute_seconds=recompute,
+        exposed_transfer_seconds=exposed if exposed > 1e-9 else 0.0, predicted_step_seconds=step,
         fits=bool(peak <= self.device_memory and host_bytes <= self.host_memory),
         working_compiled=self.measured_working is not None)
 
@@ -175,16 +175,14 @@ def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware,
   head = 2.0 * n * m.d_model * m.vocab_size  # the LM head: forward, recomputed, input grad
   micro = cfg.train.grad_accum
   resident, gathered = resident_bytes(cfg, mesh_shape)
-  loss_bytes = (n * m.d_model * 10
-                + (2 * DEFAULT_TOKEN_CHUNK + 4 * DEFAULT_LOGITS_CHUNK) * m.vocab_size)
+  loss_bytes = (n * m.d_model * 10 +
+                (2 * DEFAULT_TOKEN_CHUNK + 4 * DEFAULT_LOGITS_CHUNK) * m.vocab_size)
   kept = {name: (int(v[0]), v[1]) for name, v in points.items() if v[0] > 0}
-  return _Model(cfg=cfg, hw=hw, n=n, micro=micro, layers=m.layers,
-                points=kept, layer_bytes=layer_bytes,
-                forward_seconds=micro * (forward + head) / hw.matmul_flops,
-                backward_seconds=micro * (backward + 2 * head) / hw.matmul_flops,
-                resident=resident, gathered=gathered, loss_bytes=loss_bytes,
-                device_memory=int(device_memory_bytes), host_memory=int(hw.host_memory_bytes),
-                measured_working=working_bytes)
+  return _Model(cfg=cfg, hw=hw, n=n, micro=micro, layers=m.layers, points=kept,
+                layer_bytes=layer_bytes, forward_seconds=micro * (forward + head) / hw.matmul_flops,
+                backward_seconds=micro * (backward + 2 * head) / hw.matmul_flops, resident=resident,
+                gathered=gathered, loss_bytes=loss_bytes, device_memory=int(device_memory_bytes),
+                host_memory=int(hw.host_memory_bytes), measured_working=working_bytes)
 
 
 def _search(model: _Model) -> MemoryPlan:
@@ -212,8 +210,8 @@ def _search(model: _Model) -> MemoryPlan:
     tiers[name] = tier
 
 
-def plan_memory(cfg: Config, mesh_shape, device_memory_bytes: float, *,
-                hardware: Hardware = H200, working_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(cfg: Config, mesh_shape, device_memory_bytes: float, *, hardware: Hardware = H200,
+                working_bytes: int | None = None) -> MemoryPlan:
   """The tiered policy with the lowest predicted step time that fits the budget.
 
   `working_bytes`: one layer's backward working set as compiled on the target backend
@@ -222,10 +220,9 @@ def plan_memory(cfg: Config, mesh_shape, device_memory_bytes: float, *,
   return _search(_build(cfg, mesh_shape, device_memory_bytes, hardware, working_bytes))
 
 
-def replan_after_compile(cfg: Config, mesh_shape, device_memory_bytes: float,
-                         plan: MemoryPlan, compiled_peak_bytes: float, *,
-                         hardware: Hardware = H200, working_bytes: int | None = None,
-                         slack: float = 0.01) -> MemoryPlan:
+def replan_after_compile(cfg: Config, mesh_shape, device_memory_bytes: float, plan: MemoryPlan,
+                         compiled_peak_bytes: float, *, hardware: Hardware = H200,
+                         working_bytes: int | None = None, slack: float = 0.01) -> MemoryPlan:
   """Plan again after XLA compiled `plan` to `compiled_peak_bytes`.
 
   The planner's estimate misses what XLA adds (staging of host copies, fusion temporaries,
@@ -257,19 +254,20 @@ def estimate_policy(cfg: Config, mesh_shape, device_memory_bytes: float,
 
 
 def format_table(plan: MemoryPlan) -> str:
-  lines = [f"memory plan ({plan.policy}): {plan.layers} layers, {plan.tokens_per_device} tokens "
-           f"per device x {plan.micro_batches} micro-batch(es); budget "
-           f"{_size(plan.device_memory_bytes)} device, {_size(plan.host_memory_bytes)} host",
-           f"  {'save point':<16} {'all layers':>12} {'recompute ms':>13}  tier"]
+  lines = [
+      f"memory plan ({plan.policy}): {plan.layers} layers, {plan.tokens_per_device} tokens "
+      f"per device x {plan.micro_batches} micro-batch(es); budget "
+      f"{_size(plan.device_memory_bytes)} device, {_size(plan.host_memory_bytes)} host",
+      f"  {'save point':<16} {'all layers':>12} {'recompute ms':>13}  tier"
+  ]
   for p in plan.save_points:
     lines.append(f"  {p.name:<16} {_size(p.bytes):>12} {p.recompute_seconds * 1e3:>13.3g}  "
                  f"{p.tier}")
-  parts = (("resident (weights, adapters, optimizer)", plan.resident_bytes),
-           ("gathered weights of one period", plan.gathered_weight_bytes),
+  parts = (("resident (weights, adapters, optimizer)",
+            plan.resident_bytes), ("gathered weights of one period", plan.gathered_weight_bytes),
            ("saved in HBM (+ layer inputs)", plan.saved_hbm_bytes),
-           ("backward working set of one layer" + (" (compiled)" if plan.working_compiled
-                                                   else ""), plan.working_bytes),
-           ("loss (hidden, gradient, CE blocks)", plan.loss_bytes))
+           ("backward working set of one layer" + (" (compiled)" if plan.working_compiled else ""),
+            plan.working_bytes), ("loss (hidden, gradient, CE blocks)", plan.loss_bytes))
   for label, nbytes in parts:
     lines.append(f"  {label:<46} {_size(nbytes):>12}")
   verdict = "fits" if plan.fits else "DOES NOT FIT"
@@ -278,10 +276,9 @@ def format_table(plan: MemoryPlan) -> str:
   lines.append(f"  predicted step {plan.predicted_step_seconds * 1e3:.4g} ms = compute "
                f"{plan.compute_seconds * 1e3:.4g} + recompute {plan.recompute_seconds * 1e3:.4g}"
                f" + exposed host copies {plan.exposed_transfer_seconds * 1e3:.4g}")
-  lines.append(f"  policy: --memory.remat={plan.policy}"
-               + (f" --memory.hbm_names={','.join(plan.hbm_names)}"
-                  f" --memory.host_names={','.join(plan.host_names)}"
-                  if plan.policy == "tiered" else ""))
+  lines.append(f"  policy: --memory.remat={plan.policy}" + (
+      f" --memory.hbm_names={','.join(plan.hbm_names)}"
+      f" --memory.host_names={','.join(plan.host_names)}" if plan.policy == "tiered" else ""))
   return "\n".join(lines)
 
 

@@ -19,7 +19,6 @@ from hylora.core.architecture import Work, ffn_block, mixer_block, stacked_posit
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
 
-
 # ---- sizes and FLOPs of the save points ------------------------------------------------
 
 

@@ -51,8 +51,11 @@ def record(run_once, runs: int = 3) -> list[dict]:
 
 
 def _names(events, kind):
-  return {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
-          for e in events if e.get("ph") == "M" and e.get("name") == kind}
+  return {
+      (e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
+      for e in events
+      if e.get("ph") == "M" and e.get("name") == kind
+  }
 
 
 def device_events(events) -> list[dict]:
@@ -62,8 +65,10 @@ def device_events(events) -> list[dict]:
   if not devices:
     return []
   threads = _names(events, "thread_name")
-  out = [e for e in events if e.get("ph") == "X" and e["pid"] == devices[0]
-         and "Stream" in threads.get((e["pid"], e.get("tid")), "Stream")]
+  out = [
+      e for e in events if e.get("ph") == "X" and e["pid"] == devices[0] and
+      "Stream" in threads.get((e["pid"], e.get("tid")), "Stream")
+  ]
   return sorted(out, key=lambda e: e["ts"])
 
 

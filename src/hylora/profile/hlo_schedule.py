@@ -15,8 +15,8 @@ import collections
 import dataclasses
 import re
 
-COLLECTIVES = ("ragged-all-to-all", "all-to-all", "all-gather", "all-reduce",
-               "reduce-scatter", "collective-permute")
+COLLECTIVES = ("ragged-all-to-all", "all-to-all", "all-gather", "all-reduce", "reduce-scatter",
+               "collective-permute")
 # Instructions that do work on the device (everything else is bookkeeping: tuples,
 # bitcasts, parameters, constants, get-tuple-element, the async pairs themselves).
 _COMPUTE = ("fusion", "custom-call", "dot", "convolution", "while", "conditional", "call")
@@ -75,7 +75,7 @@ def computations(hlo_text: str) -> dict[str, list[Instruction]]:
 
 def _collective_of(inst: Instruction, comps: dict[str, list[Instruction]]) -> str | None:
   if inst.opcode.endswith("-start") and inst.opcode != "async-start":
-    kind = inst.opcode[: -len("-start")]
+    kind = inst.opcode[:-len("-start")]
     return kind if kind in COLLECTIVES else None
   if inst.opcode == "async-start":
     called = re.search(r"calls=%?([\w.\-]+)", inst.rest)
@@ -94,9 +94,10 @@ def overlap_windows(hlo_text: str) -> list[Window]:
   """Every collective of the module, with the compute its asynchronous window holds."""
   comps = computations(hlo_text)
   # the bodies of generic async pairs: their collective is the pair's, not another one
-  async_bodies = {m.group(1) for insts in comps.values() for i in insts
-                  if i.opcode == "async-start"
-                  for m in [re.search(r"calls=%?([\w.\-]+)", i.rest)] if m}
+  async_bodies = {
+      m.group(1) for insts in comps.values() for i in insts if i.opcode == "async-start"
+      for m in [re.search(r"calls=%?([\w.\-]+)", i.rest)] if m
+  }
   windows = []
   for comp_name, insts in comps.items():
     if comp_name in async_bodies:
@@ -123,9 +124,19 @@ def summary(windows: list[Window], collective: str = "all-to-all") -> dict:
   runs under one (so a report can tell the expert kernels from other matmuls)."""
   mine = [w for w in windows if w.collective == collective]
   asynchronous = [w for w in mine if w.asynchronous]
-  return {"collective": collective, "count": len(mine), "asynchronous": len(asynchronous),
-          "with_compute_inside": sum(bool(w.compute) for w in asynchronous),
-          "with_matmul_inside": sum(bool(w.matmuls) for w in asynchronous),
-          "compute_inside": sum(len(w.compute) for w in asynchronous),
-          "kernels_inside": dict(sorted(collections.Counter(
-              k for w in asynchronous for k in w.kernels).items()))}
+  return {
+      "collective":
+          collective,
+      "count":
+          len(mine),
+      "asynchronous":
+          len(asynchronous),
+      "with_compute_inside":
+          sum(bool(w.compute) for w in asynchronous),
+      "with_matmul_inside":
+          sum(bool(w.matmuls) for w in asynchronous),
+      "compute_inside":
+          sum(len(w.compute) for w in asynchronous),
+      "kernels_inside":
+          dict(sorted(collections.Counter(k for w in asynchronous for k in w.kernels).items()))
+  }

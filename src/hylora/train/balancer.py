@@ -52,6 +52,7 @@ def _name(path: tuple) -> str:
 
 
 class ExpertBalancer:
+
   def __init__(self, cfg: Config, mesh, frozen: dict):
     self.moe = moe = cfg.model.moe
     self.ranks = mesh.shape["expert"]
@@ -82,8 +83,10 @@ class ExpertBalancer:
     self.placement_window += load
     self.bias_window += load
     ratios = rank_load_ratio(load[self.moe_layers], self._layer_tables(self.tables), self.ranks)
-    return {"rank_load_max_over_mean": float(ratios.max()),
-            "rank_load_max_over_mean_avg": float(ratios.mean())}
+    return {
+        "rank_load_max_over_mean": float(ratios.max()),
+        "rank_load_max_over_mean_avg": float(ratios.mean())
+    }
 
   def after_step(self, steps_done: int, lora, opt_state, frozen):
     """(lora, opt_state, frozen, metrics): re-places experts and updates router biases
@@ -128,15 +131,18 @@ class ExpertBalancer:
     return lora, opt_state, frozen, {
         "rebalanced_layers": float(moved),
         "rebalance_window_before": float(before.mean()),  # mean over MoE layers
-        "rebalance_window_after": float(after.mean())}
+        "rebalance_window_after": float(after.mean())
+    }
 
   def apply(self, lora, opt_state, frozen, new: dict, *, frozen_only: bool = False):
     """Moves every per-slot leaf (weights, LoRA factors, optimizer moments) to `new`."""
     experts = {}
     for site in self.sites:
       node = _get(frozen, site.path)
-      experts = _with(experts, site.path, {"experts": node["experts"],
-                                           expert_sites.PLACEMENT: node[expert_sites.PLACEMENT]})
+      experts = _with(experts, site.path, {
+          "experts": node["experts"],
+          expert_sites.PLACEMENT: node[expert_sites.PLACEMENT]
+      })
     # Host arrays: every process passes the same tables (multi-host safe).
     trees = (experts,) if frozen_only else (experts, lora, opt_state)
     moved = self._relocator(trees)(trees, self.tables, new)
@@ -173,12 +179,18 @@ class ExpertBalancer:
   def state(self, frozen) -> dict:
     if not self.sites:
       return {}
-    bias = {_name(s.path): np.asarray(jax.device_get(_get(frozen, s.path + BIAS))).tolist()
-            for s in self.sites}
-    return {"placement": {_name(p): t.tolist() for p, t in self.tables.items()},
-            "router_bias": bias,
-            "placement_window": self.placement_window.tolist(),
-            "bias_window": self.bias_window.tolist()}
+    bias = {
+        _name(s.path): np.asarray(jax.device_get(_get(frozen, s.path + BIAS))).tolist()
+        for s in self.sites
+    }
+    return {
+        "placement": {
+            _name(p): t.tolist() for p, t in self.tables.items()
+        },
+        "router_bias": bias,
+        "placement_window": self.placement_window.tolist(),
+        "bias_window": self.bias_window.tolist()
+    }
 
   def restore(self, state: dict, frozen):
     """The frozen tree of a fresh start brought to a checkpoint's `state` (the LoRA

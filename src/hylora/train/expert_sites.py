@@ -75,6 +75,7 @@ def _site_of(keys: tuple, sites: dict) -> tuple | None:
 def map_slot_leaves(tree, tables_: dict, fn: Callable, *, names=pl.SLOT_LEAVES):
   """Applies fn(leaf [slots, ...], table [slots]) per stacked layer to every per-slot
   leaf named in `names` under a site of `tables_`; other leaves pass through."""
+
   def visit(path, leaf):
     keys = _keys(path)
     site = _site_of(keys, tables_)
@@ -82,12 +83,14 @@ def map_slot_leaves(tree, tables_: dict, fn: Callable, *, names=pl.SLOT_LEAVES):
     if site is None or keys[-1] not in names or getattr(leaf, "ndim", 0) != 4:
       return leaf
     return jax.vmap(fn)(leaf, tables_[site])
+
   return jax.tree_util.tree_map_with_path(visit, tree)
 
 
 def relocate(tree, old: dict, new: dict, num_experts: int):
   """The tree re-stored under the `new` tables: per-slot leaves move (a new copy takes
   the row of its expert's first old slot) and placement leaves become the new tables."""
+
   def visit(path, leaf):
     keys = _keys(path)
     site = _site_of(keys, old)
@@ -97,19 +100,19 @@ def relocate(tree, old: dict, new: dict, num_experts: int):
       return new[site].astype(leaf.dtype)
     if getattr(leaf, "ndim", 0) != 4:
       return leaf
-    return jax.vmap(lambda a, o, n: pl.relocate(a, o, n, num_experts))(leaf, old[site],
-                                                                        new[site])
+    return jax.vmap(lambda a, o, n: pl.relocate(a, o, n, num_experts))(leaf, old[site], new[site])
+
   return jax.tree_util.tree_map_with_path(visit, tree)
 
 
 def tie_replica_grads(grads, tables_: dict, num_experts: int):
   """LoRA gradients of replicated experts summed into each expert's first slot (zero in
   the other copies), so the optimizer sees every expert once."""
-  return map_slot_leaves(grads, tables_,
-                         lambda g, t: pl.tie_replica_grads(g, t, num_experts), names=LORA_LEAVES)
+  return map_slot_leaves(grads, tables_, lambda g, t: pl.tie_replica_grads(g, t, num_experts),
+                         names=LORA_LEAVES)
 
 
 def refresh_replicas(lora, tables_: dict, num_experts: int):
   """Every copy of an expert's LoRA factors takes its first slot's values."""
-  return map_slot_leaves(lora, tables_,
-                         lambda a, t: pl.refresh_replicas(a, t, num_experts), names=LORA_LEAVES)
+  return map_slot_leaves(lora, tables_, lambda a, t: pl.refresh_replicas(a, t, num_experts),
+                         names=LORA_LEAVES)

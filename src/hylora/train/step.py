@@ -41,9 +41,14 @@ def make_loss_fn(cfg: Config, parts: ModelParts):
     extra = moe.aux_loss_weight * aux_loss + moe.z_loss_weight * z_loss
     extra = extra + indexer_weight * indexer_kl
     obj = loss_sum / jnp.maximum(total_tokens, 1) + extra / accum
-    info = {"loss_sum": loss_sum, "tokens": count, "moe_aux_loss": aux_loss,
-            "moe_z_loss": z_loss, "expert_load": aux["expert_load"],
-            "dropped_tokens": jnp.sum(aux["dropped_tokens"])}
+    info = {
+        "loss_sum": loss_sum,
+        "tokens": count,
+        "moe_aux_loss": aux_loss,
+        "moe_z_loss": z_loss,
+        "expert_load": aux["expert_load"],
+        "dropped_tokens": jnp.sum(aux["dropped_tokens"])
+    }
     return obj, info
 
   return objective
@@ -66,8 +71,11 @@ def make_train_step(cfg: Config, parts: ModelParts, optimizer: optax.GradientTra
   def train_step(lora, opt_state, frozen, batch, step):
     total = jnp.sum(batch["labels"] != IGNORE_INDEX)
     # Micro-batch i takes rows i, i + accum, ...: each one stays spread over all devices.
-    micro = {key: batch[key].reshape(-1, accum, *batch[key].shape[1:]).swapaxes(0, 1)
-             for key in BATCH_KEYS + IMAGE_KEYS if key in batch}
+    micro = {
+        key: batch[key].reshape(-1, accum, *batch[key].shape[1:]).swapaxes(0, 1)
+        for key in BATCH_KEYS + IMAGE_KEYS
+        if key in batch
+    }
     step_key = jax.random.fold_in(jax.random.key(seed), step) if dropout > 0 else None
 
     def one(carry, xs):

@@ -29,6 +29,7 @@ def check_model_fits_mesh(cfg: Config, mesh: jax.sharding.Mesh) -> None:
 
 
 class Trainer:
+
   def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
     check_model_fits_mesh(cfg, mesh)
     self.cfg, self.mesh = cfg, mesh
@@ -69,8 +70,7 @@ class Trainer:
     abstract = jax.eval_shape(self.optimizer.init, lora)
     replicated = NamedSharding(self.mesh, P())
     return optax.tree_map_params(self.optimizer, lambda _, sharding: sharding, abstract,
-                                 self.lora_sharding,
-                                 transform_non_params=lambda _: replicated)
+                                 self.lora_sharding, transform_non_params=lambda _: replicated)
 
   def init_optimizer(self, lora):
     return jax.jit(self.optimizer.init, out_shardings=self.optimizer_sharding(lora))(lora)
@@ -82,8 +82,11 @@ class Trainer:
     return self.batch_sharding
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    return {k: jax.make_array_from_process_local_data(self.key_sharding(k), batch[k])
-            for k in BATCH_KEYS + IMAGE_KEYS if k in batch}
+    return {
+        k: jax.make_array_from_process_local_data(self.key_sharding(k), batch[k])
+        for k in BATCH_KEYS + IMAGE_KEYS
+        if k in batch
+    }
 
   def jitted_step(self, opt_state, batch_keys=BATCH_KEYS):
     opt_sharding = jax.tree.map(lambda a: a.sharding, opt_state)
@@ -93,20 +96,19 @@ class Trainer:
         return self._step_fn(lora, opt_state, frozen, batch, step)
 
     batch_sh = {k: self.key_sharding(k) for k in batch_keys}
-    return jax.jit(step,
-                   in_shardings=(self.lora_sharding, opt_sharding, self.frozen_sharding,
-                                 batch_sh, None),
-                   # metrics replicated: every process reads them (and the expert load)
-                   out_shardings=(self.lora_sharding, opt_sharding,
-                                  NamedSharding(self.mesh, P())),
-                   donate_argnums=(0, 1))
+    return jax.jit(
+        step,
+        in_shardings=(self.lora_sharding, opt_sharding, self.frozen_sharding, batch_sh, None),
+        # metrics replicated: every process reads them (and the expert load)
+        out_shardings=(self.lora_sharding, opt_sharding, NamedSharding(self.mesh, P())),
+        donate_argnums=(0, 1))
 
   def compile(self, lora, opt_state, frozen, batch):
     start = time.perf_counter()
     step = jax.ShapeDtypeStruct((), np.int32)
     options = expert_parallel.xla_options(self.cfg.model.moe, self.mesh.devices.flat[0].platform)
-    self.compiled = self.jitted_step(opt_state, tuple(batch)).lower(lora, opt_state, frozen,
-                                                                    batch, step).compile(options)
+    self.compiled = self.jitted_step(opt_state, tuple(batch)).lower(lora, opt_state, frozen, batch,
+                                                                    step).compile(options)
     self.compile_seconds = time.perf_counter() - start
     return self.compiled
 

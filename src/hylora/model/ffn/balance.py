@@ -37,9 +37,11 @@ def busiest_over_mean(loads: jax.Array) -> jax.Array:
 
 def load_metrics(expert_load: jax.Array, slot_to_expert: jax.Array, ranks: int) -> dict:
   ranked = rank_loads(expert_load, slot_to_expert, ranks)
-  return {"rank_load": ranked,
-          "rank_max_over_mean": busiest_over_mean(ranked),
-          "expert_max_over_mean": busiest_over_mean(expert_load)}
+  return {
+      "rank_load": ranked,
+      "rank_max_over_mean": busiest_over_mean(ranked),
+      "expert_max_over_mean": busiest_over_mean(expert_load)
+  }
 
 
 def plan_placement(load_window, ranks: int, slots_per_rank: int) -> np.ndarray:

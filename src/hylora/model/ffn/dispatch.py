@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from hylora.model.ffn.experts import expert_ffn
 from hylora.model.ffn.permute_rows import gather_rows, permute_rows
 
+
 def sort_by_expert(experts: jax.Array, num_experts: int):
   """experts [N, k] -> (order [N*k] permutation sorting pairs by expert, group_sizes [E]).
 
@@ -35,8 +36,7 @@ def dropless(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weight
   inverse = jnp.argsort(order).astype(jnp.int32)  # sorted position of each pair
   # one gather in: token n is read by the sorted positions of its k pairs
   x_sorted = gather_rows(x, token_of_pair, inverse.reshape(n, k), jnp.ones((n, k), bool))
-  y_sorted = expert_ffn(expert_weights, x_sorted, group_sizes, dropout_key=dropout_key,
-                        **options)
+  y_sorted = expert_ffn(expert_weights, x_sorted, group_sizes, dropout_key=dropout_key, **options)
   y_pairs = permute_rows(y_sorted, inverse, order).reshape(n, k, -1)  # one gather out
   y = jnp.einsum("nkd,nk->nd", y_pairs.astype(jnp.float32), weights)
   return y.astype(x.dtype), {"dropped_tokens": jnp.zeros((), jnp.float32)}

@@ -108,6 +108,7 @@ def plan_sends(slots: jax.Array, ranks: int, per_rank: int, cap: int) -> SendPla
 # Every gather names its readers (gather_rows), so the backward gathers instead of
 # scattering: a token is read by its k pairs' rows, a returned row by one pair.
 
+
 class PairRows(NamedTuple):
   """The two directions between a chunk's pairs (original order, [P]) and the rows of
   the [R * C] send / return layout."""
@@ -167,6 +168,7 @@ def _ragged_back(y, plan, cap, ranks, recv_sizes):
 
 # ---------------------------------------------------------------- one chunk
 
+
 def _local_experts(recv, recv_kept, weights, options, dropout_key):
   """Rows [R*C, d] (block j from rank j, sorted by local slot) through the S local experts."""
   ranks, per_rank = recv_kept.shape
@@ -181,8 +183,8 @@ def _local_experts(recv, recv_kept, weights, options, dropout_key):
   return permute_rows(y, inverse, order)  # rows past the groups come out zero
 
 
-def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, per_rank,
-           cap, transport):
+def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, per_rank, cap,
+           transport):
   n, k = slots.shape
   plan = plan_sends(slots.reshape(-1), ranks, per_rank, cap)
   rows = pair_rows(slots.reshape(-1), plan, cap, per_rank)
@@ -207,6 +209,7 @@ def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, 
 
 
 # ---------------------------------------------------------------- the dispatcher
+
 
 def _weight_spec(name, array, mesh):
   shared = name == "lora_a" and array.ndim == 2
@@ -241,8 +244,7 @@ def check_transport(transport: str, mesh) -> None:
 
 
 def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
-                options: dict, *, num_experts: int, dropout_key=None,
-                moe: MoEConfig | None = None):
+                options: dict, *, num_experts: int, dropout_key=None, moe: MoEConfig | None = None):
   """x [N, d], weights/experts [N, k] (experts: slots) -> (y [N, d], stats).
 
   Without an activation mesh (or on one device) this is the dropless reference."""
@@ -283,8 +285,7 @@ def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
     return jnp.concatenate(ys, axis=0), total
 
   key_spec = None if dropout_key is None else P()
-  y, dropped = jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(tokens, tokens, tokens, specs, key_spec),
-      out_specs=(tokens, P()))(x, weights, experts, expert_weights, dropout_key)
+  y, dropped = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, specs, key_spec),
+                             out_specs=(tokens, P()))(x, weights, experts, expert_weights,
+                                                      dropout_key)
   return y, {"dropped_tokens": dropped}

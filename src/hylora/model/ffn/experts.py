@@ -20,6 +20,7 @@ from hylora.model.lora import LoRAParam, dropout, wants_lora
 
 
 class RoutedExperts(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     moe = m.moe
     e, d, f = moe.experts, m.d_model, moe.expert_ffn
@@ -29,8 +30,8 @@ class RoutedExperts(nnx.Module):
     per_slot = lambda rows: jnp.take(rows, table, axis=0)
 
     def weight(shape):
-      return per_slot(init.normal(shape, weight_std(m.init_std, shape[1]),
-                                  jnp.dtype(m.weight_dtype), clip=2.0))
+      return per_slot(
+          init.normal(shape, weight_std(m.init_std, shape[1]), jnp.dtype(m.weight_dtype), clip=2.0))
 
     self.gate_up = nnx.Param(weight((e, d, 2 * f)), **logical(ax.EXP, ax.EMBED, ax.EXP_MLP))
     self.down = nnx.Param(weight((e, f, d)), **logical(ax.EXP, ax.EXP_MLP, ax.EMBED))
@@ -59,8 +60,12 @@ class RoutedExperts(nnx.Module):
     """`expert_ffn`'s keyword arguments besides the weights."""
     if self.lora_a is None:
       return {"kernels": kernels}
-    return {"kernels": kernels, "lora_scale": self.lora_scale,
-            "lora_dropout": self.lora_dropout, "shared_a": self.shared_a}
+    return {
+        "kernels": kernels,
+        "lora_scale": self.lora_scale,
+        "lora_dropout": self.lora_dropout,
+        "shared_a": self.shared_a
+    }
 
 
 def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,

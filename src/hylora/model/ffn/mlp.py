@@ -14,8 +14,9 @@ from hylora.model.lora import Linear
 
 
 class SwiGLU(nnx.Module):
-  def __init__(self, d: int, ffn: int, *, lora: LoRAConfig | None, init_std: float,
-               init: ParamInit, dtype: str = "bfloat16"):
+
+  def __init__(self, d: int, ffn: int, *, lora: LoRAConfig | None, init_std: float, init: ParamInit,
+               dtype: str = "bfloat16"):
     self.gate_up = Linear((d,), (2 * ffn,), (ax.EMBED,), (ax.MLP,), name="gate_up", lora=lora,
                           init=init, init_std=init_std, dtype=dtype)
     self.down = Linear((ffn,), (d,), (ax.MLP,), (ax.EMBED,), name="down", lora=lora, init=init,

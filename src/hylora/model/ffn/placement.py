@@ -68,8 +68,8 @@ def relocate_module(tree: dict, new: jax.Array, num_experts: int, old: jax.Array
     name = path[-1] if path else None
     if name == "placement":
       return new.astype(node.dtype)
-    if ("experts" in path and name in SLOT_LEAVES and hasattr(node, "shape")
-        and node.ndim == 3 and node.shape[0] == old.shape[0]):
+    if ("experts" in path and name in SLOT_LEAVES and hasattr(node, "shape") and node.ndim == 3 and
+        node.shape[0] == old.shape[0]):
       return relocate(node, old, new, num_experts)
     return node
 

@@ -21,6 +21,7 @@ class RouterBias(nnx.Variable):
 
 
 class Router(nnx.Module):
+
   def __init__(self, d: int, cfg: MoEConfig, *, init_std: float, init: ParamInit,
                dtype: str = "bfloat16"):
     self.cfg = cfg
@@ -53,8 +54,11 @@ class Router(nnx.Module):
       # Switch-style balance loss: E * sum_e (fraction of routed pairs to e) * (mean prob of e).
       aux_loss = cfg.experts * jnp.sum((load / (n * cfg.top_k)) * jnp.mean(probs, axis=0))
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return weights, experts.astype(jnp.int32), {"moe_aux_loss": aux_loss, "moe_z_loss": z_loss,
-                                                "expert_load": load}
+    return weights, experts.astype(jnp.int32), {
+        "moe_aux_loss": aux_loss,
+        "moe_z_loss": z_loss,
+        "expert_load": load
+    }
 
 
 def _top_k_experts(selection: jax.Array, k: int, seq_len: int | None) -> jax.Array:

@@ -20,6 +20,7 @@ from meshes.rules import constrain
 
 
 class LinearAttention(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     la = m.linear_attention
     self.cfg = la
@@ -42,8 +43,8 @@ class LinearAttention(nnx.Module):
                               (ax.LOW_RANK,), None)
     self.out_gate_up = proj("out_gate_up", (la.output_gate_rank,), (h, hd), (ax.LOW_RANK,),
                             (ax.HEADS, ax.HEAD_DIM), None)
-    self.beta = (proj("beta", (d,), (h,), (ax.EMBED,), (ax.HEADS,), None)
-                 if la.delta_rule else None)
+    self.beta = (proj("beta", (d,), (h,), (ax.EMBED,),
+                      (ax.HEADS,), None) if la.delta_rule else None)
     self.head_norm = nnx.Param(jnp.ones((hd,), jnp.float32), **logical(ax.HEAD_DIM))
     self.norm_eps = m.norm_eps
 
@@ -66,6 +67,7 @@ class LinearAttention(nnx.Module):
       o, _ = gla(q, k, v, g, segment_ids=ctx.segment_ids)
     o = save_points.tag(o, save_points.ATTENTION)
     out_gate = save_points.tag(
-        jax.nn.sigmoid(self.out_gate_up(self.out_gate_down(x)).astype(jnp.float32)), save_points.GATES)
+        jax.nn.sigmoid(self.out_gate_up(self.out_gate_down(x)).astype(jnp.float32)),
+        save_points.GATES)
     o = (rms_norm(o, self.head_norm[...], self.norm_eps).astype(jnp.float32) * out_gate)
     return save_points.tag(self.o(o.astype(x.dtype), key), save_points.MIXER_OUT), {}

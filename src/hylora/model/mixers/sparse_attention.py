@@ -20,6 +20,7 @@ from meshes.rules import constrain
 
 
 class SparseAttention(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     sa = m.sparse_attention
     self.cfg = sa
@@ -35,8 +36,8 @@ class SparseAttention(nnx.Module):
     self.v = proj("v", (d,), (sa.kv_heads, hd), (ax.EMBED,), (ax.KV_HEADS, ax.HEAD_DIM))
     self.o = proj("o", (sa.q_heads, hd), (d,), (ax.HEADS, ax.HEAD_DIM), (ax.EMBED,))
     # The indexer is frozen (not a LoRA target).
-    self.index_q_down = proj("index_q_down", (d,), (sa.index_q_rank,), (ax.EMBED,),
-                             (ax.LOW_RANK,), None)
+    self.index_q_down = proj("index_q_down", (d,), (sa.index_q_rank,), (ax.EMBED,), (ax.LOW_RANK,),
+                             None)
     self.index_q_up = proj("index_q_up", (sa.index_q_rank,), (sa.index_heads, sa.index_head_dim),
                            (ax.LOW_RANK,), (ax.INDEX_HEADS, ax.HEAD_DIM), None)
     self.index_k = proj("index_k", (d,), (sa.index_head_dim,), (ax.EMBED,), (ax.HEAD_DIM,), None)
@@ -52,14 +53,14 @@ class SparseAttention(nnx.Module):
 
     q_idx = apply_rope(self.index_q_up(self.index_q_down(x)), pos, sa.rope_theta)
     k_idx = apply_rope(self.index_k(x)[:, :, None, :], pos, sa.rope_theta)[:, :, 0, :]
-    w = self.index_w(x).astype(jnp.float32) * (sa.index_heads ** -0.5)
+    w = self.index_w(x).astype(jnp.float32) * (sa.index_heads**-0.5)
     q_idx, k_idx, w = (save_points.tag(t, save_points.INDEXER) for t in (q_idx, k_idx, w))
     topk = ops.resolve("sparse_attention.topk_indices", ctx.execution.kernels)
     # The selection carries no gradient: stop it at the inputs, so autodiff never
     # linearises the indexer kernel.
     q_sel, k_sel, w_sel = (jax.lax.stop_gradient(t) for t in (q_idx, k_idx, w))
-    indices = save_points.tag(topk(q_sel, k_sel, w_sel, top_k=sa.top_k, segment_ids=ctx.segment_ids),
-                        save_points.TOPK)
+    indices = save_points.tag(
+        topk(q_sel, k_sel, w_sel, top_k=sa.top_k, segment_ids=ctx.segment_ids), save_points.TOPK)
 
     attend = ops.resolve("sparse_attention.attend", ctx.execution.kernels)
     o = save_points.tag(attend(q, k, v, indices), save_points.ATTENTION)

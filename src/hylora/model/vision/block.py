@@ -22,13 +22,14 @@ from meshes.rules import constrain
 _WIDTH, _HEADS, _HEAD_DIM, _MLP = ax.EMBED, ax.HEADS, ax.HEAD_DIM, ax.MLP
 
 
-def vision_linear(m: ModelConfig, lora: LoRAConfig | None, name: str, in_shape, out_shape,
-                  in_axes, out_axes, *, init: ParamInit) -> Linear:
-  return Linear(in_shape, out_shape, in_axes, out_axes, name=f"vision.{name}", lora=lora,
-                init=init, init_std=m.init_std)
+def vision_linear(m: ModelConfig, lora: LoRAConfig | None, name: str, in_shape, out_shape, in_axes,
+                  out_axes, *, init: ParamInit) -> Linear:
+  return Linear(in_shape, out_shape, in_axes, out_axes, name=f"vision.{name}", lora=lora, init=init,
+                init_std=m.init_std)
 
 
 class EncoderBlock(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     v = m.vision
     w, h, hd = v.width, v.heads, v.width // v.heads

@@ -30,6 +30,7 @@ def normalize_pixels(tiles: jax.Array) -> jax.Array:
 
 
 class VisionEncoder(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     v = m.vision
     self.cfg = v

@@ -10,6 +10,7 @@ from hylora.model.init import logical
 
 
 class LayerNorm(nnx.Module):
+
   def __init__(self, dim: int, *, eps: float = 1e-6):
     # Small vectors: replicated, like the RMSNorm scales of the language model.
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), **logical(None))

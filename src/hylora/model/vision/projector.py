@@ -22,6 +22,7 @@ def merge_patches(features: jax.Array, merge: int) -> jax.Array:
 
 
 class Projector(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     v, d = m.vision, m.d_model
     merged = v.merge * v.merge * v.width
@@ -29,7 +30,8 @@ class Projector(nnx.Module):
     self.norm = LayerNorm(merged)
     # Its hidden width is d: it shards like an MLP width.
     self.proj_in = vision_linear(m, lora, "proj_in", (merged,), (d,), (None,), (ax.MLP,), init=init)
-    self.proj_out = vision_linear(m, lora, "proj_out", (d,), (d,), (ax.MLP,), (ax.EMBED,), init=init)
+    self.proj_out = vision_linear(m, lora, "proj_out", (d,), (d,), (ax.MLP,), (ax.EMBED,),
+                                  init=init)
 
   def __call__(self, features: jax.Array, dropout_key=None) -> jax.Array:
     """[N, g, g, w] -> [N, tokens_per_tile, d]."""

@@ -14,6 +14,7 @@ from hylora.model.vision.projector import Projector
 
 
 class VisionTower(nnx.Module):
+
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
     self.cfg = m.vision
     self.encoder = VisionEncoder(m, lora, init=init)
@@ -39,8 +40,7 @@ class VisionTower(nnx.Module):
     if x.shape[0] != b:
       raise DataError(f"batch['images'] has {b} rows but the tokens have {x.shape[0]}")
 
-  def __call__(self, x: jax.Array, images: jax.Array, image_positions: jax.Array,
-               ctx) -> jax.Array:
+  def __call__(self, x: jax.Array, images: jax.Array, image_positions: jax.Array, ctx) -> jax.Array:
     """x [B, T, d] embeddings; images [B, R, S, S, 3] uint8; image_positions [B, R, n];
     ctx the ForwardContext (dropout key, remat policy)."""
     self.check_shapes(x, images, image_positions)
