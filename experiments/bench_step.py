@@ -58,12 +58,6 @@ def layer_counts(cfg) -> dict[str, int]:
   }
 
 
-def _median_ms(fn, args, repeats: int) -> float:
-  """experiments.timing.median_ms under the old signature (experiments/profile_part.py
-  imports it)."""
-  return median_ms(fn, *args, reps=repeats)
-
-
 def _module_ms(module, x, ctx, repeats: int) -> float:
   from flax import nnx
 

@@ -32,7 +32,8 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from experiments.bench_step import _median_ms, part_inputs, planned_policy, step_setup
+from experiments.bench_step import part_inputs, planned_policy, step_setup
+from experiments.timing import median_ms
 from hylora.profile import device_trace
 from hylora.profile import hlo_schedule
 from hylora.core.config import MeshConfig
@@ -109,7 +110,7 @@ def profile_part(cfg, part: str, runs: int = 3, repeats: int = 5) -> dict:
     raise ConfigError(f"part: unknown {part!r}; choose from "
                       f"{sorted(MIXERS) + sorted(FFNS) + ['step']}")
   jax.block_until_ready(run_once())
-  wall_ms = _median_ms(run_once, (), repeats)
+  wall_ms = median_ms(run_once, reps=repeats)
   device = device_trace.timeline(device_trace.record(run_once, runs), runs)
   costs = device.by_instruction_us if device else {}
   ops = source_ops(compiled.as_text())

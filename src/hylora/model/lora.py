@@ -27,10 +27,6 @@ class LoRAParam(nnx.Variable):
   """A trainable adapter factor (the only variables the optimizer sees)."""
 
 
-def wants_lora(lora: LoRAConfig | None, name: str) -> bool:
-  return lora_targets(lora, name)
-
-
 def dropout(x: jax.Array, rate: float, key: jax.Array | None, salt: str) -> jax.Array:
   """Inverted dropout on the adapter input; a no-op without a key (evaluation)."""
   if rate <= 0.0 or key is None:
@@ -71,7 +67,7 @@ class Linear(nnx.Module):
     self.lora_b = nnx.data(None)
     self.lora_scale = 0.0
     self.lora_dropout = 0.0
-    if wants_lora(lora, name):
+    if lora_targets(lora, name):
       fan_in = math.prod(in_shape)
       a = init.normal((*in_shape, lora.rank), 1.0 / math.sqrt(fan_in))
       self.lora_a = LoRAParam(a, **logical(*in_axes, ax.LORA_RANK))

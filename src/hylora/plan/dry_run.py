@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from hylora.plan import param_count
-from hylora.core.architecture import stacked_position
+from hylora.core.architecture import parameter_kind, stacked_position
 from hylora.core.config import Config
 from hylora.plan.compiled_program import (captured_stderr, involuntary_replications, largest_values)
 from hylora.plan.dry_run_report import format_report, format_sweep
@@ -102,7 +102,7 @@ def array_table(lora: dict, frozen: dict) -> list[dict]:
       rows.append({
           "tree": tree_name,
           "path": "/".join(keys),
-          "kind": param_count.kind_of(keys),
+          "kind": parameter_kind(keys),
           "shape": list(a.shape),
           "dtype": str(np.dtype(a.dtype)),
           "spec": _spec_text(a),

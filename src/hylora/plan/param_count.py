@@ -42,16 +42,11 @@ def path_keys(path) -> tuple[str, ...]:
   return tuple(keys)
 
 
-def kind_of(keys: tuple[str, ...]) -> str:
-  """The parameter kind of the array at `keys`, as the architecture's description says."""
-  return parameter_kind(keys)
-
-
 def active_share(cfg: Config, keys: tuple[str, ...]) -> float:
   """The fraction of this array that one token's forward pass uses."""
-  if keys == INPUT_EMBEDDING or kind_of(keys) == "vision":
+  if keys == INPUT_EMBEDDING or parameter_kind(keys) == "vision":
     return 0.0
-  if kind_of(keys) == "experts":
+  if parameter_kind(keys) == "experts":
     return cfg.model.moe.top_k / cfg.model.moe.experts
   return 1.0
 
@@ -75,11 +70,11 @@ def count_params(cfg: Config, lora_tree, frozen_tree) -> dict:
     if not is_parameter(leaf):
       continue
     n = math.prod(leaf.shape)
-    kind = by_kind[kind_of(keys)]
+    kind = by_kind[parameter_kind(keys)]
     kind["total"] += n
     kind["active"] += round(n * active_share(cfg, keys))
   for keys, leaf in leaves(lora_tree):
-    by_kind[kind_of(keys)]["lora"] += math.prod(leaf.shape)
+    by_kind[parameter_kind(keys)]["lora"] += math.prod(leaf.shape)
   by_kind = {k: v for k, v in by_kind.items() if any(v.values())}
   return {
       "total": sum(v["total"] for v in by_kind.values()),

@@ -16,7 +16,8 @@ from hylora import ops
 from hylora.core import save_points
 from hylora.core.config import KernelConfig, LoRAConfig, ModelConfig
 from hylora.model.ffn.placement import initial_placement
-from hylora.model.lora import LoRAParam, dropout, wants_lora
+from hylora.core.architecture import lora_targets
+from hylora.model.lora import LoRAParam, dropout
 
 
 class RoutedExperts(nnx.Module):
@@ -38,7 +39,7 @@ class RoutedExperts(nnx.Module):
     self.lora_a = nnx.data(None)
     self.lora_b = nnx.data(None)
     self.shared_a = False
-    if wants_lora(lora, "gate_up"):
+    if lora_targets(lora, "gate_up"):
       self.shared_a = lora.shared_expert_a
       a_shape = (d, lora.rank) if self.shared_a else (e, d, lora.rank)
       a_axes = (ax.EMBED, ax.LORA_RANK) if self.shared_a else (ax.EXP, ax.EMBED, ax.LORA_RANK)
