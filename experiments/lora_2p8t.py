@@ -20,8 +20,10 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m experiments.lora_2p8t",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
-  p.add_argument("--preset", default=None,
-                 help="tiny (default: 8 simulated CPU devices), gpu-1 (one GPU), 2p8t")
+  p.add_argument(
+      "--preset", default=None,
+      help="tiny (default: 8 simulated CPU devices), gpu-1 (one GPU), 2p8t, "
+      "kimi-linear, deepseek-v3.2, kimi-k3")
   p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
   p.add_argument(
       "--data", default=None, metavar="PATH",
@@ -38,7 +40,13 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
   ck.add_argument(
       "--base-weights", default=None, metavar="DIR",
       help="base weights: a Hugging Face-layout folder of safetensors shards + "
-      "config.json (checkpoint.base_weights); default: random weights")
+      "config.json (checkpoint.base_weights): a released checkpoint (Kimi Linear, "
+      "DeepSeek-V3.2, Kimi K3) or one written here; its config.json sets the model "
+      "architecture; default: random weights")
+  ck.add_argument(
+      "--ignore-tensors", default=None, metavar="REGEX",
+      help="checkpoint tensors that are not part of the model (checkpoint.ignore_tensors); "
+      "a family's own extras (MTP layers, another vision tower) are skipped already")
   ck.add_argument(
       "--checkpoint-every", type=int, default=None, metavar="N",
       help="save a checkpoint every N steps under --out (checkpoint.every; one is "
@@ -107,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
       overrides.setdefault("train.data", args.data)
     if args.base_weights is not None:
       overrides.setdefault("checkpoint.base_weights", args.base_weights)
+    if args.ignore_tensors is not None:
+      overrides.setdefault("checkpoint.ignore_tensors", args.ignore_tensors)
+    if overrides.get("checkpoint.base_weights"):
+      # The checkpoint's config.json sets the architecture; explicit overrides still win.
+      from hylora.core.families import adopt_checkpoint
+      cfg = adopt_checkpoint(cfg, overrides["checkpoint.base_weights"])
     if args.checkpoint_every is not None:
       overrides.setdefault("checkpoint.every", str(args.checkpoint_every))
     if args.resume and args.out is None:

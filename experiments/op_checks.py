@@ -130,6 +130,22 @@ def _attend_inputs(key, size: str):
 ATTEND = OpCheck(_attend_inputs, grad_argnums=(0, 1, 2), fwd_rtol=1e-2, bwd_rtol=2e-2,
                  description="GQA softmax attention over selected keys (bf16)")
 
+
+def _causal_inputs(key, size: str):
+  # MLA's shapes: query/key head dim nope + rope, a narrower value head dim
+  b, t, h, dk, dv = _pick(size, (1, 64, 2, 24, 16), (1, 8192, 64, 192, 128))
+  ks = jax.random.split(key, 4)
+  q, k = _normal(ks[0], (b, t, h, dk)), _normal(ks[1], (b, t, h, dk))
+  v = _normal(ks[2], (b, t, h, dv))
+  kwargs = {"segment_ids": _segments(ks[3], b, t, every=40), "block_q": _pick(size, 16, 64)}
+  return (q, k, v), kwargs
+
+
+CAUSAL = OpCheck(
+    _causal_inputs, grad_argnums=(0, 1, 2), fwd_rtol=1e-2, bwd_rtol=2e-2,
+    description="causal softmax attention, packed segments, value head dim "
+    "below the key's (bf16)")
+
 # ---- grouped matmuls (MoE experts) --------------------------------------------------
 
 
@@ -203,6 +219,7 @@ CHECKS = {
     "linear_attention.kda": KDA,
     "sparse_attention.topk_indices": TOPK,
     "sparse_attention.attend": ATTEND,
+    "attention.causal": CAUSAL,
     "grouped_matmul": GROUPED_MATMUL,
     "grouped_lora": GROUPED_LORA,
     "cross_entropy": CROSS_ENTROPY,

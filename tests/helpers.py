@@ -47,3 +47,35 @@ def small_model() -> HybridLM:
   as a fresh module over shared arrays."""
   graphdef, state = _small_model_parts()
   return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "hf"
+
+
+def fixture_config(family: str) -> dict:
+  """The config.json of a released family's tiny fixture (tests/fixtures/hf)."""
+  import json
+  return json.loads((FIXTURES / family / "config.json").read_text())
+
+
+def tiny_k3_config() -> dict:
+  """The Kimi Linear fixture's config with Kimi K3's fields: full-rank KDA output gate,
+  decay lower bound, low-rank q and output gate in MLA, latent MoE, SiTU-GLU, block
+  attention residuals (two layers per block over five layers)."""
+  text = fixture_config("kimi_linear")
+  text["linear_attn_config"] = dict(text["linear_attn_config"], gate_lower_bound=-5.0,
+                                    use_full_rank_gate=True)
+  text.pop("layer_types", None)
+  text.update(q_lora_rank=24, mla_use_output_gate=True, routed_expert_hidden_size=48,
+              hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
+              attn_res_block_size=2, num_shared_experts=2)
+  return {"model_type": "kimi_k3", "text_config": text}
+
+
+def released_config(hf: dict) -> Config:
+  """small_config() run settings with the architecture of a config.json."""
+  from hylora.core import families
+  from hylora.core.presets import RELEASED_LORA
+  cfg = small_config()
+  cfg = dataclasses.replace(cfg, lora=dataclasses.replace(RELEASED_LORA, rank=4, alpha=8.0))
+  return dataclasses.replace(cfg, model=families.architecture(hf, cfg.model))

@@ -17,7 +17,7 @@ from hylora.model.ffn import FFNS
 from hylora.model.init import ParamInit
 from hylora.model.mixers import MIXERS
 from hylora.plan.param_count import path_keys
-from tests.helpers import small_config
+from tests.helpers import fixture_config, released_config, small_config, tiny_k3_config
 
 
 def _everything_config():
@@ -38,19 +38,29 @@ def _leaf_keys(cfg):
   return leaves
 
 
+def _configs_with_every_block():
+  """The house blocks, and the released families' (with K3's variants)."""
+  return [
+      _everything_config(),
+      released_config(fixture_config("kimi_linear")),
+      released_config(fixture_config("deepseek_v32")),
+      released_config(tiny_k3_config()),
+  ]
+
+
 def test_the_model_and_its_description_hold_the_same_tensors():
-  cfg = _everything_config()
   described_paths = {t.path for t in arch.ALL_LAYER_TENSORS}
   seen = set()
-  for keys in _leaf_keys(cfg):
-    stacked = arch.stacked_position(keys)
-    if stacked is None:
-      assert arch.tensor_at("/".join(keys), arch.MODEL_TENSORS) is not None, keys
-      continue
-    tensor = arch.tensor_at(stacked[2], arch.ALL_LAYER_TENSORS)
-    assert tensor is not None, f"{'/'.join(keys)} is not described"
-    seen.add(tensor.path)
-  assert seen == described_paths  # nothing described that the model lacks
+  for cfg in _configs_with_every_block():
+    for keys in _leaf_keys(cfg):
+      stacked = arch.stacked_position(keys)
+      if stacked is None:
+        assert arch.tensor_at("/".join(keys), arch.MODEL_TENSORS) is not None, keys
+        continue
+      tensor = arch.tensor_at(stacked[2], arch.ALL_LAYER_TENSORS)
+      assert tensor is not None, f"{'/'.join(keys)} is not described"
+      seen.add(tensor.path)
+  assert seen == described_paths  # nothing described that no model builds
 
 
 def test_blocks_and_modules_name_the_same_kinds():

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from hylora.core.errors import ConfigError
 
-RESIDUALS = ("add", "depth_mix")  # hylora.model.residual
+RESIDUALS = ("add", "depth_mix", "block_attention")  # hylora.model.residual
+ACTIVATIONS = ("silu", "situ")  # hylora.model.ffn.activations
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,48 @@ class LinearAttentionConfig:
   delta_rule: bool = True  # KDA (delta rule) when true, GLA otherwise
   chunk_size: int = 64
   gate_floor: float = -20.0  # lower bound of the log decay per token
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+  """Kimi Delta Attention as the Kimi Linear and Kimi K3 checkpoints define it
+  (hylora.model.mixers.kda): q/k/v through short causal convolutions, a per-channel decay
+  -exp(A_log) * softplus(f + dt_bias), beta = sigmoid(b_proj x), a gated output RMSNorm."""
+
+  heads: int = 4
+  head_dim: int = 16
+  conv_size: int = 4  # short causal depthwise convolution (SiLU) on q, k and v
+  gate_rank: int = 16  # forget gate: f_a (d -> rank) then f_b (rank -> heads x head_dim)
+  output_gate_rank: int = 16  # output gate g_a / g_b; 0: one full-rank g_proj (K3)
+  gate_lower_bound: float = 0.0  # < 0: K3's bounded decay (hylora.model.mixers.kda); 0: none
+  chunk_size: int = 64
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head latent attention (hylora.model.mixers.mla), with DeepSeek-V3.2's sparse
+  attention indexer when `index_topk` > 0."""
+
+  heads: int = 4
+  q_rank: int = 0  # q_lora_rank: q_a_proj -> q_a_layernorm -> q_b_proj; 0: one q_proj
+  kv_rank: int = 16  # kv_lora_rank
+  nope_dim: int = 16  # qk_nope_head_dim
+  rope_dim: int = 8  # qk_rope_head_dim: the part of each key shared by all heads
+  v_dim: int = 16  # v_head_dim
+  rope: bool = False  # RoPE (interleaved pairs) on the rope_dim part; False: NoPE (Kimi)
+  rope_theta: float = 10000.0
+  # YaRN context extension (DeepSeek): factor > 1 turns it on.
+  yarn_factor: float = 1.0
+  yarn_original_max_positions: int = 4096
+  yarn_beta_fast: float = 32.0
+  yarn_beta_slow: float = 1.0
+  yarn_mscale: float = 1.0
+  yarn_mscale_all_dim: float = 0.0
+  output_gate: bool = False  # K3: the attention output times sigmoid(g_proj x)
+  index_topk: int = 0  # > 0: the indexer picks this many keys per query (DeepSeek-V3.2)
+  index_heads: int = 4
+  index_head_dim: int = 16
+  block_q: int = 64  # query block of the plain-JAX attention: no [T, T] array exists
 
 
 @dataclass(frozen=True)
@@ -61,6 +104,14 @@ class MoEConfig:
   rebalance_every: int = 0  # steps between re-placements of experts from the measured load; 0: off
   bias_update_every: int = 0  # steps between aux-loss-free router-bias updates; 0: off
   bias_update_rate: float = 1e-3  # bias step per update: b_e += rate * sign(mean - load_e)
+  # Group-limited routing (DeepSeek-V3 n_group / topk_group): experts form `groups` equal
+  # groups; a token picks its top_k among the `groups_kept` groups whose two best scores
+  # sum highest.
+  groups: int = 1
+  groups_kept: int = 1
+  # Latent MoE (K3, model.ffn = "latent_moe"): routed experts run on a `latent_dim`-wide
+  # projection of the token (routed_expert_down_proj / _norm / _up_proj).
+  latent_dim: int = 0
 
   @property
   def slots(self) -> int:
@@ -107,18 +158,31 @@ class ModelConfig:
   # the outputs of the `residual_window` layers before it).
   residual: str = "add"
   residual_window: int = 2
+  residual_block: int = 12  # "block_attention": layers per block (attn_res_block_size)
+  # Per-layer mixer kinds; empty: `pattern` repeated. Released configs list them (1-based
+  # layer lists in config.json, hylora.core.families).
+  layer_types: tuple[str, ...] = ()
+  ffn: str = "moe"  # the FFN kind of the layers after `dense_layers`: "moe" or "latent_moe"
+  activation: str = "silu"  # of every gated MLP (dense, shared, routed): ACTIVATIONS
+  situ_beta: float = 4.0  # "situ" (K3's SiTU-GLU): hylora.model.ffn.activations
+  situ_linear_beta: float = 25.0
+  # Whose checkpoint layout the base weights use (hylora.io.name_maps/<family>.toml).
+  family: str = "hylora"
   norm_eps: float = 1e-6
   weight_dtype: str = "bfloat16"  # frozen base weights (float32 for exact debugging)
   init_std: float = 0.0  # random base weights: normal(std); 0 = fan-in scaling (1/sqrt(fan_in))
   linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)
   sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
+  kda: KDAConfig = field(default_factory=KDAConfig)
+  mla: MLAConfig = field(default_factory=MLAConfig)
   moe: MoEConfig = field(default_factory=MoEConfig)
   vision: VisionConfig = field(default_factory=VisionConfig)
 
   def layer_kinds(self) -> list[tuple[str, str]]:
     """(mixer, ffn) for every layer, e.g. ("linear", "dense"), ("sparse", "moe")."""
-    return [(self.pattern[i % len(self.pattern)], "dense" if i < self.dense_layers else "moe")
-            for i in range(self.layers)]
+    mixers = self.layer_types or tuple(
+        self.pattern[i % len(self.pattern)] for i in range(self.layers))
+    return [(mixers[i], "dense" if i < self.dense_layers else self.ffn) for i in range(self.layers)]
 
 
 @dataclass(frozen=True)
@@ -153,6 +217,7 @@ class KernelConfig:
   grouped_matmul: str = "auto"
   cross_entropy: str = "auto"
   residual_mix: str = "auto"
+  causal_attention: str = "auto"  # full attention (MLA layers without an indexer)
 
 
 @dataclass(frozen=True)
@@ -195,6 +260,7 @@ class CheckpointConfig:
   """Base weights in, training state out (docs/checkpoints.md)."""
 
   base_weights: str = ""  # HF-layout folder (safetensors + config.json); "": random weights
+  ignore_tensors: str = ""  # regex: checkpoint tensors that are not part of the model
   every: int = 0  # save every N steps (0: only after the last step)
   keep: int = 3  # the last K checkpoints stay on disk
   async_save: bool = True  # write while training continues
@@ -215,9 +281,28 @@ class Config:
     m, t = self.model, self.train
     _check(m.layers >= 1, "model.layers", f"must be >= 1, got {m.layers}")
     from hylora.core.architecture import MIXER_BLOCKS  # the layer kinds described
+    from hylora.core.architecture import FFN_BLOCKS
     _check(all(p in MIXER_BLOCKS for p in m.pattern), "model.pattern",
            f"entries must be in {tuple(MIXER_BLOCKS)}, got {m.pattern}")
     _check(len(m.pattern) >= 1, "model.pattern", "must not be empty")
+    if m.layer_types:
+      _check(
+          len(m.layer_types) == m.layers, "model.layer_types",
+          f"lists {len(m.layer_types)} layers, model.layers={m.layers}")
+      _check(all(p in MIXER_BLOCKS for p in m.layer_types), "model.layer_types",
+             f"entries must be in {tuple(MIXER_BLOCKS)}, got {sorted(set(m.layer_types))}")
+    _check(m.ffn in FFN_BLOCKS and m.ffn != "dense", "model.ffn",
+           f"must be one of {tuple(k for k in FFN_BLOCKS if k != 'dense')}, got {m.ffn!r}")
+    _check(m.activation in ACTIVATIONS, "model.activation",
+           f"must be one of {ACTIVATIONS}, got {m.activation!r}")
+    _check(m.residual_block >= 1, "model.residual_block", f"must be >= 1, got {m.residual_block}")
+    mixers = set(m.layer_types or m.pattern)
+    if "mla" in mixers and m.mla.index_topk > 0:
+      _check(m.mla.q_rank > 0, "model.mla.q_rank",
+             "the sparse-attention indexer reads the low-rank query: set q_rank > 0")
+    if "kda" in mixers:
+      _check(m.kda.gate_lower_bound <= 0, "model.kda.gate_lower_bound",
+             f"a log decay bound must be <= 0, got {m.kda.gate_lower_bound}")
     _check(m.residual in RESIDUALS, "model.residual",
            f"must be one of {RESIDUALS}, got {m.residual!r}")
     _check(m.residual_window >= 1, "model.residual_window",
@@ -235,6 +320,15 @@ class Config:
            f"must be in [1, experts={moe.experts}], got {moe.top_k}")
     _check(moe.score_fn in ("softmax", "sigmoid"), "model.moe.score_fn",
            f"must be 'softmax' or 'sigmoid', got {moe.score_fn!r}")
+    _check(moe.groups >= 1 and moe.experts % moe.groups == 0, "model.moe.groups",
+           f"{moe.groups} does not divide model.moe.experts={moe.experts} into equal groups")
+    _check(1 <= moe.groups_kept <= moe.groups, "model.moe.groups_kept",
+           f"must be in [1, groups={moe.groups}], got {moe.groups_kept}")
+    _check(moe.top_k <= moe.groups_kept * (moe.experts // max(moe.groups, 1)), "model.moe.top_k",
+           f"{moe.top_k} exceeds the experts of the {moe.groups_kept} kept groups")
+    _check((moe.latent_dim > 0) == (m.ffn == "latent_moe"), "model.moe.latent_dim",
+           f"latent_moe layers need latent_dim > 0 and only they use it (model.ffn={m.ffn!r}, "
+           f"latent_dim={moe.latent_dim})")
     _check(moe.transport in ("padded", "ragged"), "model.moe.transport",
            f"must be 'padded' or 'ragged', got {moe.transport!r}")
     _check(moe.overlap_chunks >= 1, "model.moe.overlap_chunks",
@@ -280,7 +374,7 @@ class Config:
     la = m.linear_attention
     _check(la.chunk_size == 64, "model.linear_attention.chunk_size",
            f"the kernels run chunks of 64 tokens, got {la.chunk_size}")
-    if "linear" in m.pattern:
+    if {"linear", "kda"} & set(m.layer_types or m.pattern):
       _check(
           t.seq_len % la.chunk_size == 0, "train.seq_len",
           f"{t.seq_len} is not a multiple of model.linear_attention.chunk_size="

@@ -1,5 +1,7 @@
 """Named configurations: `tiny` (CPU, 8 simulated devices), `gpu-1` (one 141 GB GPU),
-`2p8t` (the released 2.8T model, exactly as docs/target_model.md fixes it)."""
+`2p8t` (the 2.8T target model, exactly as docs/target_model.md fixes it), and the
+released models at full size, read from their published config.json
+(`hylora.core.families`): `kimi-linear`, `deepseek-v3.2`, `kimi-k3`."""
 
 from __future__ import annotations
 
@@ -62,7 +64,45 @@ def target_2p8t() -> Config:
   )
 
 
-PRESETS = {"tiny": tiny, "gpu-1": gpu_1, "2p8t": target_2p8t}
+# LoRA on every attention linear and every gated MLP's gate and up projections, named as
+# the released checkpoints name their modules (hylora.core.architecture.lora_targets).
+RELEASED_LORA = LoRAConfig(
+    rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                                  "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj"))
+
+
+def _released(name: str, mesh: MeshConfig, batch_size: int, seq_len: int) -> Config:
+  from hylora.core.families import architecture, published
+  model = architecture(published(name), ModelConfig(moe=MoEConfig(score_fn="sigmoid")))
+  train = TrainConfig(steps=1000, batch_size=batch_size, seq_len=seq_len, learning_rate=2e-4,
+                      warmup_steps=50)
+  return Config(preset=name, model=model, lora=RELEASED_LORA, mesh=mesh, train=train)
+
+
+def kimi_linear() -> Config:
+  """Kimi-Linear-48B-A3B: 16 GPUs (fsdp 2 x expert 8), 16384 tokens per GPU."""
+  return _released("kimi-linear", MeshConfig(fsdp=2, expert=8), 8, 32768)
+
+
+def deepseek_v32() -> Config:
+  """DeepSeek-V3.2 (671B): 128 GPUs (fsdp 2 x expert 64), 16384 tokens per GPU."""
+  return _released("deepseek-v3.2", MeshConfig(fsdp=2, expert=64), 64, 32768)
+
+
+def kimi_k3() -> Config:
+  """Kimi K3 (2.8T): 128 GPUs (fsdp 2 x expert 64), 64 rows of 16384 tokens (8192 per GPU,
+  1M per step): its 93 layers leave less room than the 2p8t plan (docs/dry_run.md)."""
+  return _released("kimi-k3", MeshConfig(fsdp=2, expert=64), 64, 16384)
+
+
+PRESETS = {
+    "tiny": tiny,
+    "gpu-1": gpu_1,
+    "2p8t": target_2p8t,
+    "kimi-linear": kimi_linear,
+    "deepseek-v3.2": deepseek_v32,
+    "kimi-k3": kimi_k3,
+}
 
 
 def get_preset(name: str) -> Config:

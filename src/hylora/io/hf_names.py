@@ -1,13 +1,14 @@
 """The mapping between the model's parameters and the tensor names of a Hugging Face-layout
-checkpoint (safetensors), expanded over a config. The names and layouts themselves are
-part of the architecture's description (`hylora.core.architecture`).
+checkpoint (safetensors), expanded over a config. The names are the checkpoint family's
+table (`hylora.io.name_maps`, chosen by `model.family`); the layouts are part of the
+architecture's description (`hylora.core.architecture`).
 
 Model parameters are leaves of the pure-dict pytrees of `hylora.train.state` (paths
 joined with "/"). Decoder-layer leaves live under
 `stack/segments/<s>/periods/layers/<i>/...` with a leading `layers` axis (the scanned
 repeats of a segment, hylora.model.stack); routed-expert leaves then carry the expert
 axis. In the checkpoint every layer and every expert is a tensor of its own:
-`model.layers.<global layer>.<name>`, with `<e>` the expert index. The model stores
+`<layer prefix with the global layer>.<name>`, with `<e>` the expert index. The model stores
 experts by slot (hylora.model.ffn.placement): on loading, slot s takes expert s mod E
 (the initial placement); on writing, each expert comes from its first slot.
 
@@ -26,12 +27,12 @@ from hylora.core.architecture import (ALL_LAYER_TENSORS, MODEL_TENSORS, Tensor, 
                                       stacked_position)
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
+from hylora.io.name_maps import NameMap, name_map
 
-LAYER_PREFIX = "model.layers.{layer}."
-
-# The vision tower keeps its own layout: `vision/<path>` is `vision_tower.<path>` with "/"
-# read as "."; its stacked encoder blocks are split into `blocks.<i>`.
-VISION_PREFIX = ("vision/", "vision_tower.")
+# The vision tower keeps its own layout (house family): `vision/<path>` is
+# `<vision_prefix><path>` with "/" read as "."; its stacked encoder blocks are split into
+# `blocks.<i>`.
+VISION_ROOT = "vision/"
 VISION_STACK = "vision/encoder/blocks/"
 
 
@@ -47,6 +48,7 @@ class Leaf:
   name_template: tuple[str, ...]  # full names with "{layer}" / "{e}" placeholders
   experts: int = 0  # size of the expert (slot) axis (per-expert rules)
   routed: int = 0  # routed experts of the model: slot s starts as expert s mod routed
+  disk: str = ""  # the disk layout (the architecture's, or the name map's override)
 
   @property
   def key(self) -> str:
@@ -82,56 +84,70 @@ class Leaf:
     """The shape each checkpoint tensor of one slice must have."""
     item, rule = self.item_shape, self.tensor
     if not rule.linear:
-      return item
+      return dataclasses.replace(rule, disk=self.disk).disk_shape(item)
     n_in = math.prod(item[:rule.in_dims])
     n_out = math.prod(item[rule.in_dims:])
-    return (n_out // len(rule.names), n_in)
+    return (n_out // len(self.name_template), n_in)
 
 
-def _by_path(tensors) -> dict[str, Tensor]:
-  return {t.path: t for t in tensors}
-
-
-_LAYER = _by_path(ALL_LAYER_TENSORS)
-_MODEL = _by_path(MODEL_TENSORS)
+_LAYER = {t.path: t for t in ALL_LAYER_TENSORS}
+_MODEL = {t.path: t for t in MODEL_TENSORS}
 
 
 def plan(cfg: Config, tree: dict) -> list[Leaf]:
   """A `Leaf` for every leaf of a pure-dict tree of arrays / ShapeDtypeStructs."""
+  names = name_map(cfg.model.family)
   leaves = []
   for key_path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
     path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in key_path)
-    leaves.append(_leaf(cfg, path, tuple(value.shape), value.dtype))
+    leaves.append(_leaf(cfg, names, path, tuple(value.shape), value.dtype))
   return leaves
 
 
-def _leaf(cfg: Config, path: tuple, shape, dtype) -> Leaf:
+def _missing(names: NameMap, joined: str, where: str) -> ConfigError:
+  return ConfigError(f"model parameter {joined}: the {names.family} checkpoint layout has no "
+                     f"name for {where!r} ({names.source}); this model does not fit that "
+                     "family's checkpoints")
+
+
+def _leaf(cfg: Config, names: NameMap, path: tuple, shape, dtype) -> Leaf:
   joined = "/".join(map(str, path))
   stacked = stacked_position(path)
   if stacked is not None:
     segment, position, rel = stacked
     rule = _LAYER.get(rel)
     if rule is None:
-      raise ConfigError(f"model parameter {joined}: no checkpoint name in the architecture's "
-                        "description (hylora.core.architecture); add the tensor to its block")
+      raise ConfigError(f"model parameter {joined}: not in the architecture's description "
+                        "(hylora.core.architecture); add the tensor to its block")
+    if rule.fill:
+      entry_names, disk = (), ""
+    elif rel in names.layer:
+      entry = names.layer[rel]
+      entry_names, disk = entry.names, entry.disk if entry.disk is not None else rule.disk
+    else:
+      raise _missing(names, joined, rel)
     layers = stacked_layers(cfg.model, segment, position)
     if len(layers) != shape[0]:
       raise ConfigError(f"model parameter {joined}: {shape[0]} stacked layers, the layer "
                         f"plan has {len(layers)}")
     experts = shape[1] if rule.per_expert else 0
-    names = tuple(LAYER_PREFIX + n for n in rule.names)
-    return Leaf(path, rule, shape, dtype, layers, names, experts, cfg.model.moe.experts)
+    template = tuple(names.layer_prefix + n for n in entry_names)
+    return Leaf(path, rule, shape, dtype, layers, template, experts, cfg.model.moe.experts, disk)
   if joined in _MODEL:
-    return Leaf(path, _MODEL[joined], shape, dtype, None, _MODEL[joined].names)
-  if joined.startswith(VISION_PREFIX[0]):
-    rest = joined[len(VISION_PREFIX[0]):].replace("/", ".")
+    if joined not in names.model:
+      raise _missing(names, joined, joined)
+    entry, rule = names.model[joined], _MODEL[joined]
+    disk = entry.disk if entry.disk is not None else rule.disk
+    return Leaf(path, rule, shape, dtype, None, entry.names, disk=disk)
+  if joined.startswith(VISION_ROOT) and names.vision_prefix:
+    prefix = names.vision_prefix
+    rest = joined[len(VISION_ROOT):].replace("/", ".")
     adapter = joined.rsplit("/", 1)[0] if joined.endswith("/kernel") else None
-    rule = Tensor(joined, "vision", (VISION_PREFIX[1] + rest,), adapter=adapter)
+    rule = Tensor(joined, "vision", adapter=adapter)
     if joined.startswith(VISION_STACK):
       tail = joined[len(VISION_STACK):].replace("/", ".")
-      stem = VISION_STACK[len(VISION_PREFIX[0]):].replace("/", ".")
-      name = f"{VISION_PREFIX[1]}{stem}{{layer}}.{tail}"
+      stem = VISION_STACK[len(VISION_ROOT):].replace("/", ".")
+      name = f"{prefix}{stem}{{layer}}.{tail}"
       return Leaf(path, rule, shape, dtype, tuple(range(shape[0])), (name,))
-    return Leaf(path, rule, shape, dtype, None, rule.names)
-  raise ConfigError(f"model parameter {joined}: no checkpoint name in the architecture's "
-                    "description (hylora.core.architecture.MODEL_TENSORS); add one")
+    return Leaf(path, rule, shape, dtype, None, (prefix + rest,))
+  raise _missing(names, joined, joined)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from hylora.core import families
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError, WeightsError
 from hylora.io.hf_names import Leaf, plan
@@ -86,10 +88,13 @@ def _expected(leaves: Iterable[Leaf]) -> dict[str, Leaf]:
   return {name: leaf for leaf in leaves for _, names in leaf.items() for name in names}
 
 
-def check(files: CheckpointFiles, leaves: list[Leaf], extra: list[Leaf] = ()) -> None:
+def check(files: CheckpointFiles, leaves: list[Leaf], extra: list[Leaf] = (),
+          ignore: Iterable[str] = ()) -> None:
   """Every tensor present, known, of the right shape and a float dtype; `extra` leaves
-  (trainable non-adapter parameters) may be present or not."""
+  (trainable non-adapter parameters) may be present or not; names matching an `ignore`
+  regex are not part of the model and are skipped."""
   need, may = _expected(leaves), _expected(extra)
+  skip = [re.compile(p) for p in ignore]
   missing = [n for n, leaf in need.items() if n not in files.info and not leaf.tensor.optional]
   if missing:
     more = f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
@@ -98,15 +103,19 @@ def check(files: CheckpointFiles, leaves: list[Leaf], extra: list[Leaf] = ()) ->
   for name, (file, shape, dtype) in files.info.items():
     leaf = need.get(name) or may.get(name)
     if leaf is None:
+      if any(p.search(name) for p in skip):
+        continue
       raise WeightsError(f"unexpected tensor {name!r} in {file}: no model parameter maps to it "
-                         "(see the table in hylora.io.hf_names; check the model config)")
+                         f"(the name map of this model's family; check the model config, or "
+                         "skip it with --ignore-tensors REGEX)")
     want = leaf.tensor_shape()
     if shape != want:
       raise WeightsError(f"tensor {name!r} in {file}: shape {list(shape)}, but the model expects "
                          f"{list(want)} (parameter {leaf.key}, shape {list(leaf.shape)})")
     if dtype not in ACCEPTED_DTYPES:
       raise WeightsError(f"tensor {name!r} in {file}: dtype {dtype}, expected one of "
-                         f"{'/'.join(ACCEPTED_DTYPES)}")
+                         f"{'/'.join(ACCEPTED_DTYPES)} (quantized checkpoints must be "
+                         "dequantized to BF16 first)")
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -125,6 +134,9 @@ def _read_item(leaf: Leaf, files: CheckpointFiles, names, bounds) -> np.ndarray:
   if rule.optional and names[0] not in files.info:
     return np.zeros([b - a for a, b in bounds], np.float32)
   if not rule.linear:
+    if leaf.tensor_shape() != item:  # stored as a reshape: small tensors, read whole
+      whole = files.read(names[0], tuple(slice(None) for _ in leaf.tensor_shape()))
+      return whole.reshape(item)[cut]
     return files.read(names[0], cut)
   n = rule.in_dims
   in_shape, out_shape = item[:n], item[n:]
@@ -189,11 +201,11 @@ def load(directory: str | Path, cfg: Config, frozen_abstract: dict, lora=None):
   """(frozen, lora): the frozen parameters read from `directory` (ShapeDtypeStructs with
   shardings in `frozen_abstract`), and `lora` with any trainable non-adapter parameter
   the checkpoint holds (e.g. from a merged export) replaced by the stored value."""
-  check_config(Path(directory), cfg)
+  hf = check_config(Path(directory), cfg)
   files = CheckpointFiles(directory)
   leaves = plan(cfg, frozen_abstract)
   extras = plan(cfg, non_adapters(lora)) if lora is not None else []
-  check(files, leaves, extras)
+  check(files, leaves, extras, ignored(cfg, hf))
   shardings = flat_paths(frozen_abstract)
   frozen = _unflatten_like(
       frozen_abstract,
@@ -212,28 +224,15 @@ def load(directory: str | Path, cfg: Config, frozen_abstract: dict, lora=None):
   return frozen, lora
 
 
-# config.json keys checked against the model config (when present in the file).
-CONFIG_KEYS = {
-    "vocab_size": "model.vocab_size",
-    "hidden_size": "model.d_model",
-    "num_hidden_layers": "model.layers",
-    "intermediate_size": "model.dense_ffn",
-    "first_k_dense_replace": "model.dense_layers",
-    "n_routed_experts": "model.moe.experts",
-    "num_experts_per_tok": "model.moe.top_k",
-    "moe_intermediate_size": "model.moe.expert_ffn",
-    "n_shared_experts": "model.moe.shared_experts",
-}
+def ignored(cfg: Config, hf: dict) -> tuple[str, ...]:
+  """The regexes of checkpoint tensors that are not the model's: the family's own (e.g.
+  multi-token-prediction layers) and `checkpoint.ignore_tensors`."""
+  user = (cfg.checkpoint.ignore_tensors,) if cfg.checkpoint.ignore_tensors else ()
+  return families.ignored_tensors(hf) + user
 
 
-def _field(cfg: Config, dotted: str):
-  value = cfg
-  for part in dotted.split("."):
-    value = getattr(value, part)
-  return value
-
-
-def check_config(directory: Path, cfg: Config) -> None:
+def check_config(directory: Path, cfg: Config) -> dict:
+  """The checkpoint's config.json, checked against the model's architecture."""
   path = directory / "config.json"
   if not path.exists():
     raise WeightsError(f"base weights: {path} is missing (the model's config.json)")
@@ -241,26 +240,38 @@ def check_config(directory: Path, cfg: Config) -> None:
     hf = json.loads(path.read_text())
   except ValueError as e:
     raise WeightsError(f"{path}: not valid JSON ({e})") from None
-  for key, field in CONFIG_KEYS.items():
-    if key in hf and hf[key] != _field(cfg, field):
-      raise ConfigError(f"{field}: the base weights' config.json has {key}={hf[key]}, but the "
-                        f"model config has {_field(cfg, field)} (set --{field}={hf[key]} or pick "
-                        "the matching preset)")
+  differs = families.mismatch(hf, cfg.model)
+  if differs is not None:
+    raise ConfigError(f"{differs.split('=')[0]}: the base weights' config.json ({path}) says "
+                      f"{differs.split('=', 1)[1]}, the model config differs (drop the model "
+                      "overrides, or pick the preset of this checkpoint)")
+  return hf
 
 
 def hf_config(cfg: Config) -> dict:
-  """The config.json written next to exported weights."""
+  """The config.json written next to exported weights: the base checkpoint's own for a
+  released family, else the house config that rebuilds the model."""
   from hylora.core.overrides import to_dict
 
-  out = {key: _field(cfg, field) for key, field in CONFIG_KEYS.items()}
-  out.update({
+  if cfg.model.family != "hylora" and cfg.checkpoint.base_weights:
+    return families.read_config(cfg.checkpoint.base_weights)
+  m = cfg.model
+  return {
       "architectures": ["HybridLMForCausalLM"],
-      "model_type": "hylora_hybrid",
-      "rms_norm_eps": cfg.model.norm_eps,
+      "model_type": families.HOUSE_MODEL_TYPE,
+      "vocab_size": m.vocab_size,
+      "hidden_size": m.d_model,
+      "num_hidden_layers": m.layers,
+      "intermediate_size": m.dense_ffn,
+      "first_k_dense_replace": m.dense_layers,
+      "n_routed_experts": m.moe.experts,
+      "num_experts_per_tok": m.moe.top_k,
+      "moe_intermediate_size": m.moe.expert_ffn,
+      "n_shared_experts": m.moe.shared_experts,
+      "rms_norm_eps": m.norm_eps,
       "tie_word_embeddings": False,
-      "hylora_model": to_dict(cfg.model)
-  })
-  return out
+      "hylora_model": to_dict(m)
+  }
 
 
 # ---- writing ---------------------------------------------------------------------------
@@ -286,9 +297,9 @@ def item_reader(array: jax.Array, stack_dims: int):
 def to_tensors(leaf: Leaf, item: np.ndarray) -> list[np.ndarray]:
   """One model-layout slice -> its checkpoint tensors (inverse of `_read_item`)."""
   if not leaf.tensor.linear:
-    return [item]
+    return [item.reshape(leaf.tensor_shape())]
   n_in = math.prod(leaf.item_shape[:leaf.tensor.in_dims])
-  return np.split(item.reshape(n_in, -1).T, len(leaf.tensor.names), axis=0)
+  return np.split(item.reshape(n_in, -1).T, len(leaf.name_template), axis=0)
 
 
 def expert_slots(leaf: Leaf, frozen_flat: dict):

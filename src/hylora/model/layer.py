@@ -1,7 +1,8 @@
 """A pre-norm decoder layer: x + mixer(norm(x)), then + ffn(norm(.)).
 
-x is read from the residual stream by the scheme `model.residual` chooses
-(hylora.model.residual); the layer's output is written back to the stream.
+The mixer's and the FFN's inputs are read from the residual stream by the scheme
+`model.residual` chooses (hylora.model.residual); the layer's output is written back to
+the stream.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class DecoderLayer(nnx.Module):
     x = save_points.tag(constrain(self.residual.block_input(stream, ctx), names),
                         save_points.LAYER_INPUT)
     h, mixer_aux = self.mixer(save_points.tag(self.mixer_norm(x), save_points.MIXER_NORM), ctx)
-    x = constrain(x + h, names)
-    h, ffn_aux = self.ffn(save_points.tag(self.ffn_norm(x), save_points.FFN_NORM), ctx)
+    x, y = self.residual.ffn_input(stream, x, h, ctx)
+    x, y = constrain(x, names), constrain(y, names)
+    h, ffn_aux = self.ffn(save_points.tag(self.ffn_norm(y), save_points.FFN_NORM), ctx)
     out = constrain(x + h, names)
     return self.residual.update(stream, out), merge_aux(self.model_cfg, mixer_aux, ffn_aux)

@@ -3,7 +3,9 @@
 The layer kinds (e.g. the first two dense, then `L L L S` repeating) are cut into
 periods of `len(pattern)` layers; consecutive identical periods form one segment whose
 parameters carry a leading `layers` axis and run under one `lax.scan`. Compile time
-depends on the number of distinct periods, not on depth.
+depends on the number of distinct periods, not on depth. Under the "block_attention"
+residual a segment also ends at every block boundary (`plan_segments`), so a segment's
+completed blocks are fixed inputs of its scan (`hylora.model.residual`).
 
 The memory policy (`hylora.model.remat_policy`) wraps each layer, not the period: the backward
 recomputes one layer at a time, so its working set is one layer's activations (a
@@ -20,7 +22,7 @@ from hylora.model.init import ParamInit
 
 from meshes import logical_axes as ax
 from hylora.model import remat_policy
-from hylora.core.architecture import plan_segments
+from hylora.core.architecture import model_segments
 from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.layer import DecoderLayer
 from hylora.model.residual import RESIDUALS
@@ -47,6 +49,7 @@ class Segment(nnx.Module):
                init: ParamInit):
     self.period_len = len(kinds)
     self.repeats = repeats
+    self.residual = RESIDUALS[m.residual]
 
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(seed):
@@ -54,34 +57,43 @@ class Segment(nnx.Module):
 
     self.periods = make(init.fork(repeats))
 
-  def __call__(self, x, ctx, first_layer: int):
+  def __call__(self, stream, ctx, first_layer: int):
     graphdef, state = nnx.split(self.periods)
+    # The stream's fixed part is an input of every step, not carry: the backward keeps a
+    # scan's carry once per step.
+    carried, fixed = self.residual.split(stream)
 
-    def body(carry, xs):
+    def body(carried, xs):
       period_state, index = xs
       period = nnx.merge(graphdef, period_state)
-      return period(carry, ctx, first_layer + index * self.period_len)
+      stream, aux = period(self.residual.merge(carried, fixed), ctx,
+                           first_layer + index * self.period_len)
+      return self.residual.split(stream)[0], aux
 
-    x, aux = jax.lax.scan(body, x, (state, jnp.arange(self.repeats)))
+    carried, aux = jax.lax.scan(body, carried, (state, jnp.arange(self.repeats)))
     # aux leaves: [repeats, period_len, ...] -> [repeats * period_len, ...] in layer order
-    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
+    return self.residual.merge(carried, fixed), jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]),
+                                                             aux)
 
 
 class LayerStack(nnx.Module):
 
   def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
-    kinds = m.layer_kinds()
-    self.plan = plan_segments(kinds, len(m.pattern))
+    self.plan = model_segments(m)
     self.residual = RESIDUALS[m.residual]  # the stream the layers carry
     self.cfg = m
     self.segments = nnx.List(
         [Segment(m, lora, chunk, repeats, init=init) for chunk, repeats in self.plan])
 
-  def __call__(self, x, ctx):
+  def __call__(self, x, ctx, finish=None):
+    """x [B, T, d] embeddings -> (final hidden, aux stacked over layers). `finish`: the
+    module that ends a stream whose scheme has an `output` (hylora.model.residual)."""
     first, auxes = 0, []
     stream = self.residual.start(self.cfg, x)
     for segment in self.segments:
+      stream = self.residual.enter(self.cfg, stream, first)
       stream, aux = segment(stream, ctx, first)
       first += segment.period_len * segment.repeats
       auxes.append(aux)
-    return self.residual.finish(stream), jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+    hidden = finish(stream) if self.residual.output is not None else self.residual.finish(stream)
+    return hidden, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)

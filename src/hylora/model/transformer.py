@@ -15,6 +15,7 @@ from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.execution import Execution
 from hylora.model.norms import RMSNorm
+from hylora.model.residual import RESIDUALS
 from hylora.model.stack import LayerStack
 from hylora.model.vision.tower import build_vision
 from meshes.rules import constrain
@@ -29,6 +30,8 @@ class HybridLM(nnx.Module):
     emb = init.normal((m.vocab_size, m.d_model), m.init_std or 1.0, jnp.dtype(m.weight_dtype))
     self.embed = nnx.Param(emb, **logical(ax.VOCAB, ax.EMBED))
     self.stack = LayerStack(m, lora, init=init)
+    output = RESIDUALS[m.residual].output  # the residual's own last read, if it has one
+    self.output_residual = output(m) if output is not None else None
     self.final_norm = RMSNorm(m.d_model, ax.EMBED, eps=m.norm_eps)
     head = init.normal((m.d_model, m.vocab_size), weight_std(m.init_std, m.d_model),
                        jnp.dtype(m.weight_dtype))
@@ -47,7 +50,7 @@ class HybridLM(nnx.Module):
                           "no vision tower")
       x = self.vision(x, images, image_positions, ctx)
     x = constrain(x, (ax.BATCH, ax.SEQ, ax.EMBED))
-    x, aux = self.stack(x, ctx)
+    x, aux = self.stack(x, ctx, finish=self.output_residual)
     return self.final_norm(x), aux
 
   def logits(self, tokens, ctx, images=None, image_positions=None) -> jax.Array:

@@ -16,6 +16,7 @@ _SA = "pallas_kernels.sparse_attention"
 _GMM = "pallas_kernels.grouped_matmul"
 _CE = "pallas_kernels.cross_entropy"
 _RM = "pallas_kernels.residual_mix"
+_CA = "pallas_kernels.causal_attention"
 
 
 @functools.cache
@@ -26,6 +27,7 @@ def catalog() -> OpRegistry:
   registry.define("linear_attention.kda", f"{_LA}.reference:kda_chunked")
   registry.define("sparse_attention.topk_indices", f"{_SA}.reference:topk_indices_reference")
   registry.define("sparse_attention.attend", f"{_SA}.reference:sparse_attention_reference")
+  registry.define("attention.causal", f"{_CA}.reference:causal_attention_reference")
   registry.define("grouped_matmul", f"{_GMM}.reference:grouped_matmul_reference")
   registry.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
   registry.define("cross_entropy", f"{_CE}.reference:cross_entropy_reference")
@@ -55,6 +57,10 @@ def catalog() -> OpRegistry:
   registry.register("sparse_attention.attend", "masked_dense",
                     f"{_SA}.masked_dense:masked_dense_attention", backends=("cpu", "gpu", "tpu"),
                     priority=-2, per_shard="sparse_attention")
+  # cuDNN's flash attention (bf16/fp16; other inputs run the reference); packed documents
+  # as a [B, 1, T, T] mask.
+  registry.register("attention.causal", "cudnn", f"{_CA}:cudnn_causal_attention", backends=("gpu",),
+                    per_shard="rows")
   registry.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
   registry.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
   # Exact, G times the FLOPs, a GPU kernel's memory: what a CPU compile that stands in for
@@ -80,6 +86,7 @@ KERNEL_CHOICE_FIELDS = {
     "grouped_lora": "grouped_matmul",
     "cross_entropy": "cross_entropy",
     "residual_mix": "residual_mix",
+    "attention.causal": "causal_attention",
 }
 
 

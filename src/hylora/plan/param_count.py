@@ -4,7 +4,7 @@ Nothing here is a formula of the architecture: every figure is the sum of the sh
 that `HybridLM` actually builds, each classified by the kind the architecture's
 description (`hylora.core.architecture`) gives its tensor.
 
-Kinds: routed `experts`, `shared_experts`, `dense_ffn` (the first dense layers),
+Kinds: routed `experts`, `expert_latent` (the latent MoE's projections), `shared_experts`, `dense_ffn` (the first dense layers),
 `attention` (every mixer projection, gate and indexer), `router` (kernel and the
 selection bias), `norms` (RMSNorm scales, per-head norms), `embeddings` (the input
 table and the LM head), `vision` (the frozen image encoder and its projector), and

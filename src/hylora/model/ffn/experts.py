@@ -1,4 +1,4 @@
-"""Routed experts: stacked SwiGLU weights [E, ...] with per-expert LoRA on gate_up,
+"""Routed experts: stacked gated-MLP weights [E, ...] with per-expert LoRA on gate_up,
 computed as grouped matmuls over rows sorted by expert."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from meshes import logical_axes as ax
 from hylora import ops
 from hylora.core import save_points
 from hylora.core.config import KernelConfig, LoRAConfig, ModelConfig
+from hylora.model.ffn.activations import Activation
 from hylora.model.ffn.placement import initial_placement
 from hylora.core.architecture import lora_targets
 from hylora.model.lora import LoRAParam, dropout
@@ -22,9 +23,13 @@ from hylora.model.lora import LoRAParam, dropout
 
 class RoutedExperts(nnx.Module):
 
-  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit):
+  def __init__(self, m: ModelConfig, lora: LoRAConfig | None, *, init: ParamInit,
+               width: int | None = None):
+    """`width`: the rows' width the experts read and write (default d_model; the latent
+    MoE's experts run on its latent projection)."""
     moe = m.moe
-    e, d, f = moe.experts, m.d_model, moe.expert_ffn
+    e, d, f = moe.experts, width or m.d_model, moe.expert_ffn
+    self.activation = Activation.of(m)
 
     # Drawn per expert, then stored per slot: spare slots start as copies (placement.py).
     table = initial_placement(e, moe.slots)
@@ -39,7 +44,7 @@ class RoutedExperts(nnx.Module):
     self.lora_a = nnx.data(None)
     self.lora_b = nnx.data(None)
     self.shared_a = False
-    if lora_targets(lora, "gate_up"):
+    if lora_targets(lora, "experts"):
       self.shared_a = lora.shared_expert_a
       a_shape = (d, lora.rank) if self.shared_a else (e, d, lora.rank)
       a_axes = (ax.EMBED, ax.LORA_RANK) if self.shared_a else (ax.EXP, ax.EMBED, ax.LORA_RANK)
@@ -60,9 +65,10 @@ class RoutedExperts(nnx.Module):
   def options(self, kernels: KernelConfig) -> dict:
     """`expert_ffn`'s keyword arguments besides the weights."""
     if self.lora_a is None:
-      return {"kernels": kernels}
+      return {"kernels": kernels, "activation": self.activation}
     return {
         "kernels": kernels,
+        "activation": self.activation,
         "lora_scale": self.lora_scale,
         "lora_dropout": self.lora_dropout,
         "shared_a": self.shared_a
@@ -70,9 +76,9 @@ class RoutedExperts(nnx.Module):
 
 
 def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,
-               lora_scale: float = 0.0, lora_dropout: float = 0.0, shared_a: bool = False,
-               dropout_key=None) -> jax.Array:
-  """SwiGLU of rows x [M, d] sorted by expert; group_sizes [G] over the G experts whose
+               activation: Activation = Activation(), lora_scale: float = 0.0,
+               lora_dropout: float = 0.0, shared_a: bool = False, dropout_key=None) -> jax.Array:
+  """The gated MLP of rows x [M, d] sorted by expert; group_sizes [G] over the G experts whose
   weights are given ([G, ...] stacks). Rows past sum(group_sizes) come out zero."""
   gmm = ops.resolve("grouped_matmul", kernels)
   x = save_points.tag(x, save_points.EXPERT_INPUT)
@@ -89,5 +95,5 @@ def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,
     h = h + lora_out.astype(h.dtype)
   h = save_points.tag(h, save_points.EXPERT_GATE_UP)
   gate, up = jnp.split(h, 2, axis=-1)
-  y = gmm((jax.nn.silu(gate) * up).astype(x.dtype), weights["down"].astype(x.dtype), group_sizes)
+  y = gmm(activation(gate, up).astype(x.dtype), weights["down"].astype(x.dtype), group_sizes)
   return save_points.tag(y, save_points.EXPERT_DOWN)

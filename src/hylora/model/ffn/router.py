@@ -1,5 +1,6 @@
 """Top-k router with fp32 logits, softmax or sigmoid scores, optional renormalisation,
-an expert bias for aux-loss-free balancing, and the auxiliary losses."""
+an expert bias for aux-loss-free balancing, group-limited selection (DeepSeek-V3), and
+the auxiliary losses."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hylora.model.init import ParamInit, logical, weight_std
 from meshes import logical_axes as ax
 from hylora.core import save_points
 from hylora.core.config import MoEConfig
+from hylora.core.errors import ConfigError
 from meshes.per_shard import split_over_tokens
 
 
@@ -25,6 +27,10 @@ class Router(nnx.Module):
   def __init__(self, d: int, cfg: MoEConfig, *, init_std: float, init: ParamInit,
                dtype: str = "bfloat16"):
     self.cfg = cfg
+    if cfg.groups > 1 and (cfg.experts % cfg.groups or not 1 <= cfg.groups_kept <= cfg.groups or
+                           cfg.top_k > cfg.groups_kept * (cfg.experts // cfg.groups)):
+      raise ConfigError(f"model.moe.groups: {cfg.experts} experts in {cfg.groups} groups, "
+                        f"{cfg.groups_kept} kept, cannot give top_k={cfg.top_k} experts")
     w = init.normal((d, cfg.experts), weight_std(init_std, d), jnp.dtype(dtype))
     self.kernel = nnx.Param(w, **logical(ax.EMBED, None))
     self.bias = RouterBias(jnp.zeros((cfg.experts,), jnp.float32), **logical(None))
@@ -39,7 +45,7 @@ class Router(nnx.Module):
     else:
       scores = jax.nn.sigmoid(logits)
     selection = scores + jax.lax.stop_gradient(self.bias[...])
-    experts = _top_k_experts(selection, cfg.top_k, seq_len)
+    experts = _top_k_experts(selection, cfg.top_k, seq_len, cfg.groups, cfg.groups_kept)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if cfg.normalize_top_k:
       weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -61,16 +67,35 @@ class Router(nnx.Module):
     }
 
 
-def _top_k_experts(selection: jax.Array, k: int, seq_len: int | None) -> jax.Array:
-  """The k largest of each token's [N, E] selection scores, per device on its own tokens.
-  Left to the partitioner, XLA:CPU (the dry run's compiler) gathers the whole batch's
-  scores onto every device for its TopK (f32 [2M, 896], 7.5 GB at the 2p8t plan) where
-  XLA:GPU keeps them local; explicit, both compile the same program."""
+def keep_best_groups(selection: jax.Array, groups: int, kept: int) -> jax.Array:
+  """[..., E] selection scores with every expert outside the token's `kept` best groups
+  set to -inf; a group (E / groups consecutive experts) scores the sum of its two best."""
+  *lead, e = selection.shape
+  per_group = selection.reshape(*lead, groups, e // groups)
+  group_scores = jnp.sum(jax.lax.top_k(per_group, min(2, e // groups))[0], axis=-1)
+  best = jax.lax.top_k(group_scores, kept)[1]  # [..., kept]
+  keep = jnp.any(best[..., :, None] == jnp.arange(groups), axis=-2)  # [..., groups]
+  return jnp.where(keep[..., None], per_group, -jnp.inf).reshape(selection.shape)
+
+
+def _top_k_experts(selection: jax.Array, k: int, seq_len: int | None, groups: int = 1,
+                   groups_kept: int = 1) -> jax.Array:
+  """The k largest of each token's [N, E] selection scores (within its `groups_kept` best
+  groups when `groups` > 1), per device on its own tokens. Left to the partitioner,
+  XLA:CPU (the dry run's compiler) gathers the whole batch's scores onto every device for
+  its TopK (f32 [2M, 896], 7.5 GB at the 2p8t plan) where XLA:GPU keeps them local;
+  explicit, both compile the same program."""
+
+  def pick(s):
+    if groups > 1:
+      s = keep_best_groups(s, groups, groups_kept)
+    return jax.lax.top_k(s, k)[1]
+
   n, e = selection.shape
   if seq_len is None or n % seq_len:
-    return jax.lax.top_k(selection, k)[1]
+    return pick(selection)
   rows = selection.reshape(n // seq_len, seq_len, e)  # [B, T, E], as the tokens were laid out
-  experts = split_over_tokens(lambda s: jax.lax.top_k(s, k)[1])(rows)
+  experts = split_over_tokens(pick)(rows)
   return experts.reshape(n, k)
 
 

@@ -4,7 +4,14 @@ A new attention structure is a new module registered here, never a branch inside
 existing one.
 """
 
+from hylora.model.mixers.kda import KimiDeltaAttention
 from hylora.model.mixers.linear_attention import LinearAttention
+from hylora.model.mixers.mla import LatentAttention
 from hylora.model.mixers.sparse_attention import SparseAttention
 
-MIXERS = {"linear": LinearAttention, "sparse": SparseAttention}
+MIXERS = {
+    "linear": LinearAttention,
+    "sparse": SparseAttention,
+    "kda": KimiDeltaAttention,
+    "mla": LatentAttention
+}
