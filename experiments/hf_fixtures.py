@@ -77,8 +77,8 @@ def _randomize(model, torch, seed: int):
       elif "e_score_correction_bias" in name:
         p.copy_(0.05 * noise)
       elif name.endswith("dt_bias"):  # the released init: softplus(dt_bias) in (1e-3, 0.1)
-        dt = torch.exp(torch.rand(p.shape, generator=g) * (np.log(0.1) - np.log(1e-3)) +
-                       np.log(1e-3))
+        dt = torch.exp(
+            torch.rand(p.shape, generator=g) * (np.log(0.1) - np.log(1e-3)) + np.log(1e-3))
         p.copy_(dt + torch.log(-torch.expm1(-dt)))
       elif name.endswith(".bias"):
         p.copy_(0.1 * noise)
