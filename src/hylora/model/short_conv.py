@@ -6,12 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def _run_ids(segment_ids: jax.Array) -> jax.Array:
-  """A monotone index per token, +1 wherever the segment id changes, so a repeated id
-  after a different one still counts as a new document."""
-  change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-  return jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
+from pallas_kernels.linear_attention._inputs import run_ids
 
 
 def causal_depthwise_conv(x: jax.Array, weight: jax.Array,
@@ -28,7 +23,9 @@ def causal_depthwise_conv(x: jax.Array, weight: jax.Array,
   channel_dims = x.ndim - 2
   xf = x.astype(jnp.float32)
   w = weight.astype(jnp.float32)
-  runs = None if segment_ids is None else _run_ids(segment_ids)
+  # documents by run (a repeated id after a different one is a new document), as the
+  # recurrence's kernels count them
+  runs = None if segment_ids is None else run_ids(segment_ids, batch, length)
   y = xf * w[..., taps - 1]
   for s in range(1, min(taps, length)):
     past = jnp.pad(xf[:, :length - s], ((0, 0), (s, 0)) + ((0, 0),) * channel_dims)
