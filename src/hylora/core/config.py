@@ -93,9 +93,14 @@ class MoEConfig:
   routed_scale: float = 1.0
   aux_loss_weight: float = 0.0  # load-balance loss in the training loss (router frozen under LoRA)
   z_loss_weight: float = 0.0
-  dispatch: str = "dropless"  # how tokens reach routed experts (hylora.model.ffn.dispatch)
+  # How tokens reach routed experts (hylora.model.ffn.dispatchers): "auto" is
+  # "ep_alltoall" when the mesh has an expert axis > 1, else "dropless".
+  dispatch: str = "auto"
   # Expert-parallel dispatch ("ep_alltoall", docs/moe.md):
-  capacity_factor: float = 0.0  # rows per destination = factor * pairs / EP ranks; <= 0: dropless
+  # > 0: at most factor * pairs / EP ranks rows per destination, the rest dropped (explicit);
+  # <= 0: dropless, the rows moving in all-to-all rounds of `round_capacity` x that mean.
+  capacity_factor: float = 0.0
+  round_capacity: float = 1.25
   transport: str = "padded"  # "padded" all_to_all (any backend) or "ragged" (GPU only)
   overlap_chunks: int = 1  # token chunks per device: one chunk's all-to-all overlaps another's FFN
   aux_loss_kind: str = "global"  # balance loss over the whole batch or per "sequence"

@@ -1,4 +1,7 @@
-"""The dispatchers `model.moe.dispatch` names: how routed tokens reach their experts."""
+"""The dispatchers `model.moe.dispatch` names: how routed tokens reach their experts.
+
+"auto" is the expert-parallel pipeline, which on one device (or with no mesh) is the
+dropless reference itself; a run's plan (hylora.plan.run_plan) prints which one it is."""
 
 from __future__ import annotations
 
@@ -7,7 +10,11 @@ from typing import Callable
 from hylora.model.ffn.dispatch import dropless
 from hylora.model.ffn.expert_parallel import ep_alltoall
 
-DISPATCHERS: dict[str, Callable] = {"dropless": dropless, "ep_alltoall": ep_alltoall}
+DISPATCHERS: dict[str, Callable] = {
+    "auto": ep_alltoall,
+    "dropless": dropless,
+    "ep_alltoall": ep_alltoall
+}
 
 
 def get_dispatcher(name: str) -> Callable:
