@@ -1,8 +1,7 @@
-"""The expert-parallel dispatcher ("ep_alltoall") on 8 simulated CPU devices: equal to the
-single-device dropless layer when capacity suffices, exactly the documented drops when
-it does not, and one all-to-all triple per overlap chunk in the compiled program."""
-
-import dataclasses
+"""The expert-parallel dispatcher ("ep_alltoall") on 8 simulated CPU devices: by default
+equal to the single-device dropless layer, exactly the documented drops with a binding
+explicit capacity, and its own all-to-alls per overlap chunk in the compiled program
+(skewed routing over several rounds: tests/test_dropless_rounds.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -15,32 +14,12 @@ from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
 from hylora.model.ffn import expert_parallel as ep
 from hylora.model.ffn.dispatch import dropless
-from hylora.model.ffn.moe import MoE
-from hylora.model.init import ParamInit
 from hylora.model.lora import LoRAParam
 from meshes.mesh import build_mesh
 from meshes.rules import activation_mesh
-from tests.helpers import small_config
+from tests.ep_helpers import emulated_ragged_all_to_all, ep_config, ep_layer
 
 B, T = 4, 16  # 64 tokens: 8 per device
-
-
-def _config(dispatch, **moe):
-  cfg = small_config()
-  moe_cfg = dataclasses.replace(cfg.model.moe, dispatch=dispatch, **moe)
-  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe_cfg))
-
-
-def _layer(cfg):
-
-  def build():
-    layer = MoE(cfg.model, cfg.lora, init=ParamInit(0))
-    init = ParamInit(1)  # non-zero B: the adapters matter and A gets gradients
-    for b in (layer.experts.lora_b, layer.shared.gate_up.lora_b):
-      b[...] = init.normal(b.shape, 0.5)
-    return layer
-
-  return nnx.jit(build)()  # one compile instead of hundreds of eager initialisers
 
 
 def _value_and_grads(layer, mesh):
@@ -63,13 +42,14 @@ def _value_and_grads(layer, mesh):
 
 @pytest.fixture(scope="module")
 def reference():
-  return _value_and_grads(_layer(_config("dropless")), None)
+  return _value_and_grads(ep_layer(ep_config("dropless")), None)
 
 
 @pytest.mark.parametrize("fsdp,expert,chunks", [(2, 4, 2), (1, 8, 1)])
 def test_ep_layer_equals_dropless_reference(reference, fsdp, expert, chunks):
   mesh = build_mesh(MeshConfig(fsdp=fsdp, expert=expert))
-  y, dropped, grads = _value_and_grads(_layer(_config("ep_alltoall", overlap_chunks=chunks)), mesh)
+  y, dropped, grads = _value_and_grads(ep_layer(ep_config("ep_alltoall", overlap_chunks=chunks)),
+                                       mesh)
   y_ref, dropped_ref, grads_ref = reference
   assert float(dropped) == 0.0
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -98,31 +78,14 @@ def _expected_kept(slots, devices, chunks, ranks, per_rank, cap):
   return keep
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                                recv_sizes, *, axis_name):
-  """ragged_all_to_all's contract from all_gathers (XLA:CPU has no ragged collective)."""
-  ranks = jax.lax.axis_size(axis_name)
-  me = jax.lax.axis_index(axis_name)
-  gather = lambda a: jax.lax.all_gather(a, axis_name)
-  operands, in_off, sizes, out_off = map(gather,
-                                         (operand, input_offsets, send_sizes, output_offsets))
-  rows = jnp.arange(output.shape[0])
-  for src in range(ranks):
-    start, count = out_off[src, me], sizes[src, me]
-    inside = (rows >= start) & (rows < start + count)
-    take = jnp.clip(in_off[src, me] + rows - start, 0, operand.shape[0] - 1)
-    output = jnp.where(inside[:, None], operands[src][take], output)
-  return output
-
-
 @pytest.mark.parametrize("transport", ["padded", "ragged"])
 def test_small_capacity_drops_exactly_the_documented_pairs(transport, monkeypatch):
   if transport == "ragged":  # the ragged offsets logic, on an emulated collective
-    monkeypatch.setattr(ep, "ragged_collective", _emulated_ragged_all_to_all)
+    monkeypatch.setattr(ep, "ragged_collective", emulated_ragged_all_to_all)
     monkeypatch.setattr(ep, "RAGGED_PLATFORMS", ("cpu",))
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
-  cfg = _config("ep_alltoall", capacity_factor=0.5, overlap_chunks=1, transport=transport)
-  layer = _layer(cfg)
+  cfg = ep_config("ep_alltoall", capacity_factor=0.5, overlap_chunks=1, transport=transport)
+  layer = ep_layer(cfg)
   n, d, e, k = 64, cfg.model.d_model, cfg.model.moe.experts, cfg.model.moe.top_k
   x = jax.random.normal(jax.random.key(2), (n, d))
   # Skewed routing: most pairs want experts 0 and 1 (rank 0), so rank 0 overflows.
@@ -149,10 +112,10 @@ def test_small_capacity_drops_exactly_the_documented_pairs(transport, monkeypatc
   np.testing.assert_array_equal(np.asarray(y)[~keep.any(axis=1)], 0.0)  # residual only
 
 
-def _all_to_all_count(chunks):
+def _all_to_all_count(chunks, capacity_factor):
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
-  cfg = _config("ep_alltoall", overlap_chunks=chunks)
-  layer = _layer(cfg)
+  cfg = ep_config("ep_alltoall", overlap_chunks=chunks, capacity_factor=capacity_factor)
+  layer = ep_layer(cfg)
   w, opts = layer.experts.weights(), layer.experts.options(KernelConfig())
   x = jnp.zeros((64, cfg.model.d_model))
   weights = jnp.ones((64, 2))
@@ -166,9 +129,11 @@ def _all_to_all_count(chunks):
   return sum(" all-to-all(" in line or " all-to-all-start(" in line for line in hlo.splitlines())
 
 
-def test_each_overlap_chunk_has_its_own_all_to_alls():
-  # Per chunk: the kept-count exchange, the rows out and the results back.
-  assert _all_to_all_count(2) == 3 * 2
+@pytest.mark.parametrize("capacity_factor,per_chunk", [(1.5, 3), (0.0, 5)])
+def test_each_overlap_chunk_has_its_own_all_to_alls(capacity_factor, per_chunk):
+  # Per chunk: the count exchange, the rows out and the results back; dropless, also the
+  # rows out and back of its loop of further rounds.
+  assert _all_to_all_count(2, capacity_factor) == per_chunk * 2
 
 
 def test_only_ragged_on_gpu_asks_for_xla_options():

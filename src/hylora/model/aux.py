@@ -14,6 +14,8 @@ def empty_aux(cfg: ModelConfig) -> dict:
       "indexer_kl": jnp.zeros((), jnp.float32),  # indexer KL (unweighted)
       "expert_load": jnp.zeros((cfg.moe.experts,), jnp.float32),  # tokens routed per expert
       "dropped_tokens": jnp.zeros((), jnp.float32),  # token-expert pairs dropped
+      # expert-parallel all-to-all rounds of the layer's busiest chunk (0: no all-to-all)
+      "all_to_all_rounds": jnp.zeros((), jnp.float32),
   }
 
 

@@ -47,7 +47,8 @@ def make_loss_fn(cfg: Config, parts: ModelParts):
         "moe_aux_loss": aux_loss,
         "moe_z_loss": z_loss,
         "expert_load": aux["expert_load"],
-        "dropped_tokens": jnp.sum(aux["dropped_tokens"])
+        "dropped_tokens": jnp.sum(aux["dropped_tokens"]),
+        "all_to_all_rounds": jnp.max(aux["all_to_all_rounds"]),
     }
     return obj, info
 
@@ -116,6 +117,7 @@ def make_train_step(cfg: Config, parts: ModelParts, optimizer: optax.GradientTra
         "moe_z_loss": jnp.mean(infos["moe_z_loss"]),
         "expert_load_max_over_mean": jnp.max(busiest),
         "dropped_fraction": jnp.sum(infos["dropped_tokens"]) / routed_pairs,
+        "all_to_all_rounds": jnp.max(infos["all_to_all_rounds"]),
         "tokens": tokens,
         "expert_load": load,  # [layers, experts]: the run's balancer reads it (not logged as is)
     }

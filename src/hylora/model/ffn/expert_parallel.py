@@ -6,25 +6,35 @@ experts' inner dimension, sharded over `fsdp` by meshes/rules.py, is all-gathere
 layer (its transpose, a reduce-scatter, sums the LoRA gradients). Per chunk of tokens:
 
   route (slots [n, k]) -> one stable sort of the n*k pairs by slot (= by destination rank,
-  then local expert, then token) -> send rows (one gather) -> all-to-all -> local grouped
-  SwiGLU over the rank's S experts -> all-to-all back -> one gather per pair -> weighted
-  combine.
+  then local expert, then token) -> all-to-all of the pair counts per (rank, local slot)
+  -> send rows (one gather) -> all-to-all -> local grouped SwiGLU over the rank's S
+  experts -> all-to-all back -> one gather per pair -> weighted combine.
 
-Capacity: each device sends at most C rows to each rank per chunk (`capacity(pairs, R,
-moe.capacity_factor)`; factor <= 0 makes C = all pairs, i.e. dropless). Kept pairs are the
-first C of that destination in sort order: a device drops the pairs of its chunk bound
-for rank r whose position in the (local slot, token, choice) order exceeds C. A dropped
-pair contributes zero (the token keeps its residual and any other experts); the count of
-dropped pairs, summed over devices, is the `dropped_tokens` statistic.
+Rounds (the default, moe.capacity_factor <= 0: dropless): each device sends at most C
+rows to each rank per all-to-all round, C = `capacity(pairs, R, moe.round_capacity)` for
+a chunk's pairs. The first round is the pipeline above, carrying the first C pairs of
+each destination in sort order; the pairs beyond C move in further rounds of C rows
+(overflow_rounds.py), as many as the busiest (device, destination) of the mesh needs:
+none when the routing is balanced within `round_capacity`. Buffers hold R*C rows
+whatever the routing, nothing is dropped; the rounds taken are the `all_to_all_rounds`
+statistic.
 
-Transports (moe.transport): "padded" moves [R, C, d] buffers with `all_to_all` (every
-backend); "ragged" moves only the real rows with `ragged_all_to_all` into the same
-layout (GPU/TPU: XLA:CPU lacks it). Chunks (moe.overlap_chunks) are independent
-pipelines, so the scheduler can run one chunk's all-to-all while another computes.
+Capacity (moe.capacity_factor > 0, explicit): one round with C = `capacity(pairs, R,
+moe.capacity_factor)`; a device drops the pairs of its chunk bound for rank r whose
+position in the (local slot, token, choice) order exceeds C. A dropped pair contributes
+zero (the token keeps its residual and any other experts); the count of dropped pairs,
+summed over devices, is the `dropped_tokens` statistic.
+
+Transports of the first round (moe.transport): "padded" moves [R, C, d] buffers with
+`all_to_all` (every backend); "ragged" moves only the real rows with `ragged_all_to_all`
+into the same layout (GPU/TPU: XLA:CPU lacks it). Later rounds are padded. Chunks
+(moe.overlap_chunks) are independent pipelines, so the scheduler can run one chunk's
+all-to-all while another computes.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -36,8 +46,9 @@ from meshes import logical_axes as ax
 from hylora.core.config import MoEConfig
 from hylora.core.errors import ConfigError
 from hylora.model.ffn.dispatch import dropless
-from hylora.model.ffn.experts import expert_ffn
-from hylora.model.ffn.permute_rows import gather_rows, permute_rows
+from hylora.model.ffn.local_experts import local_experts, window_counts
+from hylora.model.ffn.overflow_rounds import RoundPlan, overflow_rounds
+from hylora.model.ffn.permute_rows import gather_rows
 from meshes.rules import PARAM_RULES, current_mesh, logical_to_spec
 
 EXPERT_AXIS, FSDP_AXIS = "expert", "fsdp"
@@ -72,10 +83,44 @@ def ragged_collective(*args, **kwargs):
 
 
 def capacity(pairs: int, ranks: int, factor: float) -> int:
-  """Rows one device may send to one EP rank per chunk of `pairs` token-expert pairs."""
+  """Rows one device may send to one EP rank per chunk of `pairs` token-expert pairs
+  (factor <= 0: all of them, the worst case)."""
   if factor <= 0:
     return pairs
   return max(1, min(pairs, math.ceil(factor * pairs / ranks)))
+
+
+def round_rows(pairs: int, ranks: int, moe: MoEConfig) -> int:
+  """C: the rows one device sends one EP rank per all-to-all round of a chunk of `pairs`
+  pairs; the capacity itself when `capacity_factor > 0` (one round, the rest dropped)."""
+  if moe.capacity_factor > 0:
+    return capacity(pairs, ranks, moe.capacity_factor)
+  if moe.round_capacity <= 0:
+    raise ConfigError(f"model.moe.round_capacity: must be > 0 (rows per round as a multiple of "
+                      f"the mean per rank), got {moe.round_capacity}")
+  return capacity(pairs, ranks, moe.round_capacity)
+
+
+def round_buffer_bytes(moe: MoEConfig, width: int, tokens_per_device: int, ranks: int,
+                       itemsize: int = 2) -> int:
+  """Bytes one device's buffers of one all-to-all round hold, for one chunk.
+
+  moe: the MoE config (top_k, expert_ffn, overlap_chunks, capacity_factor,
+  round_capacity); width: the width of the rows the experts see (d_model, or the latent
+  MoE's latent_dim); tokens_per_device: the tokens of one MoE layer call on one device
+  (a micro-batch's tokens / devices); ranks: the expert-parallel ranks (mesh.expert);
+  itemsize: bytes per activation element.
+
+  Counted: a backward round, the larger: rows and their cotangents out ([R, C, 2 width],
+  sent and received), the rows' gradients back ([R, C, width], sent and received) and
+  the recomputed experts' intermediates ([R*C, 3 expert_ffn]: gate_up's output and the
+  activation). A forward round holds 4 width + 3 expert_ffn per row."""
+  chunks = moe.overlap_chunks
+  if tokens_per_device % chunks:
+    raise ConfigError(f"model.moe.overlap_chunks: {tokens_per_device} tokens per device do not "
+                      f"split into {chunks} chunks")
+  rows = ranks * round_rows(tokens_per_device // chunks * moe.top_k, ranks, moe)
+  return rows * (6 * width + 3 * moe.expert_ffn) * itemsize
 
 
 class SendPlan(NamedTuple):
@@ -83,9 +128,10 @@ class SendPlan(NamedTuple):
   order: jax.Array  # [P] pairs sorted by slot (stable)
   inverse: jax.Array  # [P] position of each pair in `order`
   start: jax.Array  # [R] first sorted position bound for each rank
-  sent: jax.Array  # [R] rows sent to each rank (<= capacity)
-  kept: jax.Array  # [R, S] rows kept per (rank, local slot)
-  dropped: jax.Array  # [] pairs dropped
+  sent: jax.Array  # [R] rows sent to each rank in the first round (<= capacity)
+  counts: jax.Array  # [R, S] pairs per (rank, local slot)
+  kept: jax.Array  # [R, S] of them in the first round
+  dropped: jax.Array  # [] pairs past the first round
 
 
 def plan_sends(slots: jax.Array, ranks: int, per_rank: int, cap: int) -> SendPlan:
@@ -96,10 +142,9 @@ def plan_sends(slots: jax.Array, ranks: int, per_rank: int, cap: int) -> SendPla
   counts = counts.reshape(ranks, per_rank)
   per_dest = counts.sum(1)
   start = jnp.cumsum(per_dest) - per_dest
-  before = jnp.cumsum(counts, axis=1) - counts
-  kept = jnp.clip(cap - before, 0, counts)
+  kept = window_counts(counts, 0, cap)
   sent = kept.sum(1)
-  return SendPlan(order, inverse, start, sent, kept, jnp.sum(per_dest - sent))
+  return SendPlan(order, inverse, start, sent, counts, kept, jnp.sum(per_dest - sent))
 
 
 # ---------------------------------------------------------------- transports
@@ -169,33 +214,21 @@ def _ragged_back(y, plan, cap, ranks, recv_sizes):
 # ---------------------------------------------------------------- one chunk
 
 
-def _local_experts(recv, recv_kept, weights, options, dropout_key):
-  """Rows [R*C, d] (block j from rank j, sorted by local slot) through the S local experts."""
-  ranks, per_rank = recv_kept.shape
-  cap = recv.shape[0] // ranks
-  ends = jnp.cumsum(recv_kept, axis=1)  # [R, S]
-  c = jnp.arange(cap, dtype=jnp.int32)
-  row_slot = jnp.sum(c[None, :, None] >= ends[:, None, :], axis=-1).reshape(-1)  # S: empty
-  order = jnp.argsort(row_slot, stable=True).astype(jnp.int32)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-  y = expert_ffn(weights, permute_rows(recv, order, inverse), recv_kept.sum(0),
-                 dropout_key=dropout_key, **options)
-  return permute_rows(y, inverse, order)  # rows past the groups come out zero
-
-
 def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, per_rank, cap,
-           transport):
+           transport, in_rounds):
+  """-> (y [n, d], pairs dropped, all-to-all rounds)."""
   n, k = slots.shape
   plan = plan_sends(slots.reshape(-1), ranks, per_rank, cap)
   rows = pair_rows(slots.reshape(-1), plan, cap, per_rank)
   token_of_pair = jnp.arange(n * k, dtype=jnp.int32) // k
-  recv_kept = jax.lax.all_to_all(plan.kept, EXPERT_AXIS, 0, 0, tiled=True)  # [R src, S]
+  recv_counts = jax.lax.all_to_all(plan.counts, EXPERT_AXIS, 0, 0, tiled=True)  # [R src, S]
+  recv_kept = window_counts(recv_counts, 0, cap)
   if transport == "ragged":
     recv_sizes = recv_kept.sum(1)
     recv = _ragged_out(x, token_of_pair, plan, cap, ranks, recv_sizes)
   else:
     recv = _padded_out(x, token_of_pair, rows, cap, ranks)
-  y = _local_experts(recv, recv_kept, expert_weights, options, dropout_key)
+  y = local_experts(recv, recv_kept, expert_weights, options, dropout_key)
   if transport == "ragged":
     back = _ragged_back(y, plan, cap, ranks, recv_sizes)
   else:
@@ -204,8 +237,18 @@ def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, 
   y_pairs = gather_rows(back, rows.row_of_pair, rows.pair_of_row[:, None],
                         rows.row_valid[:, None])  # the one gather out
   y_pairs = jnp.where(rows.pair_kept[:, None], y_pairs, jnp.zeros((), y_pairs.dtype))
+  rounds, dropped = jnp.ones((), jnp.int32), plan.dropped
+  if in_rounds:  # the pairs past the first C of their destination, in further rounds
+    per_dest = plan.counts.sum(1)
+    trips = jax.lax.pmax(jnp.max(-(-per_dest // cap)) - 1, TOKEN_AXES)
+    later = RoundPlan(plan.order, plan.start, per_dest, recv_counts, trips)
+    y_pairs = y_pairs + overflow_rounds(x, expert_weights, dropout_key, later, options=options,
+                                        cap=cap, axis_name=EXPERT_AXIS)
+    rounds, dropped = trips + 1, jnp.zeros_like(dropped)
+  # The weighted combine stays outside the rounds: autodiff gives the routing weights'
+  # gradient.
   y = jnp.einsum("nkd,nk->nd", y_pairs.reshape(n, k, -1).astype(jnp.float32), weights_k)
-  return y.astype(x.dtype), plan.dropped
+  return y.astype(x.dtype), dropped, rounds
 
 
 # ---------------------------------------------------------------- the dispatcher
@@ -264,7 +307,7 @@ def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
     raise ConfigError(f"model.moe.overlap_chunks: the {n} tokens of a MoE layer do not split "
                       f"into {devices} devices x {chunks} chunks")
   chunk_tokens = n // devices // chunks
-  cap = capacity(chunk_tokens * k, ranks, moe.capacity_factor)
+  cap = round_rows(chunk_tokens * k, ranks, moe)
   per_rank = num_experts // ranks
   specs = {name: _weight_spec(name, w, mesh) for name, w in expert_weights.items()}
   tokens = P(TOKEN_AXES, None)
@@ -273,19 +316,23 @@ def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
     expert_weights = {name: _gather_inner(w, specs[name]) for name, w in expert_weights.items()}
     if key is not None:  # distinct LoRA-dropout masks per device
       key = jax.random.fold_in(key, jax.lax.axis_index(TOKEN_AXES))
-    ys, dropped = [], []
+    ys, dropped, rounds = [], [], []
     for i in range(chunks):
       rows = slice(i * chunk_tokens, (i + 1) * chunk_tokens)
       chunk_key = None if key is None else jax.random.fold_in(key, i)
-      y, d = _chunk(x[rows], weights_k[rows], slots[rows], expert_weights, options, chunk_key,
-                    ranks=ranks, per_rank=per_rank, cap=cap, transport=moe.transport)
+      y, d, r = _chunk(x[rows], weights_k[rows], slots[rows], expert_weights, options, chunk_key,
+                       ranks=ranks, per_rank=per_rank, cap=cap, transport=moe.transport,
+                       in_rounds=moe.capacity_factor <= 0)
       ys.append(y)
       dropped.append(d)
+      rounds.append(r)
     total = jax.lax.psum(sum(dropped).astype(jnp.float32), TOKEN_AXES)
-    return jnp.concatenate(ys, axis=0), total
+    # Every chunk's count is already the mesh's maximum (in rounds) or 1.
+    return jnp.concatenate(ys, axis=0), total, functools.reduce(jnp.maximum, rounds)
 
   key_spec = None if dropout_key is None else P()
-  y, dropped = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, specs, key_spec),
-                             out_specs=(tokens, P()))(x, weights, experts, expert_weights,
-                                                      dropout_key)
-  return y, {"dropped_tokens": dropped}
+  y, dropped, rounds = jax.shard_map(local, mesh=mesh,
+                                     in_specs=(tokens, tokens, tokens, specs, key_spec),
+                                     out_specs=(tokens, P(), P()))(x, weights, experts,
+                                                                   expert_weights, dropout_key)
+  return y, {"dropped_tokens": dropped, "all_to_all_rounds": rounds.astype(jnp.float32)}
