@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
       "(its working set compiled per layer part) instead of cfg.memory")
   p.add_argument("--parts-only", action="store_true",
                  help="only the per-part sub-benchmarks (no whole step, no MFU)")
+  p.add_argument("--step-only", action="store_true",
+                 help="only the whole step (no per-part sub-benchmarks, no split)")
   try:
     overrides, rest = split_overrides(argv)
     args = p.parse_args(rest)
@@ -264,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
   devices = jax.devices()[:1]
   if args.planned:
     cfg = dataclasses.replace(cfg, memory=planned_policy(cfg, devices[0]))
-  if args.parts_only:
+  if args.step_only:
+    report = {"preset": cfg.preset, **whole_step(cfg, args.steps, devices)}
+    print(json.dumps(report, indent=2))
+  elif args.parts_only:
     report = {
         "preset": cfg.preset,
         "parts_ms": sub_benchmarks(cfg, args.repeats),

@@ -33,8 +33,14 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
   p.add_argument("--out", default=None, help="output folder (default runs/<preset>-<time>)")
   p.add_argument("--reference", action="store_true",
                  help="run every op on its plain-JAX reference implementation")
-  p.add_argument("--devices", type=int, default=None,
-                 help="simulate this many CPU devices (mesh.devices)")
+  p.add_argument(
+      "--devices", type=int, default=None, metavar="N",
+      help="use the host's first N devices; on a host without accelerators, N simulated "
+      "CPU devices (mesh.devices; with several processes: per process)")
+  p.add_argument(
+      "--device-memory", default=None, metavar="SIZE",
+      help="HBM per device the plan is made for, e.g. 141GB (memory.device_memory; "
+      "default 141GB, less where the device reports less)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   ck = p.add_argument_group("weights and checkpoints (docs/checkpoints.md)")
   ck.add_argument(
@@ -64,13 +70,15 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
   mh.add_argument("--process-id", type=int, default=None)
   mh.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
                   help="a process silent this long counts as dead: the others stop (default 30)")
+  mh.add_argument(
+      "--distributed-timeout", type=int, default=None, metavar="S",
+      help="how long processes wait for each other (and for the coordinator) to start "
+      "(default 300)")
   dry = p.add_argument_group("dry run (docs/dry_run.md)")
   dry.add_argument(
       "--dry-run", action="store_true",
       help="compile the real step for simulated devices from abstract shapes and "
       "report memory (default preset 2p8t on its 2 x 64 mesh)")
-  dry.add_argument("--device-memory", default="141GB",
-                   help="memory per device for the verdict (default 141GB)")
   dry.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
   dry.add_argument("--sweep", action="store_true",
                    help="also compile variants (seq, batch, remat) and print a table")
@@ -107,51 +115,75 @@ def main(argv: list[str] | None = None) -> int:
 
   try:
     cfg = get_preset(args.preset or ("2p8t" if args.dry_run else "tiny"))
-    if args.devices is not None:
-      overrides.setdefault("mesh.devices", str(args.devices))
-    if args.steps is not None:
-      overrides.setdefault("train.steps", str(args.steps))
-    if args.data is not None:
-      overrides.setdefault("train.data", args.data)
-    if args.base_weights is not None:
-      overrides.setdefault("checkpoint.base_weights", args.base_weights)
-    if args.ignore_tensors is not None:
-      overrides.setdefault("checkpoint.ignore_tensors", args.ignore_tensors)
+    for flag, field in ((args.devices, "mesh.devices"), (args.steps, "train.steps"),
+                        (args.data, "train.data"), (args.base_weights, "checkpoint.base_weights"),
+                        (args.ignore_tensors, "checkpoint.ignore_tensors"),
+                        (args.checkpoint_every, "checkpoint.every")):
+      if flag is not None:
+        overrides.setdefault(field, str(flag))
+    if args.device_memory is not None:
+      from hylora.plan.dry_run import parse_bytes
+      overrides.setdefault("memory.device_memory", repr(parse_bytes(args.device_memory)))
     if overrides.get("checkpoint.base_weights"):
       # The checkpoint's config.json sets the architecture; explicit overrides still win.
       from hylora.core.families import adopt_checkpoint
       cfg = adopt_checkpoint(cfg, overrides["checkpoint.base_weights"])
-    if args.checkpoint_every is not None:
-      overrides.setdefault("checkpoint.every", str(args.checkpoint_every))
     if args.resume and args.out is None:
       raise ConfigError("--resume: name the run's folder with --out")
     if args.merge and args.export_adapter is None:
       raise ConfigError("--merge: goes with --export-adapter DIR")
+    if args.distributed_timeout is not None and args.distributed_timeout < 1:
+      raise ConfigError(f"--distributed-timeout: must be >= 1 s, got {args.distributed_timeout}")
     from hylora.io.distributed import resolve
     group = resolve(args.coordinator, args.num_processes, args.process_id)
     if args.reference:
       for field in dataclasses.fields(KernelConfig):
         overrides.setdefault(f"kernels.{field.name}", "reference")
-    cfg = apply_overrides(cfg, overrides).validate()
+    cfg = apply_overrides(cfg, overrides).validate()  # every value, before anything is built
     if args.dry_run:
-      from hylora.plan.dry_run_setup import dry_run_config
-      cfg = dry_run_config(cfg, explicit=overrides)
+      from hylora.plan.dry_run_setup import dry_run_config, dry_run_target, set_xla_flags
+      target = dry_run_target(cfg)
+      cfg = dry_run_config(cfg)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  from meshes.mesh import use_simulated_devices
-  use_simulated_devices(cfg.mesh.devices)
+  from meshes.mesh import request_devices, use_simulated_devices
+  if args.dry_run:
+    set_xla_flags()
+    use_simulated_devices(cfg.mesh.devices)  # a dry run compiles for simulated devices
+  else:
+    request_devices(cfg.mesh.devices)
   if group is not None:
-    from hylora.io.distributed import initialize
-    initialize(group, heartbeat_timeout_s=args.heartbeat_timeout, cpu_collectives=cfg.mesh.devices
-               > 0)
+    from hylora.io.distributed import DEFAULT_TIMEOUT_S, CoordinatorUnreachable, initialize
+    try:
+      initialize(group, timeout_s=args.distributed_timeout or DEFAULT_TIMEOUT_S,
+                 heartbeat_timeout_s=args.heartbeat_timeout,
+                 cpu_collectives=cfg.mesh.devices > 0)
+    except CoordinatorUnreachable as e:
+      print(f"error: process {group.process_id} of {group.num_processes}: {e}", file=sys.stderr)
+      return 1
+
+  from hylora.plan.run_plan import resolve as resolve_plan
+  from hylora.train.mesh import run_mesh
+  import jax
+  try:
+    mesh = run_mesh(cfg.mesh)
+    plan = resolve_plan(cfg, mesh, target=target if args.dry_run else None)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if jax.process_index() == 0:
+    host = len(jax.devices())
+    if mesh.size < host:
+      print(f"using the first {mesh.size} of this host's {host} devices", flush=True)
+    print(plan.text(), flush=True)
 
   if args.dry_run:
     from hylora.plan.dry_run import command
     try:
-      return command(cfg, device_memory=args.device_memory, json_path=args.json,
-                     compile_step=not args.no_compile, run_sweep=args.sweep)
+      return command(cfg, plan=plan, json_path=args.json, compile_step=not args.no_compile,
+                     run_sweep=args.sweep)
     except ConfigError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
@@ -162,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
   from hylora.core.errors import CheckpointError, TrainingHalted, WeightsError
   try:
     summary = train(cfg, out, progress=not args.quiet, resume=args.resume,
-                    export_adapter=args.export_adapter, merge=args.merge)
+                    export_adapter=args.export_adapter, merge=args.merge, plan=plan)
   except (ConfigError, DataError, WeightsError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -180,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(mesh {summary['mesh']}), loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f}, {summary['steps_per_s']:.2f} steps/s, "
         f"{summary['tokens_per_s']:.0f} tokens/s, compile {summary['compile_seconds']:.1f} s")
-  print(f"outputs: {out}/ (metrics.jsonl, config.json, loss.png, summary.json)")
+  print(f"outputs: {out}/ (metrics.jsonl, config.json, plan.json, loss.png, summary.json)")
   if args.export_adapter:
     print(f"adapter: {args.export_adapter}/ (adapter_config.json, adapter_model.safetensors" +
           (", merged/" if args.merge else "") + ")")

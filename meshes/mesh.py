@@ -32,6 +32,37 @@ def use_simulated_devices(count: int) -> None:
     ensure_cpu_devices(count)
 
 
+def request_devices(count: int) -> None:
+  """`count > 0`: the run wants `count` devices: the host's first ones where it has
+  accelerators, else that many simulated CPU devices (asked for here). Must run before
+  JAX initialises a backend."""
+  ensure_cpu_devices(count)
+
+
+def mesh_devices(request, devices: list) -> list:
+  """The devices a mesh of `request` uses out of `devices` (all processes', in order).
+
+  One process: the first `request.devices` when that is > 0, else the first fsdp x
+  expert of a fixed mesh, else all. Several processes: all of them, each process
+  contributing `request.devices` (when > 0) of its own."""
+  per_host = getattr(request, "devices", 0)
+  kind = devices[0].platform if devices else "no"
+  if jax.process_count() > 1:
+    local = len(jax.local_devices())
+    if per_host > 0 and per_host != local:
+      raise MeshShapeError(f"mesh.devices: {per_host} per process, but this process has "
+                           f"{local} {kind} devices; a multi-process run uses all of them")
+    return devices
+  want = per_host if per_host > 0 else request.fsdp * request.expert if request.fsdp >= 1 else 0
+  if want <= 0 or want == len(devices):
+    return devices
+  if want > len(devices):
+    hint = " (JAX_PLATFORMS=cpu simulates them on the CPU)" if kind != "cpu" else ""
+    raise MeshShapeError(f"mesh: the run asks for {want} devices, this host has "
+                         f"{len(devices)} {kind} device(s){hint}")
+  return devices[:want]
+
+
 def mesh_shape(request, device_count: int) -> tuple[int, int]:
   """(fsdp, expert) for `request` (anything with `fsdp` and `expert` sizes; fsdp=-1 fills
   what the devices leave) on `device_count` devices."""
@@ -57,8 +88,9 @@ def mesh_shape(request, device_count: int) -> tuple[int, int]:
 
 
 def build_mesh(request, devices=None) -> jax.sharding.Mesh:
-  """The mesh `request` (its `fsdp` and `expert` sizes) asks for over `devices` (default: all)."""
-  devices = list(jax.devices() if devices is None else devices)
+  """The mesh `request` (its `fsdp` and `expert` sizes) asks for over `devices` (default:
+  the host's, as `mesh_devices` picks them)."""
+  devices = mesh_devices(request, jax.devices()) if devices is None else list(devices)
   shape = mesh_shape(request, len(devices))
   grid = np.asarray(devices, dtype=object).reshape(shape)
   return jax.sharding.Mesh(grid, AXES)

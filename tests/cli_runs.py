@@ -25,6 +25,23 @@ TINY = [
     "--train.seq_len=64", "--train.batch_size=8", "--train.learning_rate=2e-2",
     "--train.warmup_steps=2", "--quiet"
 ]
+# The 2p8t preset scaled down (every width and count, 4 layers) with everything else its
+# own: the L L L S pattern, two dense layers, top-k sigmoid routing over many experts with
+# a shared expert, the vision tower, rank-16 adapters, and the default plan.
+SCALED_2P8T = [
+    "--preset", "2p8t", "--model.vocab_size=512", "--model.d_model=64", "--model.layers=4",
+    "--model.dense_ffn=128", "--model.linear_attention.heads=2",
+    "--model.linear_attention.head_dim=32", "--model.linear_attention.gate_rank=16",
+    "--model.linear_attention.output_gate_rank=16", "--model.sparse_attention.q_heads=4",
+    "--model.sparse_attention.kv_heads=2", "--model.sparse_attention.head_dim=16",
+    "--model.sparse_attention.top_k=32", "--model.sparse_attention.index_heads=2",
+    "--model.sparse_attention.index_head_dim=16", "--model.sparse_attention.index_q_rank=16",
+    "--model.sparse_attention.block_q=64", "--model.moe.experts=32", "--model.moe.top_k=4",
+    "--model.moe.expert_ffn=32", "--model.vision.image_size=28", "--model.vision.width=32",
+    "--model.vision.layers=1", "--model.vision.heads=2", "--model.vision.mlp=64",
+    "--model.vision.max_tiles=2", "--model.vision.max_image_side=256", "--train.seq_len=128",
+    "--train.batch_size=8", "--train.learning_rate=2e-2", "--train.warmup_steps=1", "--quiet"
+]
 # Enough steps after the first checkpoint (and after the third step) that the kill -9 of
 # the checkpoint and multi-host tests lands while the run is still training.
 STEPS = 16
@@ -54,19 +71,19 @@ def env() -> dict:
   return out
 
 
-def command(*args: str) -> list[str]:
-  return [sys.executable, "-m", "experiments.lora_2p8t", *TINY, *args]
+def command(*args: str, base: list[str] = TINY) -> list[str]:
+  return [sys.executable, "-m", "experiments.lora_2p8t", *base, *args]
 
 
-def launch(*args: str, log: Path | None = None) -> subprocess.Popen:
+def launch(*args: str, log: Path | None = None, base: list[str] = TINY) -> subprocess.Popen:
   sink = open(log, "w") if log else subprocess.DEVNULL
-  return subprocess.Popen(command(*args), cwd=ROOT, env=env(), stdout=sink,
+  return subprocess.Popen(command(*args, base=base), cwd=ROOT, env=env(), stdout=sink,
                           stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-  return subprocess.run(command(*args), cwd=ROOT, env=env(), capture_output=True, text=True,
-                        timeout=timeout)
+def run(*args: str, timeout: float = 900, base: list[str] = TINY) -> subprocess.CompletedProcess:
+  return subprocess.run(command(*args, base=base), cwd=ROOT, env=env(), capture_output=True,
+                        text=True, timeout=timeout)
 
 
 def metrics(out: Path) -> list[dict]:

@@ -73,6 +73,21 @@ def test_unknown_preset():
         "model.moe.bias_update_every": "1",
         "model.moe.bias_update_rate": "0"
     }, "model.moe.bias_update_rate"),
+    ({
+        "model.moe.dispatch": "bogus"
+    }, "model.moe.dispatch: unknown dispatcher 'bogus'; choose one of"),
+    ({
+        "model.moe.round_capacity": "0"
+    }, "model.moe.round_capacity"),
+    ({
+        "kernels.grouped_matmul": "bogus"
+    }, r"kernels.grouped_matmul: unknown implementation 'bogus'; choose one of \['auto', "),
+    ({
+        "kernels.linear_attention": "loop"
+    }, "kernels.linear_attention: unknown implementation 'loop'"),
+    ({
+        "memory.device_memory": "0"
+    }, "memory.device_memory"),
 ])
 def test_validate_names_the_field(changes, field):
   with pytest.raises(ConfigError, match=field):
@@ -85,7 +100,7 @@ def test_cli_help_lists_every_field(capsys):
   assert exit_info.value.code == 0
   out = capsys.readouterr().out
   for name in ("--model.moe.experts=8", "--lora.rank=4", "--mesh.expert=4",
-               "--kernels.linear_attention=auto", "--memory.remat=full", "--train.steps=40"):
+               "--kernels.linear_attention=auto", "--memory.remat=auto", "--train.steps=40"):
     assert name in out
 
 
@@ -93,6 +108,10 @@ def test_cli_help_lists_every_field(capsys):
     (["--preset", "huge"], "unknown preset"),
     (["--model.nope=1"], "unknown config field 'model.nope'"),
     (["--model.moe.top_k=x"], "model.moe.top_k: cannot parse"),
+    (["--model.moe.dispatch=bogus"], "model.moe.dispatch: unknown dispatcher 'bogus'"),
+    (["--kernels.grouped_matmul=bogus"], "kernels.grouped_matmul: unknown implementation"),
+    (["--distributed-timeout", "0"], "--distributed-timeout: must be >= 1 s"),
+    (["--device-memory", "lots"], "--device-memory: expected a positive size"),
 ])
 def test_cli_bad_input_is_one_clear_line(argv, message, capsys):
   assert main(argv) == 2

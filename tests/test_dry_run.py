@@ -22,11 +22,9 @@ from hylora.train import state as st
 ROOT = Path(__file__).resolve().parents[1]
 
 # The reduced-depth variant: 2p8t widths, 896 experts, top-16, one 4-layer period
-# (2 dense + 2 MoE layers). Short rows and remat=none keep the compile CI-sized: the
-# argument bytes, counts and shardings checked here do not depend on either.
-REDUCED = [
-    "--model.layers=4", "--train.batch_size=128", "--train.seq_len=64", "--memory.remat=none"
-]
+# (2 dense + 2 MoE layers), the default plan. Short rows keep the compile CI-sized: the
+# argument bytes, counts and shardings checked here do not depend on them.
+REDUCED = ["--model.layers=4", "--train.batch_size=128", "--train.seq_len=64"]
 
 
 def _command(*args: str) -> subprocess.Popen:
@@ -173,13 +171,20 @@ def test_argument_bytes_match_the_analytic_figure(reduced):
   assert "verdict: fits" in out and "peak host memory" in out
 
 
-def test_report_names_its_implementations_and_dry_run_choices(reduced):
+def test_the_dry_run_compiles_the_default_plan_and_names_its_stand_ins(reduced):
   report, out = reduced
-  impls, step = report["implementations"], report["step"]
-  assert impls["grouped_matmul"] == impls["grouped_lora"] == "loop"
-  assert step["capacity_factor"] == 1.25
-  assert any("capacity_factor=1.25" in line for line in report["stand_ins"])
-  assert "grouped_matmul=loop" in out and "dry-run choice: kernels.grouped_matmul=loop" in out
+  plan, step = report["plan"], report["step"]
+  assert out.startswith(report["plan_text"])  # printed first, as the run prints it
+  assert plan["target"] == "gpu" and plan["compiled_on"] == "cpu"
+  experts = plan["experts"]
+  assert experts["dispatcher"] == step["dispatch"] == "ep_alltoall"
+  assert not experts["drops"] and step["capacity_factor"] == 0  # dropless, in rounds
+  assert 0 < experts["rows_per_round"] and 0 < experts["buffer_bytes"] < 2e9
+  assert plan["memory"]["planned"] and step["remat"] == plan["memory"]["policy"]
+  impls = report["implementations"]
+  assert impls["grouped_matmul"] == impls["grouped_lora"] == "mosaic"  # the GPU's kernels
+  assert "grouped_matmul: loop stands in for mosaic on cpu" in report["stand_ins"]
+  assert "stand-in on XLA:CPU: grouped_matmul: loop stands in for mosaic on cpu" in out
   # the planner counts the tokens the batch sharding gives each device
   assert step["micro_batch_tokens_per_device"] * step["grad_accum"] == step["tokens_per_device"]
   assert report["memory_plan"]["best_plan"].count(f"{step['tokens_per_device']} tokens") == 1

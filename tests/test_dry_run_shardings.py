@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import pytest
 from flax import nnx
 
-from hylora.plan.dry_run_setup import DRY_RUN_CAPACITY_FACTOR, dry_run_config
+from hylora.plan.dry_run_setup import dry_run_config, dry_run_target
 from hylora.plan.save_point_sizes import tokens_per_device
-from hylora.core.overrides import apply_overrides
 from hylora.core.presets import get_preset
 from hylora.train import state as st
 from meshes.rules import PARAM_RULES, logical_to_spec
@@ -62,11 +62,8 @@ def test_planner_counts_the_tokens_the_dry_run_shards():
   assert tokens_per_device(cfg, (2, 64)) == 16384
 
 
-def test_dry_run_config_picks_capacity_and_kernels_unless_named():
-  cfg = dry_run_config(get_preset("2p8t"))
-  assert cfg.mesh.devices == 128 and cfg.model.moe.dispatch == "ep_alltoall"
-  assert cfg.model.moe.capacity_factor == DRY_RUN_CAPACITY_FACTOR
-  assert cfg.kernels.grouped_matmul == "loop"
-  overrides = {"model.moe.capacity_factor": "0", "kernels.grouped_matmul": "reference"}
-  named = dry_run_config(apply_overrides(get_preset("2p8t"), overrides), explicit=overrides)
-  assert named.model.moe.capacity_factor == 0 and named.kernels.grouped_matmul == "reference"
+def test_a_dry_run_changes_nothing_but_the_simulated_device_count():
+  cfg = get_preset("2p8t")
+  assert dry_run_target(cfg) == "gpu" and dry_run_target(get_preset("tiny")) == "cpu"
+  assert dry_run_config(cfg) == dataclasses.replace(
+      cfg, mesh=dataclasses.replace(cfg.mesh, devices=128))

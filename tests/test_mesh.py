@@ -20,13 +20,22 @@ def test_mesh_from_simulated_devices():
 
 
 def test_mesh_larger_than_devices():
-  with pytest.raises(MeshShapeError, match="only 8 are present"):
+  with pytest.raises(MeshShapeError, match="asks for 16 devices, this host has 8 cpu"):
     build_mesh(MeshConfig(fsdp=4, expert=4))
 
 
-def test_mesh_must_use_all_devices():
+def test_a_fixed_mesh_smaller_than_the_host_takes_its_first_devices():
+  mesh = build_mesh(MeshConfig(fsdp=1, expert=4))
+  assert list(mesh.devices.flat) == jax.devices()[:4]
+  assert list(build_mesh(MeshConfig(fsdp=-1, expert=2, devices=6)).devices.flat) == \
+      jax.devices()[:6]
+  with pytest.raises(MeshShapeError, match="mesh.expert: 4 does not divide the 6"):
+    build_mesh(MeshConfig(fsdp=-1, expert=4, devices=6))
+
+
+def test_a_mesh_over_given_devices_must_use_all_of_them():
   with pytest.raises(MeshShapeError, match="must use all of them"):
-    build_mesh(MeshConfig(fsdp=1, expert=4))
+    build_mesh(MeshConfig(fsdp=1, expert=4), jax.devices())
 
 
 def test_experts_not_divisible_by_expert_axis():

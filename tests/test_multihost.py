@@ -2,6 +2,7 @@
 like one process x 8 devices, and a killed process takes the other one down quickly;
 plus the process-group settings from flags and SLURM variables."""
 
+import json
 import socket
 import time
 
@@ -21,36 +22,65 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_match_one_and_a_dead_peer_stops_the_other():
-  reference = cli_runs.comparable(cli_runs.metrics(cli_runs.reference_run()))
+def test_two_processes_match_one_device_and_a_dead_peer_stops_the_other():
+  """The scaled 2p8t model (tests/cli_runs.py) on 2 processes x 4 CPU devices under the
+  default plan (fsdp 2 x expert 4: routed experts per device through the dropless
+  all-to-all, the planner's remat) trains like it does on one device."""
+  base, checked = cli_runs.SCALED_2P8T, 3
+  single = cli_runs.scratch("scaled-2p8t-one-device")
   out, port = cli_runs.scratch("multihost"), _free_port()
   procs = [
-      cli_runs.launch("--steps", str(cli_runs.STEPS), "--devices", "4", "--out", str(out),
-                      "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
-                      str(i), log=cli_runs.scratch(f"multihost-{i}.log")) for i in range(2)
+      cli_runs.launch("--steps", str(cli_runs.STEPS), "--devices", "4", "--mesh.fsdp=2",
+                      "--mesh.expert=4", "--out", str(out), "--coordinator", f"127.0.0.1:{port}",
+                      "--num-processes", "2", "--process-id", str(i), base=base,
+                      log=cli_runs.scratch(f"multihost-{i}.log")) for i in range(2)
   ]
+  one = cli_runs.launch("--steps", str(checked), "--devices", "1", "--mesh.fsdp=1",
+                        "--mesh.expert=1", "--out", str(single), base=base,
+                        log=cli_runs.scratch("one-device.log"))
   try:
-    checked = 3
     cli_runs.wait_for(lambda: len(cli_runs.metrics(out)) >= checked, procs[0],
                       what=f"{checked} steps on two processes")
-    got = cli_runs.comparable(cli_runs.metrics(out))[:checked]
+    assert one.wait(timeout=900) == 0, cli_runs.scratch("one-device.log").read_text()[-2000:]
+    got = cli_runs.metrics(out)[:checked]
+    reference = cli_runs.metrics(single)
     assert [r["step"] for r in got] == list(range(checked))
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in reference[:checked]],
-                               rtol=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in reference],
+                               rtol=2e-3)
     np.testing.assert_allclose([r["grad_norm"] for r in got],
-                               [r["grad_norm"] for r in reference[:checked]], rtol=1e-5)
+                               [r["grad_norm"] for r in reference], rtol=2e-2)
+    assert all(r["dropped_fraction"] == 0 for r in got)
+    plan = json.loads((out / "plan.json").read_text())
+    assert (plan["processes"], plan["devices"], plan["mesh"]) == (2, 8, {"fsdp": 2, "expert": 4})
+    assert plan["experts"]["dispatcher"] == "ep_alltoall" and not plan["experts"]["drops"]
+    assert plan["memory"]["planned"]
+    assert json.loads((single / "plan.json").read_text())["experts"]["dispatcher"] == "dropless"
     assert procs[0].poll() is None  # still training when its peer dies
     cli_runs.kill(procs[1])
     start = time.monotonic()
     procs[0].wait(timeout=90)
     waited = time.monotonic() - start
   finally:
-    for proc in procs:
+    for proc in procs + [one]:
       cli_runs.kill(proc)
   log = cli_runs.scratch("multihost-0.log").read_text()
   assert procs[0].returncode != 0, log[-2000:]
   assert waited < 60, f"the surviving process took {waited:.0f} s to stop"
   assert len(cli_runs.metrics(out)) < cli_runs.STEPS
+
+
+def test_an_unreachable_coordinator_is_one_line_naming_it():
+  port = _free_port()  # nothing listens there
+  start = time.monotonic()
+  done = cli_runs.run("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                      "--process-id", "1", "--distributed-timeout", "2", "--devices", "4",
+                      timeout=120)
+  assert time.monotonic() - start < 60
+  assert done.returncode == 1
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      f"error: process 1 of 2: --coordinator 127.0.0.1:{port}: no coordination service "
+      "answered within 2 s"), done.stderr
 
 
 def test_process_group_from_flags_and_slurm():

@@ -156,11 +156,13 @@ def _norm(save_as: str, n: int, d: int) -> Work:
 class Block:
   """One layer kind: the tensors it holds and the work it does.
 
-  work(cfg, n) -> [Work] for n tokens on one device (rows of train.seq_len)."""
+  work(cfg, n) -> [Work] for n tokens on one device (rows of train.seq_len);
+  ops(cfg) -> the registered ops (hylora.ops.catalog) it calls."""
 
   name: str
   tensors: tuple[Tensor, ...]
   work: Callable[[Config, int], list[Work]]
+  ops: Callable[[Config], tuple[str, ...]] = lambda cfg: ()
 
 
 def _mixer_start(n: int, d: int, hd: int, lora: LoRAConfig | None, names) -> list[Work]:
@@ -355,6 +357,9 @@ def _swiglu_tensors(module: str, kind: str) -> tuple[Tensor, ...]:
   return (_linear(f"{module}/gate_up/kernel", kind), _linear(f"{module}/down/kernel", kind))
 
 
+_SPARSE_OPS = ("sparse_attention.topk_indices", "sparse_attention.attend")
+_EXPERT_OPS = ("grouped_matmul", "grouped_lora")
+
 MIXER_BLOCKS: dict[str, Block] = {
     # Chunked linear attention (GLA / KDA): low-rank decay gate, output gate, delta-rule
     # beta, a per-head output norm.
@@ -367,7 +372,9 @@ MIXER_BLOCKS: dict[str, Block] = {
                 _linear("mixer/out_gate_up/kernel", "attention"),
                 _linear("mixer/beta/kernel", "attention"),
                 Tensor("mixer/head_norm", "norms"),
-            ), _linear_attention_work),
+            ), _linear_attention_work, lambda cfg: ("linear_attention.kda"
+                                                    if cfg.model.linear_attention.delta_rule else
+                                                    "linear_attention.gla",)),
     # Top-K sparse attention and its indexer.
     "sparse":
         Block(
@@ -376,7 +383,7 @@ MIXER_BLOCKS: dict[str, Block] = {
                 _linear("mixer/index_q_up/kernel", "attention"),
                 _linear("mixer/index_k/kernel", "attention"),
                 _linear("mixer/index_w/kernel", "attention"),
-            ), _sparse_attention_work),
+            ), _sparse_attention_work, lambda cfg: _SPARSE_OPS),
     # Kimi Delta Attention as released (Kimi Linear, K3): short convolutions, the A_log /
     # dt_bias decay, beta, a gated output norm; low-rank or full-rank output gate.
     "kda":
@@ -397,7 +404,7 @@ MIXER_BLOCKS: dict[str, Block] = {
             _linear("mixer/g_b_proj/kernel", "attention"),
             _linear("mixer/g_proj/kernel", "attention"),
             Tensor("mixer/o_norm", "norms"),
-        ), _kda_work),
+        ), _kda_work, lambda cfg: ("linear_attention.kda",)),
     # Multi-head latent attention (Kimi Linear, DeepSeek-V3.2, K3), with DeepSeek-V3.2's
     # sparse-attention indexer and K3's output gate where configured.
     "mla":
@@ -416,7 +423,8 @@ MIXER_BLOCKS: dict[str, Block] = {
             Tensor("mixer/indexer/k_norm_scale", "norms"),
             Tensor("mixer/indexer/k_norm_bias", "norms"),
             _linear("mixer/indexer/weights_proj/kernel", "attention"),
-        ), _mla_work),
+        ), _mla_work, lambda cfg: _SPARSE_OPS if cfg.model.mla.index_topk > 0 else
+              ("attention.causal",)),
 }
 
 _ROUTED_TENSORS = (
@@ -435,7 +443,7 @@ FFN_BLOCKS: dict[str, Block] = {
         Block("dense", _swiglu_tensors("ffn/mlp", "dense_ffn"), _dense_ffn_work),
     # Router, routed experts (stacked along the expert axis), shared experts.
     "moe":
-        Block("moe", _ROUTED_TENSORS, _moe_work),
+        Block("moe", _ROUTED_TENSORS, _moe_work, lambda cfg: _EXPERT_OPS),
     # K3's latent MoE: the routed experts run on a narrower projection of the token.
     "latent_moe":
         Block(
@@ -443,7 +451,7 @@ FFN_BLOCKS: dict[str, Block] = {
                 _linear("ffn/routed_expert_down_proj/kernel", "expert_latent", adapter=False),
                 Tensor("ffn/routed_expert_norm/scale", "norms"),
                 _linear("ffn/routed_expert_up_proj/kernel", "expert_latent", adapter=False),
-            ), _latent_moe_work),
+            ), _latent_moe_work, lambda cfg: _EXPERT_OPS),
 }
 
 # Every decoder layer's own tensors, whatever its blocks.
@@ -477,6 +485,17 @@ def mixer_block(kind: str) -> Block:
     raise ConfigError(f"model.pattern: no layer kind {kind!r}; known mixers: "
                       f"{sorted(MIXER_BLOCKS)}")
   return MIXER_BLOCKS[kind]
+
+
+def model_ops(cfg: Config) -> tuple[str, ...]:
+  """Every registered op the model's layers call, and the loss's (sorted)."""
+  ops = {"cross_entropy"}
+  if cfg.model.residual == "depth_mix":
+    ops.add("residual_mix")
+  for mixer, ffn in cfg.model.layer_kinds():
+    ops.update(mixer_block(mixer).ops(cfg))
+    ops.update(ffn_block(ffn).ops(cfg))
+  return tuple(sorted(ops))
 
 
 def ffn_block(kind: str) -> Block:

@@ -13,6 +13,7 @@ from hylora.core.errors import ConfigError
 
 RESIDUALS = ("add", "depth_mix", "block_attention")  # hylora.model.residual
 ACTIVATIONS = ("silu", "situ")  # hylora.model.ffn.activations
+REMAT_POLICIES = ("auto", "none", "full", "minimal", "tiered")  # hylora.model.remat_policy
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,10 @@ class LoRAConfig:
 class MeshConfig:
   fsdp: int = -1  # -1: whatever the device count leaves after `expert`
   expert: int = 1
-  devices: int = 0  # > 0: run on this many simulated CPU devices (0: the devices present)
+  # > 0: the run uses the host's first N devices, N simulated CPU devices on a host without
+  # accelerators (meshes.mesh.request_devices); 0: all devices present (a fixed fsdp x
+  # expert mesh smaller than the host takes its first devices).
+  devices: int = 0
   min_shard_size: int = 0  # parameters with fewer elements stay replicated
 
 
@@ -227,7 +231,12 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-  remat: str = "full"  # "none", "full", "minimal", "tiered"
+  # "auto": the memory planner's policy for the run's devices (hylora.plan.run_plan);
+  # or one of "none", "full", "minimal", "tiered".
+  remat: str = "auto"
+  # The HBM per device that "auto" plans for (and a dry run's verdict uses); a device that
+  # reports less uses its own limit.
+  device_memory: float = 141e9
   hbm_names: tuple[str, ...] = ()  # tiered: save points kept in device memory
   host_names: tuple[str, ...] = ()  # tiered: save points offloaded to pinned host memory
   # tiered: "auto" offloads where the backend has pinned host memory inside jit (GPU, TPU)
@@ -347,8 +356,11 @@ class Config:
            f"must be > 0 when model.moe.bias_update_every > 0, got {moe.bias_update_rate}")
     _check(self.lora.rank >= 1, "lora.rank", f"must be >= 1, got {self.lora.rank}")
     _check(0.0 <= self.lora.dropout < 1.0, "lora.dropout", "must be in [0, 1)")
-    _check(self.memory.remat in ("none", "full", "minimal", "tiered"), "memory.remat",
-           f"must be one of none/full/minimal/tiered, got {self.memory.remat!r}")
+    _check(self.memory.remat in REMAT_POLICIES, "memory.remat",
+           f"must be one of {'/'.join(REMAT_POLICIES)}, got {self.memory.remat!r}")
+    _check(self.memory.device_memory > 0, "memory.device_memory",
+           f"must be > 0 bytes, got {self.memory.device_memory}")
+    _check_registry_names(self)
     _check(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
     _check(t.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {t.grad_accum}")
     _check(t.batch_size % t.grad_accum == 0, "train.batch_size",
@@ -385,6 +397,29 @@ class Config:
           f"{t.seq_len} is not a multiple of model.linear_attention.chunk_size="
           f"{la.chunk_size} (packed rows run whole chunks)")
     return self
+
+
+def _check_registry_names(cfg: Config) -> None:
+  """Names looked up in a registry when the step is built (kernels, dispatcher) are
+  checked here, before anything is built."""
+  from dataclasses import fields
+
+  from hylora.model.ffn.dispatchers import DISPATCHERS
+  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, catalog
+
+  moe = cfg.model.moe
+  _check(moe.dispatch in DISPATCHERS, "model.moe.dispatch",
+         f"unknown dispatcher {moe.dispatch!r}; choose one of {sorted(DISPATCHERS)}")
+  _check(moe.round_capacity > 0, "model.moe.round_capacity",
+         f"must be > 0 (rows per all-to-all round, as a multiple of the mean), got "
+         f"{moe.round_capacity}")
+  registry = catalog()
+  for f in fields(KernelConfig):
+    ops = [op for op, field_name in KERNEL_CHOICE_FIELDS.items() if field_name == f.name]
+    choices = sorted(set.intersection(*(set(registry.choices(op)) for op in ops)))
+    value = getattr(cfg.kernels, f.name)
+    _check(value in choices, f"kernels.{f.name}",
+           f"unknown implementation {value!r}; choose one of {choices}")
 
 
 def _check(ok: bool, name: str, message: str):

@@ -65,12 +65,22 @@ class Position:
                int(meta["nonfinite_in_a_row"]), dict(meta.get("balance") or {}))
 
 
-def data_state(stream) -> dict:
-  """The data stream's position: the Packer's (the same on every process) or every
-  process's ConversationLoader state (gathered, one entry per process)."""
+def stream_snapshot(stream) -> dict:
+  """This process's position of the data stream now (cheap, no collective): what
+  `data_state` saves when the stream has moved on since (a batch fetched ahead)."""
   if hasattr(stream, "position"):
     return {"packer": list(stream.position)}
-  state = stream.state()
+  return dict(stream.state())
+
+
+def data_state(stream, snapshot: dict | None = None) -> dict:
+  """The data stream's position (at `snapshot`, default now): the Packer's (the same on
+  every process) or every process's ConversationLoader state (gathered, one entry per
+  process)."""
+  snapshot = stream_snapshot(stream) if snapshot is None else snapshot
+  if "packer" in snapshot:
+    return {"packer": list(snapshot["packer"])}
+  state = snapshot
   counters = np.asarray([state["next_example"], state["truncated"], state["skipped"]], np.int64)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils

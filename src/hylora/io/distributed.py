@@ -10,13 +10,17 @@ collective that loses its peer fails at once. No process waits forever on a dead
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import socket
+import time
 
 import jax
 
 from hylora.core.errors import ConfigError
 
 DEFAULT_PORT_BASE = 61440  # SLURM runs without --coordinator: port = base + job id % 4096
+DEFAULT_TIMEOUT_S = 300  # how long processes wait for each other to start (JAX's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +78,42 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None,
   return group
 
 
-def initialize(group: ProcessGroup, *, heartbeat_timeout_s: int = 30,
-               cpu_collectives: bool = False) -> None:
-  """Joins the process group; must run before JAX creates its backends."""
+class CoordinatorUnreachable(RuntimeError):
+  """No coordination service answered at the coordinator's address in time."""
+
+
+def wait_for_coordinator(address: str, timeout_s: float, *, poll_s: float = 1.0) -> float:
+  """Waits until something accepts connections at `address` (host:port); returns the
+  seconds left of `timeout_s`. JAX itself aborts the process (no exception) when the
+  service cannot be reached, so processes other than the coordinator check first."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  last = None
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=min(poll_s, timeout_s)):
+        return max(deadline - time.monotonic(), 1.0)
+    except OSError as e:
+      last = e
+    if time.monotonic() + poll_s > deadline:
+      raise CoordinatorUnreachable(
+          f"--coordinator {address}: no coordination service answered within {timeout_s:g} s "
+          f"({last.strerror or last}); is process 0 running there, and is the port open? "
+          "(--distributed-timeout sets the wait)")
+    time.sleep(poll_s)
+
+
+def initialize(group: ProcessGroup, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+               heartbeat_timeout_s: int = 30, cpu_collectives: bool = False) -> None:
+  """Joins the process group within `timeout_s` (every process must have started by
+  then); must run before JAX creates its backends."""
   if cpu_collectives:  # simulated CPU devices talk over gloo (TCP) between processes
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  left = timeout_s
+  if group.process_id != 0:
+    left = wait_for_coordinator(group.coordinator, timeout_s)
   jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id,
-                             initialization_timeout=max(heartbeat_timeout_s, 60),
+                             initialization_timeout=int(math.ceil(left)),
                              heartbeat_timeout_seconds=heartbeat_timeout_s,
                              shutdown_timeout_seconds=heartbeat_timeout_s)
 

@@ -1,5 +1,8 @@
 """Remat policies from `MemoryConfig`, over the save points named in `hylora.core.save_points`.
 
+auto: the memory planner's policy, which a run's plan (hylora.plan.run_plan) resolves into
+one of the others before the step is built; a model used outside a run (no devices to
+plan for) runs it as `full`.
 none: save every residual (no rematerialisation); full: recompute everything inside a
 scanned layer period from its input; minimal: keep the attention cores' outputs and the
 LoRA x@A products, recompute the rest; tiered: keep `hbm_names` in device memory, offload
@@ -20,7 +23,7 @@ from hylora.core import save_points
 from hylora.core.config import MemoryConfig
 from hylora.core.errors import ConfigError
 
-POLICIES = ("none", "full", "minimal", "tiered")
+POLICIES = ("auto", "none", "full", "minimal", "tiered")
 HOST_OFFLOAD = ("auto", "on", "off")
 MINIMAL_NAMES = (save_points.ATTENTION, save_points.LORA_A)
 OFFLOAD_BACKENDS = ("gpu", "cuda", "rocm", "tpu")  # pinned_host inside jit works there
@@ -66,7 +69,7 @@ def tiers(cfg: MemoryConfig, backend: str | None = None) -> tuple[tuple[str, ...
   check(cfg)
   if cfg.remat == "none":
     return save_points.ALL, ()
-  if cfg.remat == "full":
+  if cfg.remat in ("full", "auto"):
     return (), ()
   if cfg.remat == "minimal":
     return MINIMAL_NAMES, ()
@@ -81,7 +84,7 @@ def remat_policy(cfg: MemoryConfig, backend: str | None = None):
   cp = jax.checkpoint_policies
   if cfg.remat == "none":
     return None
-  if cfg.remat == "full":
+  if cfg.remat in ("full", "auto"):
     return cp.nothing_saveable
   hbm, host = tiers(cfg, backend)
   if cfg.remat == "tiered" and cfg.host_names and not host:

@@ -63,12 +63,13 @@ def catalog() -> OpRegistry:
                     per_shard="rows")
   registry.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
   registry.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
-  # Exact, G times the FLOPs, a GPU kernel's memory: what a CPU compile that stands in for
-  # a GPU step (the dry run, docs/dry_run.md) uses. Only ever picked by name.
+  # Exact, G times the FLOPs (as XLA:CPU's own ragged_dot), the GPU kernel's memory: the
+  # CPU's choice, so that a CPU compile of the step (the dry run, docs/dry_run.md) sizes
+  # the grouped matmuls as the GPU runs them. Elsewhere only by name.
   registry.register("grouped_matmul", "loop", f"{_GMM}.loop_over_groups:loop_grouped_matmul",
-                    backends=("cpu", "gpu", "tpu"), priority=-2)
+                    backends=("cpu",))
   registry.register("grouped_lora", "loop", f"{_GMM}.loop_over_groups:loop_grouped_lora",
-                    backends=("cpu", "gpu", "tpu"), priority=-2)
+                    backends=("cpu",))
   registry.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
                     backends=("cpu", "gpu", "tpu"))
   # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).

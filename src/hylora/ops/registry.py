@@ -23,7 +23,8 @@ REFERENCE = "reference"
 PER_SHARD_MODES = ("rows", "linear_recurrence", "sparse_attention", "indexer")
 
 
-def _per_shard_mode(per_shard: bool | str) -> str | None:
+def per_shard_mode(per_shard: bool | str) -> str | None:
+  """How an implementation runs per device (None: XLA partitions it)."""
   if per_shard is False:
     return None
   mode = "rows" if per_shard is True else per_shard
@@ -65,7 +66,7 @@ class Impl:
       module, _, attr = self.target.partition(":")
       fn = getattr(importlib.import_module(module), attr)
     if self.per_shard:
-      return _per_shard_wrappers()[_per_shard_mode(self.per_shard)](fn)
+      return _per_shard_wrappers()[per_shard_mode(self.per_shard)](fn)
     return fn
 
 
@@ -91,7 +92,7 @@ class OpRegistry:
 
   def register(self, op: str, name: str, target, *, backends=("gpu",), priority: int = 0,
                per_shard: bool | str = False):
-    _per_shard_mode(per_shard)
+    per_shard_mode(per_shard)
     entry = self.entry(op)
     if name in (REFERENCE, AUTO):
       raise ValueError(f"implementation name {name!r} is reserved")

@@ -6,8 +6,8 @@ gradient accumulation, AdamW update). Its inputs are `jax.ShapeDtypeStruct`s car
 the run's shardings: parameters from `state.abstract_arrays`, the optimizer state from
 `jax.eval_shape(optimizer.init)` with `Trainer.optimizer_sharding`, the batch with
 `Trainer.batch_sharding`. No weight is ever materialised. What is compiled is the run's
-configuration with the choices of `hylora.plan.dry_run_setup` (capacity factor, kernels
-whose CPU lowering allocates what the GPU kernels allocate, XLA:CPU flags).
+own plan (`hylora.plan.run_plan`), with the stand-ins and XLA:CPU flags of
+`hylora.plan.dry_run_setup`, which the report names.
 
 Memory figures (bytes per device):
   weights / lora / grads / optimizer / batch: the per-device shard of every array, from
@@ -40,7 +40,8 @@ from hylora.core.architecture import parameter_kind, stacked_position
 from hylora.core.config import Config
 from hylora.plan.compiled_program import (captured_stderr, involuntary_replications, largest_values)
 from hylora.plan.dry_run_report import format_report, format_sweep
-from hylora.plan.dry_run_setup import implementations, set_xla_flags, stand_ins
+from hylora.plan.dry_run_setup import dry_run_target, set_xla_flags
+from hylora.plan import run_plan
 from hylora.core.errors import ConfigError
 from hylora.train import state as st
 from hylora.train.step import BATCH_KEYS
@@ -241,16 +242,19 @@ def check_devices(cfg: Config) -> None:
                       f"{have} (is XLA_FLAGS forcing another host device count?)")
 
 
-def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
-            compile_step: bool = True) -> dict:
-  """Builds the mesh, compiles the step from abstract inputs, returns the report."""
+def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *, compile_step: bool = True,
+            target: str | None = None, plan: run_plan.RunPlan | None = None) -> dict:
+  """Builds the mesh, compiles the step of `plan` (default: the run's plan for `target`,
+  itself by default `dry_run_target(cfg)`) from abstract inputs, returns the report."""
   from hylora.train.trainer import Trainer
   from hylora.train.mesh import run_mesh
 
   cfg = cfg.validate()
   check_devices(cfg)
   mesh = run_mesh(cfg.mesh)
-  trainer = Trainer(cfg, mesh)
+  plan = plan or run_plan.resolve(cfg, mesh, target=target or dry_run_target(cfg))
+  trainer = Trainer(cfg, mesh, plan)
+  cfg = trainer.cfg  # the plan's choices in place of "auto"
   lora, opt_state, frozen, batch = abstract_inputs(trainer)
   counts = param_count.count_params(cfg, lora, frozen)
   rows = array_table(lora, frozen)
@@ -271,14 +275,14 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
     replicated = involuntary_replications(log.read())
     memory.update(xla_bytes(trainer.compiled))
     largest = largest_values(trainer.compiled.as_text())
-  plan = memory_plan(cfg, mesh, device_memory)
+  planner = memory_plan(cfg, mesh, device_memory)
   # The verdict's figure: XLA's peak when compiled, else the planner's GPU-side
   # prediction, else the analytic lower bound.
   if compile_step:
     source = "xla_peak"
-  elif plan is not None and "error" not in plan:
+  elif planner is not None and "error" not in planner:
     source = "planner_peak"
-    memory["planner_peak"] = plan["predicted_peak"]
+    memory["planner_peak"] = planner["predicted_peak"]
   else:
     source = "analytic_peak"
   peak = memory[source]
@@ -295,11 +299,12 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
       },
       "bytes_per_device": memory,
       "compile_seconds": trainer.compile_seconds if compile_step else None,
+      "program_fingerprint": trainer.program_fingerprint,
       "compiled": compile_step,
       "device_memory": device_memory,
       "fits": bool(peak <= device_memory),
       "peak_source": source,
-      "memory_plan": plan,
+      "memory_plan": planner,
       "step": {
           "layers": m.layers,
           "batch_size": tc.batch_size,
@@ -313,8 +318,10 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *,
           "capacity_factor": m.moe.capacity_factor,
           "backend": jax.default_backend()
       },
-      "implementations": implementations(cfg.kernels),
-      "stand_ins": stand_ins(cfg),
+      "plan": plan.to_dict(),
+      "plan_text": plan.text(),
+      "implementations": {o.op: o.implementation for o in plan.ops},
+      "stand_ins": plan.stand_ins(),
       "partitioner_replications": replicated,
       "largest_values": largest,
       "shardings": sharding_summary(rows),
@@ -368,7 +375,7 @@ def _sweep_row(label: str, r: dict) -> dict:
 
 
 def sweep(cfg: Config, device_memory: float, *, compile_step: bool = True, base: dict | None = None,
-          log=print) -> list[dict]:
+          log=print, target: str | None = None) -> list[dict]:
   """One row per `sweep_variants` entry; `base`: the report of `cfg` itself, if made."""
   rows = []
   for label, variant in sweep_variants(cfg):
@@ -377,7 +384,7 @@ def sweep(cfg: Config, device_memory: float, *, compile_step: bool = True, base:
       rows.append(_sweep_row(label, base))
       continue
     try:
-      r = dry_run(variant, device_memory, compile_step=compile_step)
+      r = dry_run(variant, device_memory, compile_step=compile_step, target=target)
     except PlanDoesNotFit as e:
       s = variant.train
       rows.append({
@@ -397,13 +404,13 @@ def sweep(cfg: Config, device_memory: float, *, compile_step: bool = True, base:
 # ---- command line ---------------------------------------------------------------------
 
 
-def command(cfg: Config, *, device_memory: str | float, json_path: str | None = None,
+def command(cfg: Config, *, plan: run_plan.RunPlan, json_path: str | None = None,
             compile_step: bool = True, run_sweep: bool = False) -> int:
-  """`--dry-run`: prints the report (and the sweep table); 0 fits, 1 does not fit."""
-  set_xla_flags()
-  memory = parse_bytes(device_memory) if isinstance(device_memory, str) else device_memory
+  """`--dry-run` of `plan` (printed already): prints the report (and the sweep table);
+  0 fits, 1 does not fit. The verdict's budget is the plan's (memory.device_memory)."""
+  memory = cfg.memory.device_memory
   try:
-    report = dry_run(cfg, memory, compile_step=compile_step)
+    report = dry_run(cfg, memory, compile_step=compile_step, plan=plan)
   except PlanDoesNotFit as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
@@ -412,7 +419,8 @@ def command(cfg: Config, *, device_memory: str | float, json_path: str | None = 
     print(
         "\nhow the peak moves (one factor at a time" +
         ("; each row is a compile):" if compile_step else "; not compiled):"), flush=True)
-    report["sweep"] = sweep(cfg, memory, compile_step=compile_step, base=report)
+    report["sweep"] = sweep(cfg, memory, compile_step=compile_step, base=report,
+                            target=plan.target)
     print(format_sweep(report["sweep"], memory))
     report["host_peak_bytes"] = host_peak_bytes()
   if json_path:

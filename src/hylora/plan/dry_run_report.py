@@ -20,11 +20,8 @@ def format_report(r: dict) -> str:
       f"batch split {s['batch_spec']} -> {s['tokens_per_device']} tokens per device; "
       f"remat {s['remat']}, dispatch {s['dispatch']}, compiled for {s['backend']}",
   ]
-  impls = r.get("implementations") or {}
-  if impls:
-    lines.append("  kernels: " + ", ".join(f"{op}={name}" for op, name in impls.items()))
   for line in r.get("stand_ins") or ():
-    lines.append(f"  dry-run choice: {line}")
+    lines.append(f"  stand-in on XLA:CPU: {line}")
   ideal = s["batch_size"] * s["seq_len"] // r["devices"]
   if s["tokens_per_device"] > ideal:
     lines.append(f"  note: {s['batch_size']} rows cannot be split over {r['devices']} devices, so "
@@ -77,7 +74,8 @@ def format_report(r: dict) -> str:
     lines += ["    " + line for line in plan["best_plan"].splitlines()]
   lines.append("")
   if r["compiled"]:
-    lines.append(f"  compile: {r['compile_seconds']:.1f} s (lower + compile of the real step)")
+    lines.append(f"  compile: {r['compile_seconds']:.1f} s (lower + compile of the real step; "
+                 f"program {r['program_fingerprint']})")
   else:
     lines.append(f"  compile: skipped (--no-compile); the verdict uses {r['peak_source']}")
   lines.append(f"  peak host memory: {r['host_peak_bytes'] / GB:.2f} GB")

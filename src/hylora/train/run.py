@@ -14,7 +14,8 @@ import numpy as np
 from tqdm import tqdm
 
 from hylora.io import peft_export
-from hylora.io.checkpoint import Checkpoints, Position, data_state, restore_data, trim_metrics
+from hylora.io.checkpoint import (Checkpoints, Position, data_state, restore_data, stream_snapshot,
+                                  trim_metrics)
 from hylora.core.config import Config
 from hylora.io.distributed import local_rows
 from hylora.core.errors import ConfigError, TrainingHalted
@@ -23,6 +24,7 @@ from hylora.data.stream import open_stream
 from hylora.train.balancer import ExpertBalancer
 from hylora.train.trainer import Trainer
 from hylora.train.mesh import run_mesh
+from hylora.plan.run_plan import RunPlan, resolve as resolve_plan
 
 
 def write_config(cfg: Config, out: Path) -> None:
@@ -47,14 +49,17 @@ def plot_loss(metrics_path: Path, png_path: Path) -> None:
 
 
 def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bool = False,
-          export_adapter: str | Path | None = None, merge: bool = False) -> dict:
+          export_adapter: str | Path | None = None, merge: bool = False,
+          plan: RunPlan | None = None) -> dict:
   """Trains to `train.steps` total steps; `resume` continues from the latest checkpoint
   under `out_dir` (docs/checkpoints.md); `export_adapter` writes the PEFT adapter at
-  the end (with `merge`, also the merged model)."""
+  the end (with `merge`, also the merged model). `plan`: the run's resolved choices
+  (default: resolved for the devices here); written beside config.json."""
   cfg = cfg.validate()
   out = Path(out_dir)
   primary = jax.process_index() == 0  # one process writes the run's files
   mesh = run_mesh(cfg.mesh)
+  plan = plan or resolve_plan(cfg, mesh)
   tc, cc = cfg.train, cfg.checkpoint
   stream = open_stream(cfg)  # before the model: bad data fails fast
   ckpt = Checkpoints(out, every=cc.every, keep=cc.keep, async_save=cc.async_save)
@@ -66,14 +71,15 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
     ckpt.check_config(latest, cfg)  # a mismatch fails before the model is built
   if primary:
     write_config(cfg, out)
-  trainer = Trainer(cfg, mesh)
+    plan.write(out)
+  trainer = Trainer(cfg, mesh, plan)
   lora, opt_state, frozen = trainer.init(base_weights=cc.base_weights)
   if latest is not None:
     abstract = lambda tree: jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     lora, opt_state, position = ckpt.restore(latest, cfg, abstract(lora), abstract(opt_state))
     stream = restore_data(stream, position.data)
-  balancer = ExpertBalancer(cfg, mesh, frozen)
+  balancer = ExpertBalancer(trainer.cfg, mesh, frozen)
   frozen = balancer.restore(position.balance, frozen)  # a checkpoint's expert placement
   metrics_path = out / "metrics.jsonl"
   if primary:
@@ -83,15 +89,21 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
              disable=not (progress and primary), dynamic_ncols=True, initial=position.step,
              total=tc.steps)
   first_step, step_times = position.step, []
+  next_batch = lambda: trainer.put_batch(stream.next_batch(tc.batch_size))  # this process's rows
+  batch = next_batch() if position.step < tc.steps else None
+  start = time.perf_counter()
   with open(metrics_path, "a") if primary else contextlib.nullcontext() as log:
     for step in bar:
-      batch = trainer.put_batch(stream.next_batch(tc.batch_size))  # this process's rows
       if trainer.compiled is None:
         trainer.compile(lora, opt_state, frozen, batch)
-      start = time.perf_counter()
+        start = time.perf_counter()
       lora, opt_state, metrics = trainer.step(lora, opt_state, frozen, batch, step)
+      # While the device runs the step: the stream's position after it, the next batch.
+      data_after_step = stream_snapshot(stream)
+      batch = next_batch() if step + 1 < tc.steps else None
       metrics = jax.device_get(metrics)
-      seconds = time.perf_counter() - start
+      now = time.perf_counter()
+      seconds, start = now - start, now  # step to step: the loop's own time counts
       balance = balancer.observe(metrics.pop("expert_load"))
       lora, opt_state, frozen, changes = balancer.after_step(step + 1, lora, opt_state, frozen)
       skipped = bool(metrics["skipped"] > 0)
@@ -114,7 +126,7 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
       step_times.append(seconds)
       halted = position.nonfinite_in_a_row >= tc.max_nonfinite_in_a_row
       if halted or ckpt.due(position.step, tc.steps):
-        position.data = data_state(stream)
+        position.data = data_state(stream, data_after_step)
         position.balance = balancer.state(frozen)
         ckpt.save(position, cfg, lora, opt_state)
       if halted:
@@ -148,6 +160,9 @@ def _summary(cfg, mesh, trainer, out, metrics_path, first_step, step_times, stre
       "final_loss": losses[-1],
       "skipped_steps": int(sum(r.get("skipped", 0) for r in rows)),
       "compile_seconds": trainer.compile_seconds,
+      "program_fingerprint": trainer.program_fingerprint,
+      "remat": trainer.cfg.memory.remat,
+      "dispatch": trainer.cfg.model.moe.dispatch,
       "steps_per_s": 1.0 / float(np.mean(steady)),
       "tokens_per_s": tc.batch_size * tc.seq_len / float(np.mean(steady)),
       "out": str(out),

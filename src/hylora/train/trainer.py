@@ -3,6 +3,7 @@ sharded parameters and optimizer state, and the batch placement."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
 from hylora.model.ffn import expert_parallel
+from hylora.plan import run_plan
 from hylora.train import state as st
 from hylora.train.optimizer import learning_rate_schedule, make_optimizer
 from hylora.train.step import BATCH_KEYS, IMAGE_KEYS, make_train_step
@@ -30,7 +32,11 @@ def check_model_fits_mesh(cfg: Config, mesh: jax.sharding.Mesh) -> None:
 
 class Trainer:
 
-  def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+  def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, plan: run_plan.RunPlan | None = None):
+    """`plan`: the run's resolved choices (default: resolved here for `mesh`); the step is
+    built from `plan.apply(cfg)`."""
+    self.plan = plan or run_plan.resolve(cfg, mesh)
+    cfg = self.plan.apply(cfg)
     check_model_fits_mesh(cfg, mesh)
     self.cfg, self.mesh = cfg, mesh
     self.parts = st.model_parts(cfg, cfg.train.seed)
@@ -43,6 +49,7 @@ class Trainer:
     self._step_fn = make_train_step(cfg, self.parts, self.optimizer, self.schedule)
     self.compiled = None
     self.compile_seconds = 0.0
+    self.program_fingerprint = ""
 
   def init(self, seed: int | None = None, base_weights: str = ""):
     """(lora, opt_state, frozen), all sharded over the mesh; with `base_weights` (an
@@ -107,8 +114,10 @@ class Trainer:
     start = time.perf_counter()
     step = jax.ShapeDtypeStruct((), np.int32)
     options = expert_parallel.xla_options(self.cfg.model.moe, self.mesh.devices.flat[0].platform)
-    self.compiled = self.jitted_step(opt_state, tuple(batch)).lower(lora, opt_state, frozen, batch,
-                                                                    step).compile(options)
+    lowered = self.jitted_step(opt_state, tuple(batch)).lower(lora, opt_state, frozen, batch, step)
+    # What XLA is given (compile flags aside): a dry run and the run it stands for agree.
+    self.program_fingerprint = hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+    self.compiled = lowered.compile(options)
     self.compile_seconds = time.perf_counter() - start
     return self.compiled
 
