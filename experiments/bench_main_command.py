@@ -36,9 +36,11 @@ def _run(args: list[str], log: Path, env: dict) -> None:
 
 def main_command_tokens_per_s(preset: str, steps: int, out: Path, env: dict,
                               extra: list[str]) -> tuple[float, dict]:
-  _run(["experiments.lora_2p8t", "--preset", preset, "--steps",
-        str(steps), "--out",
-        str(out), "--quiet", *extra], out.with_suffix(".log"), env)
+  _run([
+      "experiments.lora_2p8t", "--preset", preset, "--steps",
+      str(steps), "--out",
+      str(out), "--quiet", *extra
+  ], out.with_suffix(".log"), env)
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   seconds = statistics.median(r["step_seconds"] for r in rows[1:])
   plan = json.loads((out / "plan.json").read_text())
@@ -48,7 +50,11 @@ def main_command_tokens_per_s(preset: str, steps: int, out: Path, env: dict,
 def planned_step_tokens_per_s(preset: str, steps: int, out: Path, env: dict,
                               extra: list[str]) -> float:
   out.mkdir(parents=True, exist_ok=True)
-  args = ["experiments.bench_step", "--planned", "--step-only", "--steps", str(steps), "--out", str(out)]
+  args = [
+      "experiments.bench_step", "--planned", "--step-only", "--steps",
+      str(steps), "--out",
+      str(out)
+  ]
   if preset != "gpu-1":
     raise SystemExit("error: --preset: bench_step times the gpu-1 preset only")
   _run([*args, *extra], out / "bench_step.log", env)
@@ -76,15 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     order = ("main", "planned") if r % 2 == 0 else ("planned", "main")
     for side in order:
       if side == "main":
-        sides["main"], plan = main_command_tokens_per_s(args.preset, args.steps,
-                                                        out / f"main-{r}", env, extra)
+        sides["main"], plan = main_command_tokens_per_s(args.preset, args.steps, out / f"main-{r}",
+                                                        env, extra)
       else:
         sides["planned"] = planned_step_tokens_per_s(args.preset, args.bench_steps,
                                                      out / f"planned-{r}", env, extra)
     sides["ratio"] = sides["main"] / sides["planned"]
     rounds.append(sides)
-    print(f"round {r}: main command {sides['main']:.0f} tokens/s, planned step "
-          f"{sides['planned']:.0f} tokens/s, ratio {sides['ratio']:.3f}", flush=True)
+    print(
+        f"round {r}: main command {sides['main']:.0f} tokens/s, planned step "
+        f"{sides['planned']:.0f} tokens/s, ratio {sides['ratio']:.3f}", flush=True)
   report = {
       "preset": args.preset,
       "rounds": rounds,

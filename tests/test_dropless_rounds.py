@@ -32,15 +32,16 @@ def _skewed_slots(n, k, rng, hot, cold=()):
   return slots
 
 
-def _rounds_needed(slots, devices, chunks, ranks, cap):
-  """Rounds the busiest (device, chunk, destination) needs: ceil(its pairs / C)."""
+def _rounds_needed(slots, devices, chunks, ranks, cap, later):
+  """Rounds the busiest (device, chunk, destination) needs: the first of C rows, then
+  ceil(the rest / C') more."""
   per_rank = EXPERTS // ranks
   rows = slots.shape[0] // devices // chunks
   most = 0
   for start in range(0, slots.shape[0], rows):
     dest = slots[start:start + rows].reshape(-1) // per_rank
     most = max(most, np.bincount(dest, minlength=ranks).max())
-  return -(-most // cap)
+  return 1 + -(-max(most - cap, 0) // later)
 
 
 def _case(mesh_shape, slots, *, chunks=1, transport="padded", lora=None, dropout_key=None):
@@ -94,9 +95,9 @@ def test_skewed_routing_takes_several_rounds_and_equals_the_reference():
   rng = np.random.default_rng(0)
   slots = _skewed_slots(64, 2, rng, hot=(0, 1), cold=(6, 7))
   ours, reference, cfg = _case((2, 4), slots, chunks=2)
-  cap = ep.round_rows(8, 4, cfg.model.moe)
-  rounds = _rounds_needed(slots, 8, 2, 4, cap)
-  assert cap == 3 and rounds >= 3
+  cap, later = ep.round_rows(8, 4, cfg.model.moe), ep.later_round_rows(8, 4, cfg.model.moe)
+  rounds = _rounds_needed(slots, 8, 2, 4, cap, later)
+  assert (cap, later) == (3, 1) and rounds >= 3
   assert float(ours[1]["all_to_all_rounds"]) == rounds
   _assert_matches_reference(ours, reference)
 
@@ -110,7 +111,9 @@ def test_ragged_first_round_and_a_shared_lora_a(monkeypatch):
   slots = _skewed_slots(64, 2, rng, hot=(2, 3))
   ours, reference, cfg = _case((1, 8), slots, transport="ragged", lora={"shared_expert_a": True})
   assert reference[2][2]["lora_a"].ndim == 2  # the shared A has no slot axis
-  rounds = _rounds_needed(slots, 8, 1, 8, ep.round_rows(16, 8, cfg.model.moe))
+  moe = cfg.model.moe
+  rounds = _rounds_needed(slots, 8, 1, 8, ep.round_rows(16, 8, moe),
+                          ep.later_round_rows(16, 8, moe))
   assert rounds >= 3 and float(ours[1]["all_to_all_rounds"]) == rounds
   _assert_matches_reference(ours, reference)
 
@@ -215,18 +218,20 @@ def test_buffers_hold_one_round_whatever_the_routing():
   d, f = rounds_cfg.model.d_model, rounds_cfg.model.moe.expert_ffn
   pairs = n // 8 * k
   cap = ep.round_rows(pairs, ranks, rounds_cfg.model.moe)
-  assert cap == 40 and ep.capacity(pairs, ranks, float(ranks)) == pairs
+  later = ep.later_round_rows(pairs, ranks, rounds_cfg.model.moe)  # 0.25 x the mean
+  assert (cap, later) == (40, 8) and ep.capacity(pairs, ranks, float(ranks)) == pairs
   rounds, worst = _compiled(rounds_cfg, mesh, n, k), _compiled(worst_cfg, mesh, n, k)
   # No array of the per-device program (forward and backward) exceeds R * C rows
   assert max(max(s) for s in _shapes(rounds.as_text())) == ranks * cap
   assert max(max(s) for s in _shapes(worst.as_text())) == ranks * pairs
-  # Row transfers move C rows per block, d wide (2d: rows with their cotangents).
+  # Row transfers move C rows per block in the first round, C' in later ones, d wide (2d:
+  # rows with their cotangents).
   moved = {s[-2:] for s in _shapes(rounds.as_text(), "all-to-all") if len(s) == 3}
-  assert moved == {(cap, d), (cap, 2 * d)}
+  assert moved == {(cap, d), (later, d), (later, 2 * d)}
   temp = lambda c: c.memory_analysis().temp_size_in_bytes
   assert temp(rounds) < 0.6 * temp(worst)
   assert ep.round_buffer_bytes(rounds_cfg.model.moe, d, n // 8, ranks,
-                               itemsize=4) == ranks * cap * (6 * d + 3 * f) * 4
+                               itemsize=4) == ranks * (cap + later) * (6 * d + 3 * f) * 4
 
 
 def test_frozen_base_weights_are_refused_a_gradient_through_the_rounds():

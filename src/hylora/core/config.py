@@ -102,6 +102,9 @@ class MoEConfig:
   # <= 0: dropless, the rows moving in all-to-all rounds of `round_capacity` x that mean.
   capacity_factor: float = 0.0
   round_capacity: float = 1.25
+  # Rounds after the first carry this x the mean each (their buffers come on top of the
+  # first round's; few rows overflow a balanced step).
+  overflow_round_capacity: float = 0.25
   transport: str = "padded"  # "padded" all_to_all (any backend) or "ragged" (GPU only)
   overlap_chunks: int = 1  # token chunks per device: one chunk's all-to-all overlaps another's FFN
   aux_loss_kind: str = "global"  # balance loss over the whole batch or per "sequence"
@@ -237,6 +240,9 @@ class MemoryConfig:
   # The HBM per device that "auto" plans for (and a dry run's verdict uses); a device that
   # reports less uses its own limit.
   device_memory: float = 141e9
+  # "auto": the share of device_memory the planner leaves for what its model does not
+  # count (fusion temporaries, the compiler's schedule; docs/memory.md).
+  plan_headroom: float = 0.07
   hbm_names: tuple[str, ...] = ()  # tiered: save points kept in device memory
   host_names: tuple[str, ...] = ()  # tiered: save points offloaded to pinned host memory
   # tiered: "auto" offloads where the backend has pinned host memory inside jit (GPU, TPU)
@@ -360,6 +366,8 @@ class Config:
            f"must be one of {'/'.join(REMAT_POLICIES)}, got {self.memory.remat!r}")
     _check(self.memory.device_memory > 0, "memory.device_memory",
            f"must be > 0 bytes, got {self.memory.device_memory}")
+    _check(0 <= self.memory.plan_headroom < 1, "memory.plan_headroom",
+           f"must be in [0, 1), got {self.memory.plan_headroom}")
     _check_registry_names(self)
     _check(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
     _check(t.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {t.grad_accum}")
@@ -410,9 +418,11 @@ def _check_registry_names(cfg: Config) -> None:
   moe = cfg.model.moe
   _check(moe.dispatch in DISPATCHERS, "model.moe.dispatch",
          f"unknown dispatcher {moe.dispatch!r}; choose one of {sorted(DISPATCHERS)}")
-  _check(moe.round_capacity > 0, "model.moe.round_capacity",
-         f"must be > 0 (rows per all-to-all round, as a multiple of the mean), got "
-         f"{moe.round_capacity}")
+  for name in ("round_capacity", "overflow_round_capacity"):
+    _check(
+        getattr(moe, name) > 0, f"model.moe.{name}",
+        f"must be > 0 (rows per all-to-all round, as a multiple of the mean), got "
+        f"{getattr(moe, name)}")
   registry = catalog()
   for f in fields(KernelConfig):
     ops = [op for op, field_name in KERNEL_CHOICE_FIELDS.items() if field_name == f.name]

@@ -5,7 +5,8 @@ over the layers, one micro-batch) and the time to recompute it (its forward FLOP
 matmul rate plus its bytes at the HBM rate). The peak is the resident state (frozen
 weights, adapters, gradients, Adam moments) + one layer period's gathered weights + the
 saved residuals kept in HBM (with every layer's input: the policy wraps each layer) + the
-working set of one layer's backward + the loss. Host
+working set of one layer's backward (with the all-to-all round buffers of per-device
+routed experts) + the loss. Host
 copies run at `host_bandwidth` each way; the share `host_overlap` of them hides behind
 compute (device-to-host behind the forward, host-to-device behind the backward), the
 rest is added. XLA's compiled peak can still differ from the estimate:
@@ -26,7 +27,8 @@ from hylora.model import remat_policy
 from hylora.core import save_points
 from hylora.core.config import Config, MemoryConfig
 from hylora.core.errors import ConfigError
-from hylora.plan.save_point_sizes import layer_work, resident_bytes, tokens_per_device
+from hylora.plan.save_point_sizes import (dispatch_buffer_bytes, layer_work, resident_bytes,
+                                          tokens_per_device)
 
 GB = 1e9
 TIERS = ("hbm", "host", "recompute")
@@ -114,6 +116,7 @@ class _Model:
   device_memory: int
   host_memory: int
   measured_working: int | None = None  # compiled layer parts (hylora.plan.part_memory)
+  dispatch: int = 0  # a MoE layer's all-to-all round buffers (per-device routed experts)
 
   def recompute_seconds(self, name: str) -> float:
     nbytes, flops = self.points[name]
@@ -129,7 +132,9 @@ class _Model:
     saved = sum(self.points[n][0] for n in hbm) + carries
     host_bytes = sum(self.points[n][0] for n in host)
     layer = self.layer_bytes if self.measured_working is None else self.measured_working
-    working = layer + 3 * self.n * d * 4  # + fp32 cotangents of the stream
+    # + the all-to-all rounds' buffers (a part compiled alone has none), + fp32
+    # cotangents of the stream
+    working = layer + self.dispatch + 3 * self.n * d * 4
     peak = self.resident + self.gathered + saved + working + self.loss_bytes
     recompute = sum(self.recompute_seconds(n) for n in rec)
     copy = self.micro * host_bytes / self.hw.host_bandwidth  # one way
@@ -175,6 +180,7 @@ def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware,
   head = 2.0 * n * m.d_model * m.vocab_size  # the LM head: forward, recomputed, input grad
   micro = cfg.train.grad_accum
   resident, gathered = resident_bytes(cfg, mesh_shape)
+  dispatch = dispatch_buffer_bytes(cfg, mesh_shape)
   loss_bytes = (n * m.d_model * 10 +
                 (2 * DEFAULT_TOKEN_CHUNK + 4 * DEFAULT_LOGITS_CHUNK) * m.vocab_size)
   kept = {name: (int(v[0]), v[1]) for name, v in points.items() if v[0] > 0}
@@ -182,7 +188,8 @@ def _build(cfg: Config, mesh_shape, device_memory_bytes, hw: Hardware,
                 layer_bytes=layer_bytes, forward_seconds=micro * (forward + head) / hw.matmul_flops,
                 backward_seconds=micro * (backward + 2 * head) / hw.matmul_flops, resident=resident,
                 gathered=gathered, loss_bytes=loss_bytes, device_memory=int(device_memory_bytes),
-                host_memory=int(hw.host_memory_bytes), measured_working=working_bytes)
+                host_memory=int(hw.host_memory_bytes), measured_working=working_bytes,
+                dispatch=dispatch)
 
 
 def _search(model: _Model) -> MemoryPlan:

@@ -28,7 +28,7 @@ from hylora.core.errors import ConfigError
 
 GB = 1e9
 PLAN_FILE = "plan.json"
-EP_DISPATCHER, SINGLE_PROGRAM_DISPATCHER = "ep_alltoall", "dropless"
+EP_DISPATCHER = "ep_alltoall"
 EXPERT_OPS = ("grouped_matmul", "grouped_lora")
 
 
@@ -59,7 +59,8 @@ class RematPlan:
   hbm_names: tuple[str, ...]
   host_names: tuple[str, ...]
   planned: bool  # chosen by the memory planner (memory.remat=auto)
-  device_memory: float  # the budget planned for
+  device_memory: float  # the device's budget (memory.device_memory, or the device's limit)
+  planned_for: float  # what the planner filled: the budget less memory.plan_headroom
   predicted_peak: int  # the planner's GPU-side estimate for this policy
   fits: bool
 
@@ -83,15 +84,15 @@ class RunPlan:
     if self.experts is not None:
       moe = dataclasses.replace(moe, dispatch=self.experts.dispatcher)
     memory = dataclasses.replace(cfg.memory, remat=self.memory.policy,
-                                 hbm_names=self.memory.hbm_names,
-                                 host_names=self.memory.host_names)
+                                 hbm_names=self.memory.hbm_names, host_names=self.memory.host_names)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe), memory=memory)
 
   def stand_ins(self) -> list[str]:
     """One line per op compiled here with another implementation than the target's."""
     return [
         f"{o.op}: {o.compiled_as} stands in for {o.implementation} on {self.compiled_on}"
-        for o in self.ops if o.compiled_as
+        for o in self.ops
+        if o.compiled_as
     ]
 
   def to_dict(self) -> dict:
@@ -114,8 +115,8 @@ class RunPlan:
     if e is not None:
       if e.dispatcher == EP_DISPATCHER:
         rounds = (f"drops rows over {e.rows_per_round} per rank (capacity_factor "
-                  f"{e.capacity_factor:g})" if e.drops else
-                  f"dropless, in rounds of {e.rows_per_round} rows per rank "
+                  f"{e.capacity_factor:g})"
+                  if e.drops else f"dropless, in rounds of {e.rows_per_round} rows per rank "
                   f"({e.round_capacity:g} x the mean; more rows, more rounds)")
         lines.append(f"  routed experts: ep_alltoall per device, {e.transport} all-to-all, "
                      f"{e.overlap_chunks} chunk(s), {rounds}; round buffers "
@@ -127,14 +128,15 @@ class RunPlan:
       else:
         lines.append("  routed experts: dropless, one program (sorted rows, grouped matmuls)")
     m = self.memory
-    how = (f"the planner's for {_size(m.device_memory)} per device" if m.planned else "as given")
+    how = (f"the planner's for {_size(m.planned_for)} of {_size(m.device_memory)} per device"
+           if m.planned else "as given")
     lines.append(f"  remat: {m.policy} ({how}; predicted peak {_size(m.predicted_peak)}"
                  f"{'' if m.fits else ', DOES NOT FIT'})")
     if m.policy == "tiered":
       lines.append(f"    in HBM: {', '.join(m.hbm_names) or '-'}; to host: "
                    f"{', '.join(m.host_names) or '-'}; the rest recomputed")
-    ops = ", ".join(f"{o.op}={o.implementation}" + (f" (per device: {o.per_device})"
-                                                     if o.per_device else "") for o in self.ops)
+    ops = ", ".join(f"{o.op}={o.implementation}" +
+                    (f" (per device: {o.per_device})" if o.per_device else "") for o in self.ops)
     lines.append(f"  ops: {ops}")
     return "\n".join(lines)
 
@@ -151,42 +153,36 @@ def _local_devices(mesh):
 
 
 def expert_plan(cfg: Config, mesh_shape: dict, devices: int) -> ExpertPlan | None:
-  from hylora.model.ffn.expert_parallel import round_buffer_bytes, round_rows
+  from hylora.model.ffn.dispatchers import resolved_dispatcher
+  from hylora.model.ffn.expert_parallel import round_rows
+  from hylora.plan.save_point_sizes import dispatch_buffer_bytes, tokens_per_device
 
   m = cfg.model
   if all(ffn not in ("moe", "latent_moe") for _, ffn in m.layer_kinds()):
     return None
   moe = m.moe
-  dispatcher = moe.dispatch
-  if dispatcher == "auto":
-    dispatcher = EP_DISPATCHER if devices > 1 else SINGLE_PROGRAM_DISPATCHER
-  ranks = mesh_shape.get("expert", 1)
-  tc = cfg.train
-  tokens = tc.batch_size // tc.grad_accum * tc.seq_len // devices  # one MoE call, one device
-  width = moe.latent_dim if m.ffn == "latent_moe" else m.d_model
-  rows = round_rows(max(1, tokens // moe.overlap_chunks) * moe.top_k, ranks, moe)
-  buffer = 0
-  if dispatcher == EP_DISPATCHER:
-    buffer = moe.overlap_chunks * round_buffer_bytes(moe, width, tokens, ranks)
-  return ExpertPlan(dispatcher=dispatcher, transport=moe.transport,
+  shape = (mesh_shape.get("fsdp", 1), mesh_shape.get("expert", 1))
+  tokens = tokens_per_device(cfg, shape)  # one MoE call on one device
+  rows = round_rows(max(1, tokens // moe.overlap_chunks) * moe.top_k, shape[1], moe)
+  return ExpertPlan(dispatcher=resolved_dispatcher(moe.dispatch, devices), transport=moe.transport,
                     drops=moe.capacity_factor > 0, capacity_factor=moe.capacity_factor,
-                    round_capacity=moe.round_capacity, rows_per_round=rows, buffer_bytes=buffer,
-                    overlap_chunks=moe.overlap_chunks)
+                    round_capacity=moe.round_capacity, rows_per_round=rows,
+                    buffer_bytes=dispatch_buffer_bytes(cfg,
+                                                       shape), overlap_chunks=moe.overlap_chunks)
 
 
 def remat_plan(cfg: Config, mesh_shape: dict, budget: float) -> RematPlan:
   from hylora.plan.remat_planner import estimate_policy, plan_memory
 
   shape = (mesh_shape.get("fsdp", 1), mesh_shape.get("expert", 1))
+  planning = budget * (1 - cfg.memory.plan_headroom)
   if cfg.memory.remat == "auto":
-    plan = plan_memory(cfg, shape, budget)
-    policy = dataclasses.replace(plan.policy_config(), host_offload=cfg.memory.host_offload,
-                                 device_memory=cfg.memory.device_memory)
-    return RematPlan(policy.remat, tuple(policy.hbm_names), tuple(policy.host_names), True, budget,
-                     plan.predicted_peak_bytes, plan.fits)
+    plan = plan_memory(cfg, shape, planning)
+    return RematPlan(plan.policy, tuple(plan.hbm_names), tuple(plan.host_names), True, budget,
+                     planning, plan.predicted_peak_bytes, plan.fits)
   estimate = estimate_policy(cfg, shape, budget)
   return RematPlan(cfg.memory.remat, tuple(cfg.memory.hbm_names), tuple(cfg.memory.host_names),
-                   False, budget, estimate.predicted_peak_bytes, estimate.fits)
+                   False, budget, budget, estimate.predicted_peak_bytes, estimate.fits)
 
 
 def op_plans(cfg: Config, target: str, compiled_on: str,
@@ -224,8 +220,8 @@ def resolve(cfg: Config, mesh, *, target: str | None = None) -> RunPlan:
                       "choose a policy (full, minimal, tiered, none)") from e
   experts = expert_plan(cfg, shape, int(mesh.size))
   return RunPlan(preset=cfg.preset, devices=int(mesh.size), processes=jax.process_count(),
-                 mesh=shape, target=target, compiled_on=compiled_on, experts=experts,
-                 memory=memory, ops=op_plans(cfg, target, compiled_on, experts))
+                 mesh=shape, target=target, compiled_on=compiled_on, experts=experts, memory=memory,
+                 ops=op_plans(cfg, target, compiled_on, experts))
 
 
 def _size(nbytes: float) -> str:

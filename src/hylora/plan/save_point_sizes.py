@@ -75,6 +75,24 @@ def tokens_per_device(cfg: Config, mesh_shape) -> int:
   return max(1, math.ceil(rows * t.seq_len / _shard_factor(spec, mesh)))
 
 
+def dispatch_buffer_bytes(cfg: Config, mesh_shape) -> int:
+  """One MoE layer's all-to-all round buffers per device when routed experts run per
+  device (hylora.model.ffn.expert_parallel.round_buffer_bytes); 0 otherwise."""
+  from hylora.model.ffn.dispatchers import resolved_dispatcher
+  from hylora.model.ffn.expert_parallel import round_buffer_bytes
+
+  m = cfg.model
+  mesh = _fake_mesh(mesh_shape)
+  devices = math.prod(mesh.shape.values())
+  if (resolved_dispatcher(m.moe.dispatch, devices) != "ep_alltoall" or
+      all(ffn not in ("moe", "latent_moe") for _, ffn in m.layer_kinds())):
+    return 0
+  width = m.moe.latent_dim if m.ffn == "latent_moe" else m.d_model
+  per_chunk = round_buffer_bytes(m.moe, width, tokens_per_device(cfg, mesh_shape),
+                                 mesh.shape["expert"])
+  return m.moe.overlap_chunks * per_chunk
+
+
 def resident_bytes(cfg: Config, mesh_shape) -> tuple[int, int]:
   """(frozen weights + LoRA state, largest layer period's gathered weights) per device."""
   mesh = _fake_mesh(mesh_shape)

@@ -22,3 +22,10 @@ def get_dispatcher(name: str) -> Callable:
     raise ValueError(f"model.moe.dispatch: unknown dispatcher {name!r}; "
                      f"choose one of {sorted(DISPATCHERS)}")
   return DISPATCHERS[name]
+
+
+def resolved_dispatcher(name: str, devices: int) -> str:
+  """The dispatcher "auto" stands for on `devices` devices (other names as given)."""
+  if name != "auto":
+    return name
+  return "ep_alltoall" if devices > 1 else "dropless"

@@ -47,7 +47,7 @@ from hylora.core.config import MoEConfig
 from hylora.core.errors import ConfigError
 from hylora.model.ffn.dispatch import dropless
 from hylora.model.ffn.local_experts import local_experts, window_counts
-from hylora.model.ffn.overflow_rounds import RoundPlan, overflow_rounds
+from hylora.model.ffn.overflow_rounds import RoundPlan, overflow_rounds, rounds_after_first
 from hylora.model.ffn.permute_rows import gather_rows
 from meshes.rules import PARAM_RULES, current_mesh, logical_to_spec
 
@@ -101,25 +101,38 @@ def round_rows(pairs: int, ranks: int, moe: MoEConfig) -> int:
   return capacity(pairs, ranks, moe.round_capacity)
 
 
+def later_round_rows(pairs: int, ranks: int, moe: MoEConfig) -> int:
+  """C': the rows per destination of each round after the first (dropless only; 0 when
+  `capacity_factor > 0`: there are no later rounds)."""
+  if moe.capacity_factor > 0:
+    return 0
+  if moe.overflow_round_capacity <= 0:
+    raise ConfigError(f"model.moe.overflow_round_capacity: must be > 0, got "
+                      f"{moe.overflow_round_capacity}")
+  return min(round_rows(pairs, ranks, moe), capacity(pairs, ranks, moe.overflow_round_capacity))
+
+
 def round_buffer_bytes(moe: MoEConfig, width: int, tokens_per_device: int, ranks: int,
                        itemsize: int = 2) -> int:
-  """Bytes one device's buffers of one all-to-all round hold, for one chunk.
+  """Bytes one device's all-to-all round buffers hold, for one chunk: the first round's
+  and a later round's (both are parts of one layer's program).
 
   moe: the MoE config (top_k, expert_ffn, overlap_chunks, capacity_factor,
-  round_capacity); width: the width of the rows the experts see (d_model, or the latent
-  MoE's latent_dim); tokens_per_device: the tokens of one MoE layer call on one device
-  (a micro-batch's tokens / devices); ranks: the expert-parallel ranks (mesh.expert);
-  itemsize: bytes per activation element.
+  round_capacity, overflow_round_capacity); width: the width of the rows the experts see
+  (d_model, or the latent MoE's latent_dim); tokens_per_device: the tokens of one MoE
+  layer call on one device (a micro-batch's tokens / devices); ranks: the expert-parallel
+  ranks (mesh.expert); itemsize: bytes per activation element.
 
-  Counted: a backward round, the larger: rows and their cotangents out ([R, C, 2 width],
-  sent and received), the rows' gradients back ([R, C, width], sent and received) and
-  the recomputed experts' intermediates ([R*C, 3 expert_ffn]: gate_up's output and the
-  activation). A forward round holds 4 width + 3 expert_ffn per row."""
+  Per row of a round: its backward, the larger, holds rows and their cotangents out
+  ([R, C, 2 width], sent and received), the rows' gradients back ([R, C, width], sent and
+  received) and the recomputed experts' intermediates ([R*C, 3 expert_ffn]: gate_up's
+  output and the activation). A forward round holds 4 width + 3 expert_ffn per row."""
   chunks = moe.overlap_chunks
   if tokens_per_device % chunks:
     raise ConfigError(f"model.moe.overlap_chunks: {tokens_per_device} tokens per device do not "
                       f"split into {chunks} chunks")
-  rows = ranks * round_rows(tokens_per_device // chunks * moe.top_k, ranks, moe)
+  pairs = tokens_per_device // chunks * moe.top_k
+  rows = ranks * (round_rows(pairs, ranks, moe) + later_round_rows(pairs, ranks, moe))
   return rows * (6 * width + 3 * moe.expert_ffn) * itemsize
 
 
@@ -215,7 +228,7 @@ def _ragged_back(y, plan, cap, ranks, recv_sizes):
 
 
 def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, per_rank, cap,
-           transport, in_rounds):
+           transport, later_cap):
   """-> (y [n, d], pairs dropped, all-to-all rounds)."""
   n, k = slots.shape
   plan = plan_sends(slots.reshape(-1), ranks, per_rank, cap)
@@ -238,12 +251,12 @@ def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, 
                         rows.row_valid[:, None])  # the one gather out
   y_pairs = jnp.where(rows.pair_kept[:, None], y_pairs, jnp.zeros((), y_pairs.dtype))
   rounds, dropped = jnp.ones((), jnp.int32), plan.dropped
-  if in_rounds:  # the pairs past the first C of their destination, in further rounds
+  if later_cap:  # dropless: the pairs past the first C of their destination, in more rounds
     per_dest = plan.counts.sum(1)
-    trips = jax.lax.pmax(jnp.max(-(-per_dest // cap)) - 1, TOKEN_AXES)
-    later = RoundPlan(plan.order, plan.start, per_dest, recv_counts, trips)
-    y_pairs = y_pairs + overflow_rounds(x, expert_weights, dropout_key, later, options=options,
-                                        cap=cap, axis_name=EXPERT_AXIS)
+    trips = jax.lax.pmax(rounds_after_first(per_dest, cap, later_cap), TOKEN_AXES)
+    later = RoundPlan(plan.order, plan.start, per_dest, recv_counts, trips, rows.pair_kept)
+    y_pairs = overflow_rounds(y_pairs, x, expert_weights, dropout_key, later, options=options,
+                              first=cap, cap=later_cap, axis_name=EXPERT_AXIS)
     rounds, dropped = trips + 1, jnp.zeros_like(dropped)
   # The weighted combine stays outside the rounds: autodiff gives the routing weights'
   # gradient.
@@ -308,6 +321,7 @@ def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
                       f"into {devices} devices x {chunks} chunks")
   chunk_tokens = n // devices // chunks
   cap = round_rows(chunk_tokens * k, ranks, moe)
+  later_cap = later_round_rows(chunk_tokens * k, ranks, moe)
   per_rank = num_experts // ranks
   specs = {name: _weight_spec(name, w, mesh) for name, w in expert_weights.items()}
   tokens = P(TOKEN_AXES, None)
@@ -322,7 +336,7 @@ def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
       chunk_key = None if key is None else jax.random.fold_in(key, i)
       y, d, r = _chunk(x[rows], weights_k[rows], slots[rows], expert_weights, options, chunk_key,
                        ranks=ranks, per_rank=per_rank, cap=cap, transport=moe.transport,
-                       in_rounds=moe.capacity_factor <= 0)
+                       later_cap=later_cap)
       ys.append(y)
       dropped.append(d)
       rounds.append(r)
