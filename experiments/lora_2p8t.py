@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = get_preset(args.preset or ("2p8t" if args.dry_run else "tiny"))
     for flag, field in ((args.devices, "mesh.devices"), (args.steps, "train.steps"),
                         (args.data, "train.data"), (args.base_weights, "checkpoint.base_weights"),
-                        (args.ignore_tensors, "checkpoint.ignore_tensors"),
-                        (args.checkpoint_every, "checkpoint.every")):
+                        (args.ignore_tensors, "checkpoint.ignore_tensors"), (args.checkpoint_every,
+                                                                             "checkpoint.every")):
       if flag is not None:
         overrides.setdefault(field, str(flag))
     if args.device_memory is not None:
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from hylora.io.distributed import DEFAULT_TIMEOUT_S, CoordinatorUnreachable, initialize
     try:
       initialize(group, timeout_s=args.distributed_timeout or DEFAULT_TIMEOUT_S,
-                 heartbeat_timeout_s=args.heartbeat_timeout,
-                 cpu_collectives=cfg.mesh.devices > 0)
+                 heartbeat_timeout_s=args.heartbeat_timeout, cpu_collectives=cfg.mesh.devices > 0)
     except CoordinatorUnreachable as e:
       print(f"error: process {group.process_id} of {group.num_processes}: {e}", file=sys.stderr)
       return 1

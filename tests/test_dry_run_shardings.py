@@ -65,5 +65,5 @@ def test_planner_counts_the_tokens_the_dry_run_shards():
 def test_a_dry_run_changes_nothing_but_the_simulated_device_count():
   cfg = get_preset("2p8t")
   assert dry_run_target(cfg) == "gpu" and dry_run_target(get_preset("tiny")) == "cpu"
-  assert dry_run_config(cfg) == dataclasses.replace(
-      cfg, mesh=dataclasses.replace(cfg.mesh, devices=128))
+  assert dry_run_config(cfg) == dataclasses.replace(cfg,
+                                                    mesh=dataclasses.replace(cfg.mesh, devices=128))

@@ -31,13 +31,14 @@ def test_two_processes_match_one_device_and_a_dead_peer_stops_the_other():
   out, port = cli_runs.scratch("multihost"), _free_port()
   procs = [
       cli_runs.launch("--steps", str(cli_runs.STEPS), "--devices", "4", "--mesh.fsdp=2",
-                      "--mesh.expert=4", "--out", str(out), "--coordinator", f"127.0.0.1:{port}",
-                      "--num-processes", "2", "--process-id", str(i), base=base,
-                      log=cli_runs.scratch(f"multihost-{i}.log")) for i in range(2)
+                      "--mesh.expert=4", "--out", str(out),
+                      "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                      str(i), base=base, log=cli_runs.scratch(f"multihost-{i}.log"))
+      for i in range(2)
   ]
-  one = cli_runs.launch("--steps", str(checked), "--devices", "1", "--mesh.fsdp=1",
-                        "--mesh.expert=1", "--out", str(single), base=base,
-                        log=cli_runs.scratch("one-device.log"))
+  one = cli_runs.launch("--steps",
+                        str(checked), "--devices", "1", "--mesh.fsdp=1", "--mesh.expert=1", "--out",
+                        str(single), base=base, log=cli_runs.scratch("one-device.log"))
   try:
     cli_runs.wait_for(lambda: len(cli_runs.metrics(out)) >= checked, procs[0],
                       what=f"{checked} steps on two processes")
@@ -45,10 +46,9 @@ def test_two_processes_match_one_device_and_a_dead_peer_stops_the_other():
     got = cli_runs.metrics(out)[:checked]
     reference = cli_runs.metrics(single)
     assert [r["step"] for r in got] == list(range(checked))
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in reference],
-                               rtol=2e-3)
-    np.testing.assert_allclose([r["grad_norm"] for r in got],
-                               [r["grad_norm"] for r in reference], rtol=2e-2)
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in reference], rtol=2e-3)
+    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in reference],
+                               rtol=2e-2)
     assert all(r["dropped_fraction"] == 0 for r in got)
     plan = json.loads((out / "plan.json").read_text())
     assert (plan["processes"], plan["devices"], plan["mesh"]) == (2, 8, {"fsdp": 2, "expert": 4})
@@ -72,9 +72,8 @@ def test_two_processes_match_one_device_and_a_dead_peer_stops_the_other():
 def test_an_unreachable_coordinator_is_one_line_naming_it():
   port = _free_port()  # nothing listens there
   start = time.monotonic()
-  done = cli_runs.run("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                      "--process-id", "1", "--distributed-timeout", "2", "--devices", "4",
-                      timeout=120)
+  done = cli_runs.run("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                      "1", "--distributed-timeout", "2", "--devices", "4", timeout=120)
   assert time.monotonic() - start < 60
   assert done.returncode == 1
   lines = done.stderr.strip().splitlines()

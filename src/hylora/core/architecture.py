@@ -372,9 +372,9 @@ MIXER_BLOCKS: dict[str, Block] = {
                 _linear("mixer/out_gate_up/kernel", "attention"),
                 _linear("mixer/beta/kernel", "attention"),
                 Tensor("mixer/head_norm", "norms"),
-            ), _linear_attention_work, lambda cfg: ("linear_attention.kda"
-                                                    if cfg.model.linear_attention.delta_rule else
-                                                    "linear_attention.gla",)),
+            ), _linear_attention_work, lambda cfg:
+            ("linear_attention.kda"
+             if cfg.model.linear_attention.delta_rule else "linear_attention.gla",)),
     # Top-K sparse attention and its indexer.
     "sparse":
         Block(
@@ -423,8 +423,8 @@ MIXER_BLOCKS: dict[str, Block] = {
             Tensor("mixer/indexer/k_norm_scale", "norms"),
             Tensor("mixer/indexer/k_norm_bias", "norms"),
             _linear("mixer/indexer/weights_proj/kernel", "attention"),
-        ), _mla_work, lambda cfg: _SPARSE_OPS if cfg.model.mla.index_topk > 0 else
-              ("attention.causal",)),
+        ), _mla_work, lambda cfg: _SPARSE_OPS
+              if cfg.model.mla.index_topk > 0 else ("attention.causal",)),
 }
 
 _ROUTED_TENSORS = (

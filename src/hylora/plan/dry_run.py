@@ -320,7 +320,9 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *, compil
       },
       "plan": plan.to_dict(),
       "plan_text": plan.text(),
-      "implementations": {o.op: o.implementation for o in plan.ops},
+      "implementations": {
+          o.op: o.implementation for o in plan.ops
+      },
       "stand_ins": plan.stand_ins(),
       "partitioner_replications": replicated,
       "largest_values": largest,
@@ -419,8 +421,7 @@ def command(cfg: Config, *, plan: run_plan.RunPlan, json_path: str | None = None
     print(
         "\nhow the peak moves (one factor at a time" +
         ("; each row is a compile):" if compile_step else "; not compiled):"), flush=True)
-    report["sweep"] = sweep(cfg, memory, compile_step=compile_step, base=report,
-                            target=plan.target)
+    report["sweep"] = sweep(cfg, memory, compile_step=compile_step, base=report, target=plan.target)
     print(format_sweep(report["sweep"], memory))
     report["host_peak_bytes"] = host_peak_bytes()
   if json_path:
