@@ -40,7 +40,7 @@ SCALED_2P8T = [
     "--model.moe.expert_ffn=32", "--model.vision.image_size=28", "--model.vision.width=32",
     "--model.vision.layers=1", "--model.vision.heads=2", "--model.vision.mlp=64",
     "--model.vision.max_tiles=2", "--model.vision.max_image_side=256", "--train.seq_len=128",
-    "--train.batch_size=8", "--train.learning_rate=2e-2", "--train.warmup_steps=1", "--quiet"
+    "--train.batch_size=8", "--train.learning_rate=2e-3", "--train.warmup_steps=1", "--quiet"
 ]
 # Enough steps after the first checkpoint (and after the third step) that the kill -9 of
 # the checkpoint and multi-host tests lands while the run is still training.

@@ -212,7 +212,9 @@ def test_sweep_varies_one_factor_at_a_time():
   from hylora.plan.dry_run import sweep_variants
   cfg = get_preset("2p8t")
   variants = dict(sweep_variants(cfg))
-  assert list(variants) == ["base", "seq/4", "seq/2", "batch/2", "remat=minimal", "remat=none"]
+  assert list(variants) == [
+      "base", "seq/4", "seq/2", "batch/2", "remat=full", "remat=minimal", "remat=none"
+  ]  # the base: the planner's policy (memory.remat=auto)
   assert variants["seq/4"].train.seq_len == 8192 and variants["seq/4"].train.batch_size == 64
   assert variants["batch/2"].train.batch_size == 32 and variants["batch/2"].train.seq_len == 32768
   assert variants["remat=none"].memory.remat == "none"

@@ -191,7 +191,7 @@ def memory_plan(cfg: Config, mesh, device_memory: float) -> dict | None:
   shape = (mesh.shape["fsdp"], mesh.shape["expert"])
   try:
     this = planner.estimate_policy(cfg, shape, device_memory)
-    best = planner.plan_memory(cfg, shape, device_memory)
+    best = planner.plan_memory(cfg, shape, device_memory * (1 - cfg.memory.plan_headroom))
   except Exception as e:  # the planner must never stop a dry run
     return {"error": f"{type(e).__name__}: {e}"}
   return {

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from hylora.core.config import Config, MemoryConfig
 from hylora.core.errors import ConfigError
@@ -142,14 +143,15 @@ class RunPlan:
 
 
 def device_budget(cfg: Config, mesh) -> float:
-  """memory.device_memory, or less where the devices report a smaller limit."""
-  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in _local_devices(mesh)]
-  limits = [x for x in limits if x]
-  return min([cfg.memory.device_memory, *limits])
-
-
-def _local_devices(mesh):
-  return [d for d in mesh.devices.flat if d.process_index == jax.process_index()][:1]
+  """memory.device_memory, or less where a device reports a smaller limit (the least
+  over all processes: every process must resolve the same plan)."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local[:1]]
+  budget = min([cfg.memory.device_memory, *(x for x in limits if x)])
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    budget = float(np.min(multihost_utils.process_allgather(np.float64(budget))))
+  return budget
 
 
 def expert_plan(cfg: Config, mesh_shape: dict, devices: int) -> ExpertPlan | None:
@@ -164,11 +166,11 @@ def expert_plan(cfg: Config, mesh_shape: dict, devices: int) -> ExpertPlan | Non
   shape = (mesh_shape.get("fsdp", 1), mesh_shape.get("expert", 1))
   tokens = tokens_per_device(cfg, shape)  # one MoE call on one device
   rows = round_rows(max(1, tokens // moe.overlap_chunks) * moe.top_k, shape[1], moe)
+  buffers = dispatch_buffer_bytes(cfg, shape)
   return ExpertPlan(dispatcher=resolved_dispatcher(moe.dispatch, devices), transport=moe.transport,
                     drops=moe.capacity_factor > 0, capacity_factor=moe.capacity_factor,
-                    round_capacity=moe.round_capacity, rows_per_round=rows,
-                    buffer_bytes=dispatch_buffer_bytes(cfg,
-                                                       shape), overlap_chunks=moe.overlap_chunks)
+                    round_capacity=moe.round_capacity, rows_per_round=rows, buffer_bytes=buffers,
+                    overlap_chunks=moe.overlap_chunks)
 
 
 def remat_plan(cfg: Config, mesh_shape: dict, budget: float) -> RematPlan:
