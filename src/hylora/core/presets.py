@@ -5,8 +5,11 @@ released models at full size, read from their published config.json
 
 from __future__ import annotations
 
-from hylora.core.config import (Config, LinearAttentionConfig, LoRAConfig, MeshConfig, ModelConfig,
-                                MoEConfig, SparseAttentionConfig, TrainConfig, VisionConfig)
+import dataclasses
+
+from hylora.core.config import (Config, LinearAttentionConfig, LoRAConfig, MemoryConfig, MeshConfig,
+                                ModelConfig, MoEConfig, SparseAttentionConfig, TrainConfig,
+                                VisionConfig)
 from hylora.core.errors import ConfigError
 
 _TARGET_LINEAR = LinearAttentionConfig(heads=64, head_dim=128, gate_rank=128, output_gate_rank=128,
@@ -91,8 +94,11 @@ def deepseek_v32() -> Config:
 
 def kimi_k3() -> Config:
   """Kimi K3 (2.8T): 128 GPUs (fsdp 2 x expert 64), 64 rows of 16384 tokens (8192 per GPU,
-  1M per step): its 93 layers leave less room than the 2p8t plan (docs/dry_run.md)."""
-  return _released("kimi-k3", MeshConfig(fsdp=2, expert=64), 64, 16384)
+  1M per step): its 93 layers leave less room than the 2p8t plan (docs/dry_run.md).
+  Remat `full`: the planner's model misses a sixth of this step's compiled peak
+  (docs/dry_run.md), so its `auto` plan does not fit."""
+  cfg = _released("kimi-k3", MeshConfig(fsdp=2, expert=64), 64, 16384)
+  return dataclasses.replace(cfg, memory=MemoryConfig(remat="full"))
 
 
 PRESETS = {
