@@ -136,7 +136,7 @@ def configs(args) -> dict:
     moe = dataclasses.replace(base.model.moe, experts=args.experts_per_rank * expert)
     cfg = dataclasses.replace(base, mesh=MeshConfig(fsdp=fsdp, expert=expert),
                               model=dataclasses.replace(base.model, moe=moe)).validate()
-    mesh = run_mesh(cfg.mesh)  # the mesh must use every device; a bad shape is a ConfigError
+    mesh = run_mesh(cfg.mesh, jax.devices())  # every device; a bad shape is a ConfigError
     ep.check_transport(cfg.model.moe.transport, mesh)  # the layer's and the train step's
     tokens = cfg.train.batch_size * cfg.train.seq_len
     for c in args.chunks:

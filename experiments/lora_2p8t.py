@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
       for field in dataclasses.fields(KernelConfig):
         overrides.setdefault(f"kernels.{field.name}", "reference")
     cfg = apply_overrides(cfg, overrides).validate()  # every value, before anything is built
+    from hylora.plan.run_plan import check_choices
+    check_choices(cfg)
     if args.dry_run:
       from hylora.plan.dry_run_setup import dry_run_config, dry_run_target, set_xla_flags
       target = dry_run_target(cfg)

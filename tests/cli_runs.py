@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # lowers the loss: test_train checks that on the reference run.
 TINY = [
     "--model.layers=2", "--model.pattern=linear,sparse", "--model.dense_layers=1",
-    "--train.seq_len=64", "--train.batch_size=8", "--train.learning_rate=2e-2",
-    "--train.warmup_steps=2", "--quiet"
+    "--model.moe.dispatch=dropless", "--train.seq_len=64", "--train.batch_size=8",
+    "--train.learning_rate=2e-2", "--train.warmup_steps=2", "--quiet"
 ]
 # The 2p8t preset scaled down (every width and count, 4 layers) with everything else its
 # own: the L L L S pattern, two dense layers, top-k sigmoid routing over many experts with

@@ -17,7 +17,10 @@ from hylora.core.presets import tiny
 def small_config(**train) -> Config:
   """The tiny preset cut to one `L L L S` period (one dense layer), short rows."""
   cfg = tiny()
-  model = dataclasses.replace(cfg.model, layers=4, dense_layers=1)
+  # One program for the routed experts, as most tests want; the expert-parallel
+  # dispatcher that `auto` picks on a mesh has its own tests.
+  model = dataclasses.replace(cfg.model, layers=4, dense_layers=1,
+                              moe=dataclasses.replace(cfg.model.moe, dispatch="dropless"))
   return dataclasses.replace(
       cfg, model=model, mesh=MeshConfig(fsdp=2, expert=4),
       train=dataclasses.replace(cfg.train, seq_len=64, batch_size=8, **train))

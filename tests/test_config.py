@@ -90,8 +90,9 @@ def test_unknown_preset():
     }, "memory.device_memory"),
 ])
 def test_validate_names_the_field(changes, field):
+  from hylora.plan.run_plan import check_choices
   with pytest.raises(ConfigError, match=field):
-    apply_overrides(get_preset("tiny"), changes).validate()
+    check_choices(apply_overrides(get_preset("tiny"), changes).validate())
 
 
 def test_cli_help_lists_every_field(capsys):

@@ -25,7 +25,7 @@ def _plan(cfg, devices=None, **kw):
 
 
 def test_auto_dispatch_is_expert_parallel_on_a_mesh_and_dropless_on_one_device():
-  cfg = apply_overrides(small_config(), {"mesh.expert": "4", "mesh.fsdp": "2"})
+  cfg = apply_overrides(small_config(), {"model.moe.dispatch": "auto"})
   plan = _plan(cfg)
   assert plan.experts.dispatcher == "ep_alltoall" and not plan.experts.drops
   assert plan.apply(cfg).model.moe.dispatch == "ep_alltoall"
@@ -62,12 +62,15 @@ def test_the_plan_names_the_kernels_the_model_calls_and_their_stand_ins():
       "sparse_attention.attend", "sparse_attention.topk_indices"
   }
   assert ops["grouped_matmul"].implementation == "mosaic"
-  assert ops["grouped_matmul"].compiled_as == "loop"
+  assert ops["grouped_matmul"].compiled_as == "loop"  # the Mosaic kernel's memory on CPU
   assert ops["linear_attention.kda"].per_device == "linear_recurrence"
   assert "grouped_matmul: loop stands in for mosaic on cpu" in plan.stand_ins()
+  assert plan.apply(cfg).kernels.grouped_matmul == "loop"
+  named = apply_overrides(cfg, {"kernels.grouped_matmul": "reference"})
+  assert _plan(named, target="gpu").apply(named).kernels.grouped_matmul == "reference"
   here = _plan(cfg)  # a CPU run: nothing stands in
   assert here.target == "cpu" and not here.stand_ins()
-  assert {o.op: o.implementation for o in here.ops}["grouped_matmul"] == "loop"
+  assert here.apply(cfg).kernels == cfg.kernels
 
 
 def test_a_plan_round_trips_through_its_file(tmp_path):

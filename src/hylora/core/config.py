@@ -349,6 +349,11 @@ class Config:
     _check((moe.latent_dim > 0) == (m.ffn == "latent_moe"), "model.moe.latent_dim",
            f"latent_moe layers need latent_dim > 0 and only they use it (model.ffn={m.ffn!r}, "
            f"latent_dim={moe.latent_dim})")
+    for name in ("round_capacity", "overflow_round_capacity"):
+      _check(
+          getattr(moe, name) > 0, f"model.moe.{name}",
+          f"must be > 0 (rows per all-to-all round, as a multiple of the mean), got "
+          f"{getattr(moe, name)}")
     _check(moe.transport in ("padded", "ragged"), "model.moe.transport",
            f"must be 'padded' or 'ragged', got {moe.transport!r}")
     _check(moe.overlap_chunks >= 1, "model.moe.overlap_chunks",
@@ -368,7 +373,6 @@ class Config:
            f"must be > 0 bytes, got {self.memory.device_memory}")
     _check(0 <= self.memory.plan_headroom < 1, "memory.plan_headroom",
            f"must be in [0, 1), got {self.memory.plan_headroom}")
-    _check_registry_names(self)
     _check(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
     _check(t.grad_accum >= 1, "train.grad_accum", f"must be >= 1, got {t.grad_accum}")
     _check(t.batch_size % t.grad_accum == 0, "train.batch_size",
@@ -405,31 +409,6 @@ class Config:
           f"{t.seq_len} is not a multiple of model.linear_attention.chunk_size="
           f"{la.chunk_size} (packed rows run whole chunks)")
     return self
-
-
-def _check_registry_names(cfg: Config) -> None:
-  """Names looked up in a registry when the step is built (kernels, dispatcher) are
-  checked here, before anything is built."""
-  from dataclasses import fields
-
-  from hylora.model.ffn.dispatchers import DISPATCHERS
-  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, catalog
-
-  moe = cfg.model.moe
-  _check(moe.dispatch in DISPATCHERS, "model.moe.dispatch",
-         f"unknown dispatcher {moe.dispatch!r}; choose one of {sorted(DISPATCHERS)}")
-  for name in ("round_capacity", "overflow_round_capacity"):
-    _check(
-        getattr(moe, name) > 0, f"model.moe.{name}",
-        f"must be > 0 (rows per all-to-all round, as a multiple of the mean), got "
-        f"{getattr(moe, name)}")
-  registry = catalog()
-  for f in fields(KernelConfig):
-    ops = [op for op, field_name in KERNEL_CHOICE_FIELDS.items() if field_name == f.name]
-    choices = sorted(set.intersection(*(set(registry.choices(op)) for op in ops)))
-    value = getattr(cfg.kernels, f.name)
-    _check(value in choices, f"kernels.{f.name}",
-           f"unknown implementation {value!r}; choose one of {choices}")
 
 
 def _check(ok: bool, name: str, message: str):

@@ -63,19 +63,24 @@ def catalog() -> OpRegistry:
                     per_shard="rows")
   registry.register("grouped_matmul", "mosaic", f"{_GMM}:grouped_matmul", backends=("gpu",))
   registry.register("grouped_lora", "mosaic", f"{_GMM}:grouped_lora", backends=("gpu",))
-  # Exact, G times the FLOPs (as XLA:CPU's own ragged_dot), the GPU kernel's memory: the
-  # CPU's choice, so that a CPU compile of the step (the dry run, docs/dry_run.md) sizes
-  # the grouped matmuls as the GPU runs them. Elsewhere only by name.
+  # Exact, G times the FLOPs, a GPU kernel's memory: what a CPU compile that stands in for
+  # a GPU step (the dry run, docs/dry_run.md) uses in place of "mosaic" (STAND_INS). Only
+  # ever picked by name.
   registry.register("grouped_matmul", "loop", f"{_GMM}.loop_over_groups:loop_grouped_matmul",
-                    backends=("cpu",))
+                    backends=("cpu", "gpu", "tpu"), priority=-2)
   registry.register("grouped_lora", "loop", f"{_GMM}.loop_over_groups:loop_grouped_lora",
-                    backends=("cpu",))
+                    backends=("cpu", "gpu", "tpu"), priority=-2)
   registry.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
                     backends=("cpu", "gpu", "tpu"))
   # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
   registry.register("residual_mix", "pallas", f"{_RM}:residual_mix", backends=("gpu",), priority=-2)
   return registry
 
+
+# (op, an implementation) -> the implementation that stands in for it when a step planned
+# for its platform is compiled where it does not run: one allocating the same memory
+# (hylora.plan.run_plan; docs/dry_run.md).
+STAND_INS = {("grouped_matmul", "mosaic"): "loop", ("grouped_lora", "mosaic"): "loop"}
 
 # Which KernelConfig field chooses the implementation of each op.
 KERNEL_CHOICE_FIELDS = {

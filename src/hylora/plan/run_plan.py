@@ -79,14 +79,23 @@ class RunPlan:
   ops: tuple[OpPlan, ...]
 
   def apply(self, cfg: Config) -> Config:
-    """`cfg` with the plan's resolved choices (dispatcher, remat policy) in place of
-    "auto"; every other field as given."""
+    """`cfg` with the plan's resolved choices (dispatcher, remat policy, the stand-ins of
+    catalog.STAND_INS compiled here) in place of "auto"; every other field as given."""
+    from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, STAND_INS
+
     moe = cfg.model.moe
     if self.experts is not None:
       moe = dataclasses.replace(moe, dispatch=self.experts.dispatcher)
     memory = dataclasses.replace(cfg.memory, remat=self.memory.policy,
                                  hbm_names=self.memory.hbm_names, host_names=self.memory.host_names)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe), memory=memory)
+    stand_ins = {
+        KERNEL_CHOICE_FIELDS[o.op]: o.compiled_as
+        for o in self.ops
+        if (o.op, o.implementation) in STAND_INS and o.compiled_as and
+        getattr(cfg.kernels, KERNEL_CHOICE_FIELDS[o.op]) == "auto"
+    }
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe), memory=memory,
+                               kernels=dataclasses.replace(cfg.kernels, **stand_ins))
 
   def stand_ins(self) -> list[str]:
     """One line per op compiled here with another implementation than the target's."""
@@ -142,6 +151,28 @@ class RunPlan:
     return "\n".join(lines)
 
 
+def check_choices(cfg: Config) -> None:
+  """The names a registry looks up when the step is built (the dispatcher, every kernel
+  choice), checked before anything is: a ConfigError naming field, value and choices."""
+  from dataclasses import fields
+
+  from hylora.core.config import KernelConfig
+  from hylora.model.ffn.dispatchers import DISPATCHERS
+  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, catalog
+
+  dispatch = cfg.model.moe.dispatch
+  if dispatch not in DISPATCHERS:
+    raise ConfigError(f"model.moe.dispatch: unknown dispatcher {dispatch!r}; choose one of "
+                      f"{sorted(DISPATCHERS)}")
+  for f in fields(KernelConfig):
+    ops = [op for op, name in KERNEL_CHOICE_FIELDS.items() if name == f.name]
+    choices = sorted(set.intersection(*(set(catalog().choices(op)) for op in ops)))
+    value = getattr(cfg.kernels, f.name)
+    if value not in choices:
+      raise ConfigError(f"kernels.{f.name}: unknown implementation {value!r}; choose one of "
+                        f"{choices}")
+
+
 def device_budget(cfg: Config, mesh) -> float:
   """memory.device_memory, or less where a device reports a smaller limit (the least
   over all processes: every process must resolve the same plan)."""
@@ -191,7 +222,7 @@ def op_plans(cfg: Config, target: str, compiled_on: str,
              experts: ExpertPlan | None) -> tuple[OpPlan, ...]:
   """The implementation of every op the model calls (hylora.core.architecture.model_ops)."""
   from hylora.core.architecture import model_ops
-  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, catalog
+  from hylora.ops.catalog import KERNEL_CHOICE_FIELDS, STAND_INS, catalog
   from hylora.ops.registry import AUTO, per_shard_mode
 
   out = []
@@ -200,6 +231,8 @@ def op_plans(cfg: Config, target: str, compiled_on: str,
     choice = getattr(cfg.kernels, field) if field else AUTO
     there = catalog().pick(op, choice, target)
     here = catalog().pick(op, choice, compiled_on)
+    if compiled_on not in there.backends and (op, there.name) in STAND_INS:
+      here = catalog().pick(op, STAND_INS[(op, there.name)], compiled_on)
     per_device = per_shard_mode(there.per_shard) or ""
     if op in EXPERT_OPS and experts is not None and experts.dispatcher == EP_DISPATCHER:
       per_device = "inside ep_alltoall"
@@ -210,6 +243,7 @@ def op_plans(cfg: Config, target: str, compiled_on: str,
 def resolve(cfg: Config, mesh, *, target: str | None = None) -> RunPlan:
   """The plan of `cfg` on `mesh`; `target`: the platform the plan is for (default: the
   mesh's devices')."""
+  check_choices(cfg)
   compiled_on = mesh.devices.flat[0].platform
   target = target or compiled_on
   shape = {name: int(size) for name, size in mesh.shape.items()}

@@ -24,7 +24,6 @@ from hylora.data.stream import open_stream
 from hylora.train.balancer import ExpertBalancer
 from hylora.train.trainer import Trainer
 from hylora.train.mesh import run_mesh
-from hylora.plan.run_plan import RunPlan, resolve as resolve_plan
 
 
 def write_config(cfg: Config, out: Path) -> None:
@@ -49,17 +48,16 @@ def plot_loss(metrics_path: Path, png_path: Path) -> None:
 
 
 def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bool = False,
-          export_adapter: str | Path | None = None, merge: bool = False,
-          plan: RunPlan | None = None) -> dict:
+          export_adapter: str | Path | None = None, merge: bool = False, plan=None) -> dict:
   """Trains to `train.steps` total steps; `resume` continues from the latest checkpoint
   under `out_dir` (docs/checkpoints.md); `export_adapter` writes the PEFT adapter at
   the end (with `merge`, also the merged model). `plan`: the run's resolved choices
-  (default: resolved for the devices here); written beside config.json."""
+  (hylora.plan.run_plan.resolve, as the main command makes them), written beside
+  config.json as plan.json."""
   cfg = cfg.validate()
   out = Path(out_dir)
   primary = jax.process_index() == 0  # one process writes the run's files
   mesh = run_mesh(cfg.mesh)
-  plan = plan or resolve_plan(cfg, mesh)
   tc, cc = cfg.train, cfg.checkpoint
   stream = open_stream(cfg)  # before the model: bad data fails fast
   ckpt = Checkpoints(out, every=cc.every, keep=cc.keep, async_save=cc.async_save)
@@ -71,7 +69,8 @@ def train(cfg: Config, out_dir: str | Path, *, progress: bool = True, resume: bo
     ckpt.check_config(latest, cfg)  # a mismatch fails before the model is built
   if primary:
     write_config(cfg, out)
-    plan.write(out)
+    if plan is not None:
+      plan.write(out)
   trainer = Trainer(cfg, mesh, plan)
   lora, opt_state, frozen = trainer.init(base_weights=cc.base_weights)
   if latest is not None:

@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
 from hylora.model.ffn import expert_parallel
-from hylora.plan import run_plan
 from hylora.train import state as st
 from hylora.train.optimizer import learning_rate_schedule, make_optimizer
 from hylora.train.step import BATCH_KEYS, IMAGE_KEYS, make_train_step
@@ -32,11 +31,12 @@ def check_model_fits_mesh(cfg: Config, mesh: jax.sharding.Mesh) -> None:
 
 class Trainer:
 
-  def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, plan: run_plan.RunPlan | None = None):
-    """`plan`: the run's resolved choices (default: resolved here for `mesh`); the step is
-    built from `plan.apply(cfg)`."""
-    self.plan = plan or run_plan.resolve(cfg, mesh)
-    cfg = self.plan.apply(cfg)
+  def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, plan=None):
+    """`plan`: the run's resolved choices (hylora.plan.run_plan.RunPlan); the step is then
+    built from `plan.apply(cfg)`. Without one, "auto" choices resolve at trace time
+    (the expert-parallel dispatcher, `full` remat)."""
+    self.plan = plan
+    cfg = plan.apply(cfg) if plan is not None else cfg
     check_model_fits_mesh(cfg, mesh)
     self.cfg, self.mesh = cfg, mesh
     self.parts = st.model_parts(cfg, cfg.train.seed)
