@@ -155,6 +155,23 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+  """How the checkpoint stores the frozen base (its config.json's `quantization_config`,
+  read by the family); the base stays so in memory (hylora.quant, docs/quantized_base.md)."""
+
+  # "none" (bf16), "fp8_block" (e4m3 + 128x128 scales), "mxfp4" (e2m1 + e8m0 per 32
+  # inputs), "int4" (compressed-tensors pack-quantized, group 32): QUANT_FORMATS.
+  format: str = "none"
+  # Checkpoint modules kept in bf16: exact names, or "re:REGEX" matched from the start
+  # (compressed-tensors' `ignore`). Only linears of the quantized kinds are packed at all
+  # (hylora.quant.scheme: never routers, norms, embeddings or lm_head).
+  ignore: tuple[str, ...] = ()
+
+
+QUANT_FORMATS = ("none", "fp8_block", "mxfp4", "int4")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int = 256
   d_model: int = 32
@@ -186,6 +203,7 @@ class ModelConfig:
   mla: MLAConfig = field(default_factory=MLAConfig)
   moe: MoEConfig = field(default_factory=MoEConfig)
   vision: VisionConfig = field(default_factory=VisionConfig)
+  quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
 
   def layer_kinds(self) -> list[tuple[str, str]]:
     """(mixer, ffn) for every layer, e.g. ("linear", "dense"), ("sparse", "moe")."""
@@ -323,6 +341,8 @@ class Config:
     if "kda" in mixers:
       _check(m.kda.gate_lower_bound <= 0, "model.kda.gate_lower_bound",
              f"a log decay bound must be <= 0, got {m.kda.gate_lower_bound}")
+    _check(m.quantization.format in QUANT_FORMATS, "model.quantization.format",
+           f"must be one of {QUANT_FORMATS}, got {m.quantization.format!r}")
     _check(m.residual in RESIDUALS, "model.residual",
            f"must be one of {RESIDUALS}, got {m.residual!r}")
     _check(m.residual_window >= 1, "model.residual_window",
