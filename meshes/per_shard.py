@@ -96,6 +96,29 @@ def split_over_batch(fn):
   return per_shard
 
 
+def split_tokens_whole_weights(fn):
+  """fn(x [B, T, ...] or [N, ...], *weights, **options) applied per device to its tokens
+  of x; every other array (a weight) arrives whole on each device (XLA gathers a sharded
+  one first), so fn must treat each token alone. Returns x's layout."""
+
+  @functools.wraps(fn)
+  def per_shard(x, *weights, **options):
+    body = lambda x, *weights: fn(x, *weights, **options)
+    mesh = current_mesh()
+    inside_shard_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    if mesh is None or mesh.size == 1 or inside_shard_map or x.ndim < 2:
+      return body(x, *weights)
+    if x.ndim == 2:
+      tokens = P(logical_to_spec(("tokens",), x.shape[:1], mesh, ACTIVATION_RULES)[0])
+    else:
+      tokens = P(*logical_to_spec(("batch", "seq"), x.shape[:2], mesh, ACTIVATION_RULES))
+    # check_vma off: a custom call's outputs carry no varying-axes type to compare
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, *(P() for _ in weights)),
+                         out_specs=tokens, check_vma=False)(x, *weights)
+
+  return per_shard
+
+
 def split_over_tokens(fn):
   """fn(*arrays [B, T, ...]) applied per device to its tokens: every array argument is
   split along its batch and sequence dimensions as the activation rules split them, so

@@ -90,6 +90,16 @@ def _axes_of(variable):
   return variable.get_metadata().get("out_sharding")
 
 
+def follow_spec(spec: P, shape, mesh: jax.sharding.Mesh) -> P:
+  """`spec` on an array of `shape`, each dimension replicated where its axes do not
+  divide it."""
+
+  def size(entry):
+    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+  return P(*(e if e is None or n % size(e) == 0 else None for e, n in zip(spec, shape)))
+
+
 def state_shardings(state, mesh: jax.sharding.Mesh, rules=None, min_shard_size: int = 0):
   """NamedSharding for every variable of an nnx.State (abstract or concrete).
 
@@ -101,7 +111,15 @@ def state_shardings(state, mesh: jax.sharding.Mesh, rules=None, min_shard_size: 
 
   def one(v):
     names = _axes_of(v) if math.prod(v.shape) >= min_shard_size else None
-    return v.replace(NamedSharding(mesh, logical_to_spec(names, v.shape, mesh, rules)))
+    value = v.get_value()
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+      return v.replace(NamedSharding(mesh, logical_to_spec(names, v.shape, mesh, rules)))
+    # A value made of several arrays of the same rank (a packed weight: codes, then their
+    # scales) shards each like the first, along the dimensions it divides.
+    arrays = jax.tree.leaves(value)
+    spec = logical_to_spec(names, arrays[0].shape, mesh, rules)
+    return v.replace(
+        jax.tree.map(lambda a: NamedSharding(mesh, follow_spec(spec, a.shape, mesh)), value))
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -18,4 +18,5 @@ def quantized_grouped_matmul_reference(lhs, codes, scales, group_sizes, *, fmt: 
 def quantized_matmul_reference(x, codes, scales, *, fmt: str):
   """x [..., K] @ W^T, W [N, K] the packed weight -> [..., N]."""
   w = dequantize(codes, scales, fmt, x.dtype)
-  return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  # x's dtype in and out, as a bf16 frozen linear computes it (fp32 accumulation inside)
+  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))

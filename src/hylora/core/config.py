@@ -248,6 +248,7 @@ class KernelConfig:
   cross_entropy: str = "auto"
   residual_mix: str = "auto"
   causal_attention: str = "auto"  # full attention (MLA layers without an indexer)
+  quantized_matmul: str = "auto"  # products with packed frozen weights (hylora.quant)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ train step makes it from the run's config; a test or notebook may leave the defa
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 from hylora.core.config import KernelConfig, MemoryConfig
@@ -19,3 +21,22 @@ from hylora.core.config import KernelConfig, MemoryConfig
 class Execution:
   kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
   memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+
+
+_RUNNING: contextvars.ContextVar = contextvars.ContextVar("execution", default=None)
+
+
+@contextlib.contextmanager
+def running(execution: Execution):
+  """Within this context (the model's forward), modules that take no `ForwardContext`
+  (the linears) run by `execution`."""
+  token = _RUNNING.set(execution)
+  try:
+    yield
+  finally:
+    _RUNNING.reset(token)
+
+
+def current() -> Execution:
+  """The enclosing forward's `Execution` (the default outside one)."""
+  return _RUNNING.get() or Execution()

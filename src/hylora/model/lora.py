@@ -1,4 +1,4 @@
-"""Frozen bf16 linears with optional LoRA adapters.
+"""Frozen bf16 (or packed, hylora.quant) linears with optional LoRA adapters.
 
 The base kernel is an `nnx.Param` (frozen: it never enters the optimizer and only input
 gradients flow through it). Adapters are `LoRAParam`s kept in fp32; B starts at zero so
@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hylora.model import execution
 from hylora.model.init import ParamInit, logical, weight_std
+from hylora.quant import is_packed
+from hylora.quant.matmul import packed_linear
 
 from meshes import logical_axes as ax
 from hylora.core import save_points
@@ -77,7 +80,11 @@ class Linear(nnx.Module):
       self.lora_dropout = lora.dropout
 
   def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-    y = _contract(x, self.kernel[...], self.n_in, fp32_result=False)
+    kernel = self.kernel.get_value()
+    if is_packed(kernel):  # as the checkpoint ships it (hylora.quant)
+      y = packed_linear(x, kernel, execution.current().kernels)
+    else:
+      y = _contract(x, kernel, self.n_in, fp32_result=False)
     if self.lora_a is not None:
       xa = _contract(dropout(x, self.lora_dropout, dropout_key, self.name), self.lora_a[...],
                      self.n_in, fp32_result=True)

@@ -13,6 +13,7 @@ from hylora import ops
 from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.core.errors import ConfigError
 from hylora.model.context import ForwardContext
+from hylora.model import execution
 from hylora.model.execution import Execution
 from hylora.model.norms import RMSNorm
 from hylora.model.residual import RESIDUALS
@@ -43,6 +44,10 @@ class HybridLM(nnx.Module):
 
     images [B, R, S, S, 3] uint8 tiles and image_positions [B, R, n] (-1: unused slot), when
     given, replace the embeddings at those positions with the vision tower's tokens."""
+    with execution.running(ctx.execution):
+      return self._hidden(tokens, ctx, images, image_positions)
+
+  def _hidden(self, tokens, ctx, images, image_positions):
     x = jnp.take(self.embed[...], tokens, axis=0)
     if images is not None:
       if self.vision is None:

@@ -17,6 +17,7 @@ _GMM = "pallas_kernels.grouped_matmul"
 _CE = "pallas_kernels.cross_entropy"
 _RM = "pallas_kernels.residual_mix"
 _CA = "pallas_kernels.causal_attention"
+_QMM = "pallas_kernels.quantized_matmul"
 
 
 @functools.cache
@@ -30,6 +31,9 @@ def catalog() -> OpRegistry:
   registry.define("attention.causal", f"{_CA}.reference:causal_attention_reference")
   registry.define("grouped_matmul", f"{_GMM}.reference:grouped_matmul_reference")
   registry.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
+  registry.define("quantized_matmul", f"{_QMM}.reference:quantized_matmul_reference")
+  registry.define("quantized_grouped_matmul",
+                  f"{_QMM}.reference:quantized_grouped_matmul_reference")
   registry.define("cross_entropy", f"{_CE}.reference:cross_entropy_reference")
   registry.define("rms_norm", "hylora.model.norms:rms_norm")
   registry.define("residual_mix", f"{_RM}.reference:residual_mix_reference")  # docs/day_one.md
@@ -70,6 +74,17 @@ def catalog() -> OpRegistry:
                     backends=("cpu", "gpu", "tpu"), priority=-2)
   registry.register("grouped_lora", "loop", f"{_GMM}.loop_over_groups:loop_grouped_lora",
                     backends=("cpu", "gpu", "tpu"), priority=-2)
+  # Packed frozen weights (FP8 block-scaled, MXFP4, INT4) dequantized tile by tile on the
+  # way into the matrix units; the loop over groups is their CPU stand-in (one group's
+  # weight dequantized at a time).
+  registry.register("quantized_matmul", "pallas", f"{_QMM}:quantized_matmul", backends=("gpu",),
+                    per_shard="tokens")
+  registry.register("quantized_grouped_matmul", "pallas", f"{_QMM}:quantized_grouped_matmul",
+                    backends=("gpu",))
+  registry.register("quantized_matmul", "loop", f"{_QMM}:loop_quantized_matmul",
+                    backends=("cpu", "gpu", "tpu"), priority=-2)
+  registry.register("quantized_grouped_matmul", "loop", f"{_QMM}:loop_quantized_grouped_matmul",
+                    backends=("cpu", "gpu", "tpu"), priority=-2)
   registry.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
                     backends=("cpu", "gpu", "tpu"))
   # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
@@ -80,7 +95,12 @@ def catalog() -> OpRegistry:
 # (op, an implementation) -> the implementation that stands in for it when a step planned
 # for its platform is compiled where it does not run: one allocating the same memory
 # (hylora.plan.run_plan; docs/dry_run.md).
-STAND_INS = {("grouped_matmul", "mosaic"): "loop", ("grouped_lora", "mosaic"): "loop"}
+STAND_INS = {
+    ("grouped_matmul", "mosaic"): "loop",
+    ("grouped_lora", "mosaic"): "loop",
+    ("quantized_matmul", "pallas"): "loop",
+    ("quantized_grouped_matmul", "pallas"): "loop",
+}
 
 # Which KernelConfig field chooses the implementation of each op.
 KERNEL_CHOICE_FIELDS = {
@@ -93,6 +113,8 @@ KERNEL_CHOICE_FIELDS = {
     "cross_entropy": "cross_entropy",
     "residual_mix": "residual_mix",
     "attention.causal": "causal_attention",
+    "quantized_matmul": "quantized_matmul",
+    "quantized_grouped_matmul": "quantized_matmul",
 }
 
 

@@ -20,7 +20,7 @@ import jax
 AUTO = "auto"
 REFERENCE = "reference"
 
-PER_SHARD_MODES = ("rows", "linear_recurrence", "sparse_attention", "indexer")
+PER_SHARD_MODES = ("rows", "linear_recurrence", "sparse_attention", "indexer", "tokens")
 
 
 def per_shard_mode(per_shard: bool | str) -> str | None:
@@ -34,13 +34,14 @@ def per_shard_mode(per_shard: bool | str) -> str | None:
 
 
 def _per_shard_wrappers() -> dict[str, Callable]:
-  from meshes.per_shard import split_over_batch
+  from meshes.per_shard import split_over_batch, split_tokens_whole_weights
   from meshes import sequence_parallel as sp
   return {
       "rows": split_over_batch,
       "linear_recurrence": sp.split_recurrence_over_devices,
       "sparse_attention": sp.sparse_attention_over_devices,
-      "indexer": sp.indexer_over_devices
+      "indexer": sp.indexer_over_devices,
+      "tokens": split_tokens_whole_weights
   }
 
 
@@ -56,7 +57,8 @@ class Impl:
   # "rows" (or True) acts on each batch row alone (meshes.per_shard.split_over_batch);
   # where the sequence is split over devices too (meshes.sequence_parallel),
   # "linear_recurrence" passes its state between the devices' token ranges and
-  # "sparse_attention" / "indexer" gather the keys for each device's range of queries.
+  # "sparse_attention" / "indexer" gather the keys for each device's range of queries;
+  # "tokens" acts on each token alone, its weights whole on every device.
   per_shard: bool | str = False
 
   def load(self) -> Callable[..., Any]:

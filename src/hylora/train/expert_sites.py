@@ -29,8 +29,13 @@ class Site:
   layers: tuple[int, ...]  # global layer index of each entry of the stacked axis
 
 
+PACKED_ARRAYS = ("codes", "scales")
+
+
 def _keys(path) -> tuple:
-  return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+  """A leaf's keys; the arrays of a packed weight (codes, scales) answer to its name."""
+  keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+  return keys[:-1] if keys and keys[-1] in PACKED_ARRAYS else keys
 
 
 def find_sites(cfg: Config, frozen) -> list[Site]:

@@ -11,6 +11,7 @@ from flax import nnx
 from hylora.core.config import Config
 from hylora.model import HybridLM, LoRAParam
 from hylora.model.init import ParamInit
+from hylora.quant.scheme import pack_template, pack_values
 from meshes.rules import state_shardings
 
 
@@ -41,7 +42,8 @@ def _build(cfg: Config, seed: int) -> HybridLM:
 def model_parts(cfg: Config, seed: int = 0) -> ModelParts:
   abstract = nnx.eval_shape(lambda: _build(cfg, seed))
   graphdef, lora, frozen = nnx.split(abstract, LoRAParam, ...)
-  return ModelParts(graphdef, lora, frozen, cfg.mesh.min_shard_size)
+  # kernels the checkpoint ships packed stay packed (hylora.quant.scheme)
+  return ModelParts(graphdef, lora, pack_template(cfg, frozen), cfg.mesh.min_shard_size)
 
 
 def shardings(parts: ModelParts, mesh) -> tuple[dict, dict]:
@@ -62,12 +64,13 @@ def abstract_arrays(parts: ModelParts, mesh=None) -> tuple[dict, dict]:
 
 
 def init_params(cfg: Config, parts: ModelParts, mesh, seed: int = 0) -> tuple[dict, dict]:
-  """Random base weights and fresh adapters, created sharded."""
+  """Random base weights and fresh adapters, created sharded (kernels the checkpoint
+  format packs: the random bf16 values quantized)."""
   lora_sh, frozen_sh = shardings(parts, mesh)
 
   @jax.jit
   def make():
     _, lora, frozen = nnx.split(_build(cfg, seed), LoRAParam, ...)
-    return nnx.to_pure_dict(lora), nnx.to_pure_dict(frozen)
+    return nnx.to_pure_dict(lora), pack_values(cfg, nnx.to_pure_dict(frozen))
 
   return jax.jit(make, out_shardings=(lora_sh, frozen_sh))()

@@ -49,7 +49,9 @@ from hylora.model.ffn.dispatch import dropless
 from hylora.model.ffn.local_experts import local_experts, window_counts
 from hylora.model.ffn.overflow_rounds import RoundPlan, overflow_rounds, rounds_after_first
 from hylora.model.ffn.permute_rows import gather_rows
-from meshes.rules import PARAM_RULES, current_mesh, logical_to_spec
+from hylora.quant.packed_weight import PackedWeight
+from hylora.quant.scheme import packed_axes
+from meshes.rules import PARAM_RULES, current_mesh, follow_spec, logical_to_spec
 
 EXPERT_AXIS, FSDP_AXIS = "expert", "fsdp"
 TOKEN_AXES = (FSDP_AXIS, EXPERT_AXIS)
@@ -268,6 +270,16 @@ def _chunk(x, weights_k, slots, expert_weights, options, dropout_key, *, ranks, 
 
 
 def _weight_spec(name, array, mesh):
+  """The spec of one expert weight as the parameter rules shard it (a packed weight: one
+  per array, as meshes.rules.state_shardings gives them)."""
+  if isinstance(array, PackedWeight):
+    axes = packed_axes(WEIGHT_AXES[name], 1, 1)
+    spec = logical_to_spec(axes, array.codes.shape, mesh, PARAM_RULES)
+    if spec[0] != EXPERT_AXIS:
+      raise ConfigError(f"model.moe.experts: {array.codes.shape[0]} expert slots cannot be "
+                        f"split over the expert mesh axis of size {mesh.shape[EXPERT_AXIS]} "
+                        "(mesh.expert)")
+    return jax.tree.map(lambda a: follow_spec(spec, a.shape, mesh), array)
   shared = name == "lora_a" and array.ndim == 2
   spec = logical_to_spec(SHARED_A_AXES if shared else WEIGHT_AXES[name], array.shape, mesh,
                          PARAM_RULES)
@@ -278,6 +290,12 @@ def _weight_spec(name, array, mesh):
 
 
 def _gather_inner(array, spec):
+  if isinstance(array, PackedWeight):
+    return jax.tree.map(_gather_array, array, spec)
+  return _gather_array(array, spec)
+
+
+def _gather_array(array, spec):
   """All-gather every dimension sharded over the mesh except the slot axis.
 
   The shards arrive on a new leading axis, then fold into their dimension: a gather

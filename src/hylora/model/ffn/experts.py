@@ -19,6 +19,7 @@ from hylora.model.ffn.activations import Activation
 from hylora.model.ffn.placement import initial_placement
 from hylora.core.architecture import lora_targets
 from hylora.model.lora import LoRAParam, dropout
+from hylora.quant.matmul import frozen_grouped_matmul
 
 
 class RoutedExperts(nnx.Module):
@@ -57,7 +58,7 @@ class RoutedExperts(nnx.Module):
 
   def weights(self) -> dict:
     """The arrays `expert_ffn` needs (the dispatcher may shard_map them)."""
-    w = {"gate_up": self.gate_up[...], "down": self.down[...]}
+    w = {"gate_up": self.gate_up.get_value(), "down": self.down.get_value()}
     if self.lora_a is not None:
       w["lora_a"], w["lora_b"] = self.lora_a[...], self.lora_b[...]
     return w
@@ -82,7 +83,7 @@ def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,
   weights are given ([G, ...] stacks). Rows past sum(group_sizes) come out zero."""
   gmm = ops.resolve("grouped_matmul", kernels)
   x = save_points.tag(x, save_points.EXPERT_INPUT)
-  h = gmm(x, weights["gate_up"].astype(x.dtype), group_sizes)
+  h = frozen_grouped_matmul(x, weights["gate_up"], group_sizes, kernels)
   if "lora_a" in weights:
     xd = dropout(x, lora_dropout, dropout_key, "experts.gate_up")
     b = weights["lora_b"].astype(x.dtype)
@@ -95,5 +96,6 @@ def expert_ffn(weights: dict, x: jax.Array, group_sizes: jax.Array, *, kernels,
     h = h + lora_out.astype(h.dtype)
   h = save_points.tag(h, save_points.EXPERT_GATE_UP)
   gate, up = jnp.split(h, 2, axis=-1)
-  y = gmm(activation(gate, up).astype(x.dtype), weights["down"].astype(x.dtype), group_sizes)
+  y = frozen_grouped_matmul(
+      activation(gate, up).astype(x.dtype), weights["down"], group_sizes, kernels)
   return save_points.tag(y, save_points.EXPERT_DOWN)

@@ -107,7 +107,9 @@ def overflow_rounds(y_first: jax.Array, x: jax.Array, weights: dict, key, plan: 
 
   def forward_saving(y_first, x, weights, key, plan):
     # Differentiating a frozen weight here would silently give it no gradient: refuse.
-    moving = sorted(name for name, w in weights.items() if name not in TRAINED and w.perturbed)
+    primals = lambda w: jax.tree.leaves(w, is_leaf=lambda p: hasattr(p, "perturbed"))
+    moving = sorted(name for name, w in weights.items()
+                    if name not in TRAINED and any(p.perturbed for p in primals(w)))
     if moving:
       raise ValueError(f"expert_parallel: the all-to-all rounds differentiate the experts' "
                        f"LoRA factors only, not the frozen {', '.join(moving)}")
