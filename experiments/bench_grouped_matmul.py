@@ -7,6 +7,16 @@ experts, bf16. Forward and input gradient (dout @ rhs[g]^T), balanced and skewed
 sizes, next to `jax.lax.ragged_dot` and one dense matmul of the same FLOPs; then the
 rank-16 grouped LoRA product and a small sweep of the Mosaic kernel's tile settings.
 
+    ... --quantized [--sweep-quantized] [--json out.json]
+
+times instead the matmul against packed frozen weights (pallas_kernels.quantized_matmul:
+fp8_block, mxfp4, int4, dequantized tile by tile) next to the bf16 Mosaic grouped matmul
+on the dequantized weights, forward and input gradient, on the shape above and Kimi K3's
+expert shapes (gate+up K=3584, N=6144; down K=3072, N=3584), with the weight bytes each
+reads. --sweep-quantized also tries the kernel's tile settings per format and orientation
+and reports the best. --smoke runs the quantized path at tiny shapes (on CPU: the loop
+stand-in and the interpreted kernel), to check the script itself.
+
 Figures on their own come from `experiments.timing.median_ms`; every ratio (against
 dense, XLA's ragged_dot, the ragged_dot LoRA reference) from
 `experiments.timing.interleaved_ratios`: both sides in alternating rounds of this run.
@@ -188,11 +198,154 @@ def sweep_tiles(report, lhs, rhs, dout):
     print(json.dumps({direction: r}), flush=True)
 
 
+# ---- matmuls against packed weights ------------------------------------------------------
+
+QUANTIZED_FORMATS = ("fp8_block", "mxfp4", "int4")
+# (name, K, N): the shape above, then Kimi K3's routed experts (latent 3584 -> 2 x 3072
+# gate+up, 3072 -> 3584 down)
+QUANTIZED_SHAPES = (("m65536_k7168_n4096", K, N), ("k3_gate_up", 3584, 6144), ("k3_down", 3072,
+                                                                               3584))
+# (bm, bn, bk, num_warps, num_stages); bn and bk are the weight tile's [N, K] sides in
+# both orientations (forward: bn output columns, bk contracted; input gradient: bn
+# contracted, bk output columns)
+QUANTIZED_TILE_CONFIGS = [
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 128, 8, 3),
+    (128, 64, 128, 8, 4),
+    (128, 256, 64, 8, 3),
+    (128, 128, 256, 8, 3),
+    (256, 128, 64, 8, 3),
+    (256, 128, 128, 8, 3),
+    (256, 64, 128, 8, 3),
+    (64, 128, 128, 4, 4),
+]
+
+
+def random_packed(key, fmt_name, g, n, k):
+  """Packed weights of about unit-variance products: random codes (every code equally
+    likely) and scales near 1/sqrt(k) of the format's typical magnitude."""
+  from pallas_kernels.quantized_matmul import formats
+  fmt = formats.get(fmt_name)
+  k1, k2 = jax.random.split(key)
+  scales_shape = (g, *fmt.scales_shape(n, k))
+  if fmt_name == "fp8_block":
+    codes = (jax.random.normal(k1, (g, n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+    return codes, jnp.full(scales_shape, 1 / (64 * np.sqrt(k)), jnp.float32)
+  codes = jax.random.bits(k1, (g, n, k // 2), jnp.uint8)
+  if fmt_name == "mxfp4":  # e2m1 values have rms ~3: 2^-2 ... 2^-1 / sqrt(k) scales
+    exponent = 127 - 2 - int(np.log2(np.sqrt(k)))
+    scales = jax.random.randint(k2, scales_shape, exponent - 1, exponent + 1).astype(jnp.uint8)
+    return codes, scales
+  return codes, jnp.full(scales_shape, 0.2 / np.sqrt(k), jnp.bfloat16)
+
+
+def quantized_group_sizes(m, g):
+  weights = 1.0 / np.arange(1, g + 1)  # skewed as above: Zipf-like
+  sizes = np.floor(weights / weights.sum() * m).astype(np.int64)
+  sizes[-1] += m - sizes.sum()
+  return jnp.asarray(sizes, jnp.int32)
+
+
+def bench_quantized_shape(report, fmt_name, shape_name, m, k, n, g, rounds, calls):
+  """One format on one shape: the public op (kernel on GPU) against the bf16 Mosaic
+    grouped matmul on the dequantized weights, forward and input gradient, in
+    alternating rounds."""
+  from pallas_kernels.quantized_matmul import formats, quantized_grouped_matmul
+  fmt = formats.get(fmt_name)
+  keys = jax.random.split(jax.random.key(3), 3)
+  codes, scales = jax.jit(random_packed, static_argnums=(1, 2, 3, 4))(keys[0], fmt_name, g, n, k)
+  w = jnp.swapaxes(jax.jit(formats.dequantize, static_argnums=2)(codes, scales, fmt_name), 1, 2)
+  lhs = jax.random.normal(keys[1], (m, k), jnp.bfloat16)
+  dout = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  gs = quantized_group_sizes(m, g)
+  tflop = 2 * m * k * n / 1e12
+  tf = lambda ms: float(f"{tflop / (ms / 1e3):.4g}")
+  r = report.setdefault(shape_name, {"m_k_n_g": [m, k, n, g]}).setdefault(fmt_name, {})
+  r["weight_bytes"] = g * fmt.nbytes(n, k)
+  r["bf16_weight_bytes"] = g * n * k * 2
+  fwd = jax.jit(lambda l, c, s, gs: quantized_grouped_matmul(l, c, s, gs, fmt=fmt_name))
+  dlhs = jax.jit(lambda d, c, s, gs: jax.vjp(
+      lambda l: quantized_grouped_matmul(l, c, s, gs, fmt=fmt_name), lhs)[1](d)[0])
+  bf16_fwd = jax.jit(grouped_matmul)
+  bf16_dlhs = jax.jit(lambda d, w, gs: jax.vjp(lambda l: grouped_matmul(l, w, gs), lhs)[1](d)[0])
+  r["fwd_rel_err_vs_bf16"] = rel_err(fwd(lhs, codes, scales, gs), bf16_fwd(lhs, w, gs))
+  r["dlhs_rel_err_vs_bf16"] = rel_err(dlhs(dout, codes, scales, gs), bf16_dlhs(dout, w, gs))
+  for name, ours, theirs, x in (("fwd", fwd, bf16_fwd, lhs), ("dlhs", dlhs, bf16_dlhs, dout)):
+    vs = r[f"{name}_vs_bf16_interleaved"] = interleaved_ratios(
+        {"quantized": lambda: ours(x, codes, scales, gs)}, lambda: theirs(x, w, gs), rounds=rounds,
+        calls=calls)
+    r[f"{name}_tflops"] = tf(vs["quantized"]["ms"])
+    r[f"bf16_{name}_tflops"] = tf(vs["baseline_ms"])
+    r[f"{name}_vs_bf16"] = vs["quantized"]["median"]  # > 1: the packed weights are faster
+  print(json.dumps({shape_name: {fmt_name: r}}), flush=True)
+
+
+def sweep_quantized(report, m, k, n, g, configs, interpret):
+  """The kernel alone per tile setting, per format and orientation; the best of each."""
+  from pallas_kernels.quantized_matmul.kernel import TileConfig, quantized_grouped_matmul_kernel
+  keys = jax.random.split(jax.random.key(4), 3)
+  lhs = jax.random.normal(keys[1], (m, k), jnp.bfloat16)
+  dout = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  gs = quantized_group_sizes(m, g)
+  tflop = 2 * m * k * n / 1e12
+  out = report["quantized_tile_sweep"] = {"m_k_n_g": [m, k, n, g]}
+  for fmt_name in QUANTIZED_FORMATS:
+    codes, scales = jax.jit(random_packed, static_argnums=(1, 2, 3, 4))(keys[0], fmt_name, g, n, k)
+    for direction, x, transpose in (("fwd", lhs, False), ("dlhs", dout, True)):
+      r = out.setdefault(fmt_name, {})[direction] = {}
+      for bm, bn, bk, warps, stages in configs:
+        config = TileConfig(bm, bn, bk, warps, stages)
+        f = jax.jit(lambda x, c, s, gs, config=config, t=transpose: quantized_grouped_matmul_kernel(
+            x, c, s, gs, fmt=fmt_name, transpose=t, config=config, interpret=interpret))
+        name = f"bm{bm}_bn{bn}_bk{bk}_w{warps}_s{stages}"
+        try:
+          r[name] = float(f"{tflop / (median_ms(f, x, codes, scales, gs) / 1e3):.4g}")
+        except Exception as e:  # a config that does not fit shared memory or registers
+          r[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+      timed = {c: t for c, t in r.items() if isinstance(t, float)}
+      if timed:
+        best = max(timed, key=timed.get)
+        r["best"] = {"config": best, "tflops": timed[best]}
+      print(json.dumps({fmt_name: {direction: r}}), flush=True)
+
+
+def main_quantized(args):
+  report = {"device": str(jax.devices()[0]), "jax": jax.__version__, "mode": "quantized"}
+  on_gpu = jax.default_backend() == "gpu"
+  if args.smoke:  # tiny shapes: checks the script, not the kernel's speed
+    shapes, m, g, rounds, calls = (("smoke", 256, 128),), 160, 3, 2, 1
+    configs = [(32, 64, 64, 4, 1)]
+  else:
+    shapes, m, g, rounds, calls = QUANTIZED_SHAPES, M, G, 15, 5
+    configs = QUANTIZED_TILE_CONFIGS
+  report["kernel"] = "pallas_triton" if on_gpu else "loop_over_groups (not a GPU)"
+  for shape_name, k, n in shapes:
+    for fmt_name in QUANTIZED_FORMATS:
+      bench_quantized_shape(report, fmt_name, shape_name, m, k, n, g, rounds, calls)
+  if args.sweep_quantized:
+    _, k, n = shapes[0]
+    sweep_quantized(report, m, k, n, g, configs, interpret=not on_gpu)
+  print(json.dumps(report, indent=1))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--json", default=None)
   parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+  parser.add_argument("--quantized", action="store_true",
+                      help="packed weights (fp8_block, mxfp4, int4) against bf16 instead")
+  parser.add_argument("--sweep-quantized", action="store_true",
+                      help="with --quantized: sweep the packed-weight kernel's tile settings")
+  parser.add_argument("--smoke", action="store_true",
+                      help="with --quantized: tiny shapes, to check the script (runs on CPU)")
   args = parser.parse_args()
+  if args.quantized or args.sweep_quantized or args.smoke:
+    main_quantized(args)
+    return
   report = {"device": str(jax.devices()[0]), "shape": [M, K, N, G], "jax": jax.__version__}
   check_small_shapes(report)
   print(json.dumps(report), flush=True)
