@@ -144,8 +144,9 @@ def dequantized_tile(codes_ref, scales_ref, g, n0, k0, *, fmt, bn, bk, n, k):
   if fmt.per_code == 1:  # fp8_block: one float32 scale per 128 x 128 block
     cols = k0 + _iota(bk)
     ok = row_ok & (cols < k)[None, :]
-    codes = plgpu.load(codes_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)], mask=ok, other=0)
-    values = codes.astype(F32)
+    # Triton has no fill value of fp8 type: lanes outside the matrix are zeroed as float32
+    codes = plgpu.load(codes_ref.at[g, pl.ds(n0, bn), pl.ds(k0, bk)], mask=ok)
+    values = jnp.where(ok, codes.astype(F32), 0.0)
     br, bc = fmt.block
     if bn <= br and bk <= bc:  # the tile lies inside one scale block
       scale = scales_ref[g, n0 // br, k0 // bc]

@@ -122,3 +122,25 @@ def test_tile_config_rejects_bad_tiles():
     TileConfig(bm=48).check(formats.get("int4"))
   with pytest.raises(ValueError, match="bk >= 32"):
     TileConfig(bk=16).check(formats.get("mxfp4"))
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8_block", "mxfp4", "int4"])
+def test_kernels_lower_to_triton_for_hopper(fmt_name):
+  """Both orientations, the default tiles and wide ones, lowered ahead of time for an H200
+  (an abstract device: no GPU needed): every operation has a Triton lowering."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+  h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  fmt = formats.get(fmt_name)
+  g, m = 3, 1000
+  n, k = (576, 7168) if fmt_name == "fp8_block" else (512, 384)
+  codes = jax.ShapeDtypeStruct((g, *fmt.codes_shape(n, k)), fmt.codes_dtype)
+  scales = jax.ShapeDtypeStruct((g, *fmt.scales_shape(n, k)), fmt.scales_dtype)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+  for transpose in (False, True):
+    x = jax.ShapeDtypeStruct((m, n if transpose else k), jnp.bfloat16)
+    for config in (None, TileConfig(bm=128, bn=256, bk=256, num_warps=8, num_stages=3)):
+      run = functools.partial(quantized_grouped_matmul_kernel, fmt=fmt_name, transpose=transpose,
+                              config=config)
+      with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+        lowered = jax.jit(run).trace(x, codes, scales, sizes).lower(lowering_platforms=("cuda",))
+      assert "__gpu$xla.gpu.triton" in lowered.as_text()
