@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from hylora.plan import param_count
+from hylora.quant import is_packed
 from hylora.core.architecture import parameter_kind, stacked_position
 from hylora.core.config import Config
 from hylora.plan.compiled_program import (captured_stderr, involuntary_replications, largest_values)
@@ -94,25 +95,36 @@ def array_table(lora: dict, frozen: dict) -> list[dict]:
   """One row per parameter array: where it sits, its kind and how it is split."""
   rows = []
   for tree_name, tree in (("frozen", frozen), ("lora", lora)):
-    for keys, a in param_count.leaves(tree):
-      stacked = stacked_position(keys) is not None  # a leading layers axis
-      per_layer = math.prod(a.shape[1:] if stacked else a.shape)
-      axes = sorted({
-          n for s in a.sharding.spec if s is not None for n in ((s,) if isinstance(s, str) else s)
-      })
-      rows.append({
-          "tree": tree_name,
-          "path": "/".join(keys),
-          "kind": parameter_kind(keys),
-          "shape": list(a.shape),
-          "dtype": str(np.dtype(a.dtype)),
-          "spec": _spec_text(a),
-          "mesh_axes": axes,
-          "shard_shape": list(shard_shape(a)),
-          "split": math.prod(a.shape) // max(1, math.prod(shard_shape(a))),
-          "large": per_layer >= LARGE_PER_LAYER,
-      })
+    for keys, leaf in param_count.leaves(tree):
+      rows += _array_rows(tree_name, keys, leaf)
   return rows
+
+
+def _array_rows(tree_name: str, keys: tuple, leaf) -> list[dict]:
+  """A parameter's row, or a packed weight's two (its codes and their scales)."""
+  if is_packed(leaf):
+    return [
+        dict(row, path=row["path"] + "/" + part, dtype=f"{leaf.format} {row['dtype']}")
+        for part, array in (("codes", leaf.codes), ("scales", leaf.scales))
+        for row in _array_rows(tree_name, keys, array)
+    ]
+  a = leaf
+  stacked = stacked_position(keys) is not None  # a leading layers axis
+  per_layer = math.prod(a.shape[1:] if stacked else a.shape)
+  axes = sorted(
+      {n for s in a.sharding.spec if s is not None for n in ((s,) if isinstance(s, str) else s)})
+  return [{
+      "tree": tree_name,
+      "path": "/".join(keys),
+      "kind": parameter_kind(keys),
+      "shape": list(a.shape),
+      "dtype": str(np.dtype(a.dtype)),
+      "spec": _spec_text(a),
+      "mesh_axes": axes,
+      "shard_shape": list(shard_shape(a)),
+      "split": math.prod(a.shape) // max(1, math.prod(shard_shape(a))),
+      "large": per_layer >= LARGE_PER_LAYER,
+  }]
 
 
 def sharding_summary(rows: list[dict]) -> dict:

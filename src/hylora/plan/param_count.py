@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from hylora.core.architecture import PARAMETER_KINDS, parameter_kind
 from hylora.core.config import Config
+from hylora.quant import is_packed
 
 KINDS = PARAMETER_KINDS
 
@@ -52,12 +53,13 @@ def active_share(cfg: Config, keys: tuple[str, ...]) -> float:
 
 
 def is_parameter(leaf) -> bool:
-  return bool(jnp.issubdtype(leaf.dtype, jnp.floating))
+  return is_packed(leaf) or bool(jnp.issubdtype(leaf.dtype, jnp.floating))
 
 
 def leaves(tree) -> list[tuple[tuple[str, ...], object]]:
-  """(keys, leaf) for every array of a pure-dict pytree, in tree order."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  """(keys, leaf) for every array of a pure-dict pytree, in tree order; a packed
+  weight (hylora.quant) is one leaf, of its bf16 kernel's shape."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_packed)
   return [(path_keys(path), leaf) for path, leaf in flat]
 
 

@@ -24,13 +24,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from hylora.quant.scheme import BaseStorage, base_storage
 from hylora.core.config import Config, MemoryConfig
 from hylora.core.errors import ConfigError
 
 GB = 1e9
 PLAN_FILE = "plan.json"
 EP_DISPATCHER = "ep_alltoall"
-EXPERT_OPS = ("grouped_matmul", "grouped_lora")
+EXPERT_OPS = ("grouped_matmul", "grouped_lora", "quantized_grouped_matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,7 @@ class RunPlan:
   experts: ExpertPlan | None  # None: no routed experts
   memory: RematPlan
   ops: tuple[OpPlan, ...]
+  base: BaseStorage | None = None  # the frozen base as the checkpoint packs it (None: bf16)
 
   def apply(self, cfg: Config) -> Config:
     """`cfg` with the plan's resolved choices (dispatcher, remat policy, the stand-ins of
@@ -145,6 +147,11 @@ class RunPlan:
     if m.policy == "tiered":
       lines.append(f"    in HBM: {', '.join(m.hbm_names) or '-'}; to host: "
                    f"{', '.join(m.host_names) or '-'}; the rest recomputed")
+    b = self.base
+    if b is not None:
+      lines.append(f"  frozen base: {b.format} as shipped ({b.packed_arrays} packed kernel arrays: "
+                   f"{', '.join(b.packed_kinds)}); {_size(b.nbytes)} in all, a bf16 base "
+                   f"{_size(b.bf16_nbytes)}")
     ops = ", ".join(f"{o.op}={o.implementation}" +
                     (f" (per device: {o.per_device})" if o.per_device else "") for o in self.ops)
     lines.append(f"  ops: {ops}")
@@ -257,7 +264,8 @@ def resolve(cfg: Config, mesh, *, target: str | None = None) -> RunPlan:
   experts = expert_plan(cfg, shape, int(mesh.size))
   return RunPlan(preset=cfg.preset, devices=int(mesh.size), processes=jax.process_count(),
                  mesh=shape, target=target, compiled_on=compiled_on, experts=experts, memory=memory,
-                 ops=op_plans(cfg, target, compiled_on, experts))
+                 ops=op_plans(cfg, target, compiled_on, experts),
+                 base=base_storage(cfg) if cfg.model.quantization.format != "none" else None)
 
 
 def _size(nbytes: float) -> str:

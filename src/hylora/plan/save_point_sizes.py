@@ -105,7 +105,7 @@ def _resident_bytes(model, lora, floor: int, mesh_items) -> tuple[int, int]:
   import jax
   from flax import nnx
   from hylora.train.state import model_parts
-  from meshes.rules import PARAM_RULES, logical_to_spec
+  from meshes.rules import PARAM_RULES, follow_spec, logical_to_spec
 
   mesh = types.SimpleNamespace(shape=dict(mesh_items))
   parts = model_parts(Config(model=model, lora=lora))
@@ -114,22 +114,27 @@ def _resident_bytes(model, lora, floor: int, mesh_items) -> tuple[int, int]:
   def walk(template, per_element):
     total, periods = 0, {}
     for path, var in jax.tree_util.tree_flatten_with_path(template, is_leaf=is_var)[0]:
-      shape = tuple(var.shape)
-      names = var.get_metadata().get("out_sharding") if math.prod(shape) >= floor else None
-      spec = logical_to_spec(names, shape, mesh, PARAM_RULES)
-      nbytes = math.prod(shape) * per_element(var)
-      total += nbytes // _shard_factor(spec, mesh)
-      if names and ax.LAYERS in names:  # a scanned segment: gathered one period at a time
-        keys = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
-        stacked = stacked_position(keys)
-        segment = stacked[0] if stacked is not None else 0
-        local = nbytes // shape[names.index(ax.LAYERS)]
-        if ax.EXP in names:
-          local //= mesh.shape["expert"]
-        periods[segment] = periods.get(segment, 0) + local
+      names = var.get_metadata().get("out_sharding") if math.prod(var.shape) >= floor else None
+      value = var.get_value()
+      # a packed weight: its codes, and their scales sharded like them (meshes.rules)
+      arrays = [value] if hasattr(value, "dtype") else jax.tree.leaves(value)
+      first = logical_to_spec(names, tuple(arrays[0].shape), mesh, PARAM_RULES)
+      for array in arrays:
+        shape = tuple(array.shape)
+        spec = follow_spec(first, shape, mesh)
+        nbytes = math.prod(shape) * per_element(array)
+        total += nbytes // _shard_factor(spec, mesh)
+        if names and ax.LAYERS in names:  # a scanned segment: gathered one period at a time
+          keys = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
+          stacked = stacked_position(keys)
+          segment = stacked[0] if stacked is not None else 0
+          local = nbytes // shape[names.index(ax.LAYERS)]
+          if ax.EXP in names:
+            local //= mesh.shape["expert"]
+          periods[segment] = periods.get(segment, 0) + local
     return total, max(periods.values(), default=0)
 
-  frozen, gathered = walk(parts.frozen_template, lambda v: v.dtype.itemsize)
+  frozen, gathered = walk(parts.frozen_template, lambda a: a.dtype.itemsize)
   # adapters fp32 + their gradient + the accumulated gradient + two Adam moments
   lora, _ = walk(parts.lora_template, lambda v: 4 * 5)
   return frozen + lora, gathered

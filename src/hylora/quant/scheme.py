@@ -11,14 +11,18 @@ array: its layers are all packed or none, else the config is refused.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import re
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
-from hylora.quant.packed_weight import PackedWeight
+from hylora.quant.packed_weight import PackedWeight, is_packed
 
 PACKED_KINDS = ("attention", "experts", "shared_experts", "dense_ffn", "expert_latent")
 WEIGHT_SUFFIX = ".weight"
@@ -126,7 +130,45 @@ def pack_values(cfg: Config, frozen: dict) -> dict:
 def dequantized(frozen: dict, dtype=None) -> dict:
   """The frozen tree with every `PackedWeight` replaced by its bf16 (or `dtype`) kernel:
   the twin a bf16 checkpoint of the same values would load."""
-  import jax.numpy as jnp
   return jax.tree.map(
       lambda x: x.dequantize(dtype or jnp.bfloat16)
       if isinstance(x, PackedWeight) else x, frozen, is_leaf=lambda x: isinstance(x, PackedWeight))
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseStorage:
+  """How the frozen base sits in memory: its format, the kinds of kernels packed, and
+  the bytes of every frozen array (whole model, all devices together) against a bf16
+  base of the same parameters."""
+  format: str
+  packed_kinds: tuple[str, ...]
+  packed_arrays: int
+  nbytes: int
+  bf16_nbytes: int
+
+
+@functools.lru_cache(maxsize=16)  # building the abstract model takes seconds at full size
+def _storage(model, lora) -> BaseStorage:
+  from hylora.core.architecture import parameter_kind
+  from hylora.core.config import Config
+  from hylora.train.state import model_parts
+
+  frozen = nnx.to_pure_dict(model_parts(Config(model=model, lora=lora)).frozen_template)
+  kinds, packed, nbytes, bf16 = set(), 0, 0, 0
+  flat = jax.tree_util.tree_flatten_with_path(frozen, is_leaf=is_packed)[0]
+  for path, leaf in flat:
+    if is_packed(leaf):
+      kinds.add(parameter_kind(_keys(path)))
+      packed += 1
+      nbytes += leaf.nbytes
+      bf16 += math.prod(leaf.shape) * 2
+    else:
+      size = math.prod(leaf.shape)
+      nbytes += size * jnp.dtype(leaf.dtype).itemsize
+      floating = jnp.issubdtype(leaf.dtype, jnp.floating)
+      bf16 += size * (2 if floating else jnp.dtype(leaf.dtype).itemsize)
+  return BaseStorage(model.quantization.format, tuple(sorted(kinds)), packed, nbytes, bf16)
+
+
+def base_storage(cfg: Config) -> BaseStorage:
+  return _storage(cfg.model, cfg.lora)

@@ -1,0 +1,127 @@
+"""A frozen base kept packed (hylora.quant): which kernels a format packs, how the packed
+arrays are sharded and planned, and that the model computes with them exactly what it
+computes with the bf16 kernels they stand for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hylora.core.config import MeshConfig, QuantizationConfig
+from hylora.core.errors import ConfigError
+from hylora.quant import PackedWeight, is_packed
+from hylora.quant.scheme import base_storage, dequantized
+from hylora.train import state as st
+from hylora.train.step import make_loss_fn
+from meshes.mesh import build_mesh
+from meshes.per_shard import split_tokens_whole_weights
+from meshes.rules import activation_mesh
+from pallas_kernels.quantized_matmul import loop_quantized_matmul, quantized_matmul_reference
+from tests.helpers import small_config, two_layer_config
+
+# Routed experts packed, everything else kept in bf16 (as Kimi K3 ships): the house
+# family's names for the attention and the dense and shared MLPs.
+SPLIT = "model.layers.4.self_attn.q_proj"  # scanned together with layer 8's
+EXPERTS_ONLY = ("re:.*self_attn.*", "re:.*mlp\\.(gate|up|down)_proj.*", "re:.*shared_experts.*")
+
+
+def _packed(fmt: str, ignore=(), **moe):
+  cfg = two_layer_config()
+  m = cfg.model
+  return dataclasses.replace(
+      cfg, model=dataclasses.replace(m, moe=dataclasses.replace(m.moe, **moe),
+                                     quantization=QuantizationConfig(fmt, tuple(ignore))))
+
+
+def _kinds(cfg) -> set[str]:
+  return set(base_storage(cfg).packed_kinds)
+
+
+def test_the_format_and_its_ignore_list_choose_the_packed_kernels():
+  assert _kinds(_packed("fp8_block")) == {"attention", "dense_ffn", "experts", "shared_experts"}
+  assert _kinds(_packed("mxfp4", EXPERTS_ONLY)) == {"experts"}
+  storage = base_storage(_packed("mxfp4", EXPERTS_ONLY))
+  assert storage.format == "mxfp4" and storage.nbytes < storage.bf16_nbytes
+  # an ignore list that splits one stacked array is refused, naming both modules
+  split = dataclasses.replace(small_config().model, layers=12, dense_layers=4,
+                              quantization=QuantizationConfig("fp8_block", (SPLIT,)))
+  with pytest.raises(ConfigError, match="model.quantization.ignore: keeps .* but not "):
+    st.model_parts(dataclasses.replace(small_config(), model=split))
+  # 4-bit formats need the input width in whole groups of 32: the tiny model's gates are
+  # narrower, and the error names the kernel
+  with pytest.raises(ConfigError, match="model.quantization.format: .*groups of 32"):
+    st.model_parts(_packed("int4"))
+
+
+def test_packed_arrays_are_sharded_like_their_kernels_and_scales_follow_the_codes():
+  cfg = _packed("mxfp4", EXPERTS_ONLY)
+  mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
+  parts = st.model_parts(cfg)
+  _, frozen = st.abstract_arrays(parts, mesh)
+  packed = [w for w in jax.tree.leaves(frozen, is_leaf=is_packed) if is_packed(w)]
+  assert packed and all(w.format == "mxfp4" for w in packed)
+  for w in packed:
+    codes, scales = w.codes.sharding.spec, w.scales.sharding.spec
+    assert codes[1] == "expert"  # the expert slots, as for the bf16 kernel
+    # scales take the codes' axes wherever those divide them, else stay whole
+    assert all(s in (c, None) for c, s in zip(codes, scales))
+    assert w.codes.dtype == jnp.uint8 and w.scales.dtype == jnp.uint8
+
+
+def _loss_and_grads(cfg, mesh, lora, frozen, batch):
+  objective = jax.value_and_grad(make_loss_fn(cfg, st.model_parts(cfg)), has_aux=True)
+
+  @jax.jit
+  def run(lora, frozen, batch):
+    with activation_mesh(mesh):
+      (_, info), grads = objective(lora, frozen, batch, jnp.sum(batch["labels"] >= 0), None)
+    return info["loss_sum"] / info["tokens"], grads
+
+  return run(lora, frozen, batch)
+
+
+def test_packed_base_computes_what_its_dequantized_bf16_twin_computes():
+  """Routed experts packed in MXFP4 behind the expert-parallel dispatcher (packed arrays
+  through its shard_map, gathers and all-to-all rounds): the loss and every LoRA
+  gradient equal the bf16 model's on the dequantized weights."""
+  cfg = _packed("mxfp4", EXPERTS_ONLY, dispatch="ep_alltoall")
+  twin_cfg = dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model, quantization=QuantizationConfig()))
+  mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
+  lora, frozen = st.init_params(cfg, st.model_parts(cfg), mesh)
+  _, twin_shardings = st.shardings(st.model_parts(twin_cfg), mesh)
+  twin = jax.device_put(dequantized(frozen), twin_shardings)
+  b, t = 8, 64
+  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, t)).astype(np.int32)
+  batch = {
+      "tokens": tokens,
+      "labels": np.roll(tokens, -1, 1),
+      "segment_ids": np.ones((b, t), np.int32),
+      "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+  }
+  batch = jax.device_put(batch, NamedSharding(mesh, P(("fsdp", "expert"))))
+  loss, grads = _loss_and_grads(cfg, mesh, lora, frozen, batch)
+  twin_loss, twin_grads = _loss_and_grads(twin_cfg, mesh, lora, twin, batch)
+  assert float(loss) == float(twin_loss)
+  for g, tg in zip(jax.tree.leaves(grads), jax.tree.leaves(twin_grads)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(tg))
+
+
+def test_packed_linear_runs_per_device_on_its_tokens_with_the_weight_whole():
+  mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
+  w = PackedWeight.from_kernel(jax.random.normal(jax.random.key(0), (64, 48)), "fp8_block", 1, 0)
+  x = jax.random.normal(jax.random.key(1), (8, 16, 64), jnp.bfloat16)
+  x = jax.device_put(x, NamedSharding(mesh, P(("fsdp", "expert"))))
+  codes = jax.device_put(w.codes, NamedSharding(mesh, P("fsdp")))  # sharded, as FSDP keeps it
+  per_device = split_tokens_whole_weights(loop_quantized_matmul)
+  with activation_mesh(mesh):
+    y = jax.jit(lambda x, c, s: per_device(x, c, s, fmt="fp8_block"))(x, codes, w.scales)
+  assert y.sharding.spec[0] == ("fsdp", "expert")
+  want = quantized_matmul_reference(x, w.codes, w.scales, fmt="fp8_block")
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=2e-2,
+                             atol=2e-2)
