@@ -7,14 +7,15 @@ experts, bf16. Forward and input gradient (dout @ rhs[g]^T), balanced and skewed
 sizes, next to `jax.lax.ragged_dot` and one dense matmul of the same FLOPs; then the
 rank-16 grouped LoRA product and a small sweep of the Mosaic kernel's tile settings.
 
-    ... --quantized [--sweep-quantized] [--json out.json]
+    ... --quantized [--sweep-quantized | --sweep-only] [--formats F,...] [--json out.json]
 
 times instead the matmul against packed frozen weights (pallas_kernels.quantized_matmul:
 fp8_block, mxfp4, int4, dequantized tile by tile) next to the bf16 Mosaic grouped matmul
 on the dequantized weights, forward and input gradient, on the shape above and Kimi K3's
 expert shapes (gate+up K=3584, N=6144; down K=3072, N=3584), with the weight bytes each
-reads. --sweep-quantized also tries the kernel's tile settings per format and orientation
-and reports the best. --smoke runs the quantized path at tiny shapes (on CPU: the loop
+reads. --sweep-quantized also tries the kernel's tile settings and dequantization variants
+per format and orientation (on the first shape) and reports the best; --sweep-only runs
+just the sweep, --formats fp8_block,int4 limits either to some formats. --smoke runs the quantized path at tiny shapes (on CPU: the loop
 stand-in and the interpreted kernel), to check the script itself.
 
 Figures on their own come from `experiments.timing.median_ms`; every ratio (against
@@ -23,6 +24,7 @@ dense, XLA's ragged_dot, the ragged_dot LoRA reference) from
 """
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -205,21 +207,34 @@ QUANTIZED_FORMATS = ("fp8_block", "mxfp4", "int4")
 # gate+up, 3072 -> 3584 down)
 QUANTIZED_SHAPES = (("m65536_k7168_n4096", K, N), ("k3_gate_up", 3584, 6144), ("k3_down", 3072,
                                                                                3584))
-# (bm, bn, bk, num_warps, num_stages); bn and bk are the weight tile's [N, K] sides in
-# both orientations (forward: bn output columns, bk contracted; input gradient: bn
-# contracted, bk output columns)
-QUANTIZED_TILE_CONFIGS = [
-    (128, 128, 64, 8, 4),
-    (128, 128, 64, 4, 4),
-    (128, 128, 128, 8, 3),
-    (128, 64, 128, 8, 4),
-    (128, 256, 64, 8, 3),
-    (128, 128, 256, 8, 3),
-    (256, 128, 64, 8, 3),
-    (256, 128, 128, 8, 3),
-    (256, 64, 128, 8, 3),
-    (64, 128, 128, 4, 4),
-]
+
+
+def quantized_tile_configs(fmt_name):
+  """The sweep's TileConfigs for one format: tile shapes crossed with the dequantization
+    variants (kernel.py's module doc); bn and bk are the weight tile's [N, K] sides in both
+    orientations (forward: bn output columns, bk contracted; input gradient: bn contracted,
+    bk output columns). The float32 decode on a few shapes, as the baseline of the others."""
+  from pallas_kernels.quantized_matmul.kernel import TileConfig
+  if fmt_name == "fp8_block":  # inside one 128 x 128 scale block: the scale after the product
+    inside = [(128, 128, 64, 8, 4),
+              (128, 128, 128, 8, 3), (128, 64, 128, 8, 4), (256, 128, 64, 8, 3),
+              (256, 128, 128, 8, 2), (256, 64, 128, 8, 3), (64, 128, 128, 4, 4)]
+    across = [(128, 128, 256, 8, 3), (128, 256, 64, 8, 3)]
+    return ([TileConfig(*t, dequant=d) for t in inside for d in ("bits", "f32")] +
+            [TileConfig(*t) for t in across])
+  shapes = [(128, 128, 128, 8, 3), (128, 64, 128, 8, 4), (128, 128, 256, 8, 3),
+            (256, 128, 64, 8, 3), (256, 128, 128, 8, 3), (256, 64, 128, 8, 3),
+            (256, 128, 128, 8, 2)]
+  variants = [{}, {
+      "halves": True
+  }, {
+      "gather_scales": True
+  }, {
+      "halves": True,
+      "gather_scales": True
+  }]
+  baseline = [TileConfig(*t, dequant="f32") for t in ((128, 128, 128, 8, 3), (256, 128, 128, 8, 3))]
+  return baseline + [TileConfig(*t, **v) for t in shapes for v in variants]
 
 
 def random_packed(key, fmt_name, g, n, k):
@@ -281,7 +296,7 @@ def bench_quantized_shape(report, fmt_name, shape_name, m, k, n, g, rounds, call
   print(json.dumps({shape_name: {fmt_name: r}}), flush=True)
 
 
-def sweep_quantized(report, m, k, n, g, configs, interpret):
+def sweep_quantized(report, m, k, n, g, fmt_names, smoke, interpret):
   """The kernel alone per tile setting, per format and orientation; the best of each."""
   from pallas_kernels.quantized_matmul.kernel import TileConfig, quantized_grouped_matmul_kernel
   keys = jax.random.split(jax.random.key(4), 3)
@@ -290,19 +305,22 @@ def sweep_quantized(report, m, k, n, g, configs, interpret):
   gs = quantized_group_sizes(m, g)
   tflop = 2 * m * k * n / 1e12
   out = report["quantized_tile_sweep"] = {"m_k_n_g": [m, k, n, g]}
-  for fmt_name in QUANTIZED_FORMATS:
+  for fmt_name in fmt_names:
     codes, scales = jax.jit(random_packed, static_argnums=(1, 2, 3, 4))(keys[0], fmt_name, g, n, k)
+    configs = quantized_tile_configs(fmt_name)
+    if smoke:  # every variant at one tiny tile
+      configs = {
+          dataclasses.replace(c, bm=32, bn=64, bk=64, num_warps=4, num_stages=1) for c in configs
+      }
     for direction, x, transpose in (("fwd", lhs, False), ("dlhs", dout, True)):
       r = out.setdefault(fmt_name, {})[direction] = {}
-      for bm, bn, bk, warps, stages in configs:
-        config = TileConfig(bm, bn, bk, warps, stages)
+      for config in configs:
         f = jax.jit(lambda x, c, s, gs, config=config, t=transpose: quantized_grouped_matmul_kernel(
             x, c, s, gs, fmt=fmt_name, transpose=t, config=config, interpret=interpret))
-        name = f"bm{bm}_bn{bn}_bk{bk}_w{warps}_s{stages}"
         try:
-          r[name] = float(f"{tflop / (median_ms(f, x, codes, scales, gs) / 1e3):.4g}")
+          r[config.name] = float(f"{tflop / (median_ms(f, x, codes, scales, gs) / 1e3):.4g}")
         except Exception as e:  # a config that does not fit shared memory or registers
-          r[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+          r[config.name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
       timed = {c: t for c, t in r.items() if isinstance(t, float)}
       if timed:
         best = max(timed, key=timed.get)
@@ -315,17 +333,20 @@ def main_quantized(args):
   on_gpu = jax.default_backend() == "gpu"
   if args.smoke:  # tiny shapes: checks the script, not the kernel's speed
     shapes, m, g, rounds, calls = (("smoke", 256, 128),), 160, 3, 2, 1
-    configs = [(32, 64, 64, 4, 1)]
   else:
     shapes, m, g, rounds, calls = QUANTIZED_SHAPES, M, G, 15, 5
-    configs = QUANTIZED_TILE_CONFIGS
   report["kernel"] = "pallas_triton" if on_gpu else "loop_over_groups (not a GPU)"
-  for shape_name, k, n in shapes:
-    for fmt_name in QUANTIZED_FORMATS:
-      bench_quantized_shape(report, fmt_name, shape_name, m, k, n, g, rounds, calls)
-  if args.sweep_quantized:
+  fmt_names = args.formats.split(",")
+  for name in fmt_names:
+    if name not in QUANTIZED_FORMATS:
+      raise SystemExit(f"--formats: unknown format {name!r}; known: {','.join(QUANTIZED_FORMATS)}")
+  if not args.sweep_only:
+    for shape_name, k, n in shapes:
+      for fmt_name in fmt_names:
+        bench_quantized_shape(report, fmt_name, shape_name, m, k, n, g, rounds, calls)
+  if args.sweep_quantized or args.sweep_only:
     _, k, n = shapes[0]
-    sweep_quantized(report, m, k, n, g, configs, interpret=not on_gpu)
+    sweep_quantized(report, m, k, n, g, fmt_names, args.smoke, interpret=not on_gpu)
   print(json.dumps(report, indent=1))
   if args.json:
     with open(args.json, "w") as f:
@@ -340,10 +361,14 @@ def main():
                       help="packed weights (fp8_block, mxfp4, int4) against bf16 instead")
   parser.add_argument("--sweep-quantized", action="store_true",
                       help="with --quantized: sweep the packed-weight kernel's tile settings")
+  parser.add_argument("--sweep-only", action="store_true",
+                      help="with --quantized: only the tile sweep (implies --sweep-quantized)")
+  parser.add_argument("--formats", default=",".join(QUANTIZED_FORMATS),
+                      help="with --quantized: comma-separated packed formats to time")
   parser.add_argument("--smoke", action="store_true",
                       help="with --quantized: tiny shapes, to check the script (runs on CPU)")
   args = parser.parse_args()
-  if args.quantized or args.sweep_quantized or args.smoke:
+  if args.quantized or args.sweep_quantized or args.sweep_only or args.smoke:
     main_quantized(args)
     return
   report = {"device": str(jax.devices()[0]), "shape": [M, K, N, G], "jax": jax.__version__}
