@@ -63,6 +63,11 @@ def _parser(epilog: str = "") -> argparse.ArgumentParser:
                   help="after training, write the adapter in the PEFT layout to DIR")
   ck.add_argument("--merge", action="store_true",
                   help="with --export-adapter: also write the merged model to DIR/merged")
+  ck.add_argument(
+      "--merge-dequantized", action="store_true",
+      help="with --merge and a packed (quantized) base: write the merged model as a bf16 "
+      "copy, the base dequantized (checkpoint.merge_dequantized; it needs the bf16 size "
+      "on disk)")
   mh = p.add_argument_group("multi-host (default: from SLURM variables when SLURM_NTASKS > 1)")
   mh.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                   help="address of process 0's coordination service")
@@ -132,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
       raise ConfigError("--resume: name the run's folder with --out")
     if args.merge and args.export_adapter is None:
       raise ConfigError("--merge: goes with --export-adapter DIR")
+    if args.merge_dequantized:
+      if not args.merge:
+        raise ConfigError("--merge-dequantized: goes with --merge")
+      overrides.setdefault("checkpoint.merge_dequantized", "true")
     if args.distributed_timeout is not None and args.distributed_timeout < 1:
       raise ConfigError(f"--distributed-timeout: must be >= 1 s, got {args.distributed_timeout}")
     from hylora.io.distributed import resolve
@@ -140,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
       for field in dataclasses.fields(KernelConfig):
         overrides.setdefault(f"kernels.{field.name}", "reference")
     cfg = apply_overrides(cfg, overrides).validate()  # every value, before anything is built
+    if args.merge and cfg.model.quantization.format != "none" and not (
+        cfg.checkpoint.merge_dequantized):
+      raise ConfigError(f"--merge: the base is packed ({cfg.model.quantization.format}); the "
+                        "merged model can only be written in bf16: add --merge-dequantized")
     from hylora.plan.run_plan import check_choices
     check_choices(cfg)
     if args.dry_run:

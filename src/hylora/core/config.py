@@ -303,6 +303,9 @@ class CheckpointConfig:
   every: int = 0  # save every N steps (0: only after the last step)
   keep: int = 3  # the last K checkpoints stay on disk
   async_save: bool = True  # write while training continues
+  # A merged export (--merge) of a packed base: written as a bf16 copy (the base
+  # dequantized, plus the adapters) only when this says so (--merge-dequantized).
+  merge_dequantized: bool = False
 
 
 @dataclass(frozen=True)

@@ -13,21 +13,32 @@ experts by slot (hylora.model.ffn.placement): on loading, slot s takes expert s 
 (the initial placement); on writing, each expert comes from its first slot.
 
 Layouts: see `hylora.core.architecture.Tensor`.
+
+A frozen linear kept packed (`hylora.quant.PackedWeight`, as `model.quantization` says)
+is one leaf too: its shape is the bf16 kernel's, its `packed` format says which tensors
+stand for each checkpoint name (`hylora.io.packed_tensors`). `packed_formats` says which
+leaves a checkpoint's quantization packs: linears of the packable kinds whose checkpoint
+modules `model.quantization.ignore` does not name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Iterator
 
 import jax
+import jax.numpy as jnp
 
 from hylora.core.architecture import (ALL_LAYER_TENSORS, MODEL_TENSORS, Tensor, stacked_layers,
                                       stacked_position)
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
 from hylora.io.name_maps import NameMap, name_map
+from hylora.io.packed_tensors import module
+from hylora.quant.packed_weight import is_packed
+from pallas_kernels.quantized_matmul import formats
 
 # The vision tower keeps its own layout (house family): `vision/<path>` is
 # `<vision_prefix><path>` with "/" read as "."; its stacked encoder blocks are split into
@@ -49,6 +60,7 @@ class Leaf:
   experts: int = 0  # size of the expert (slot) axis (per-expert rules)
   routed: int = 0  # routed experts of the model: slot s starts as expert s mod routed
   disk: str = ""  # the disk layout (the architecture's, or the name map's override)
+  packed: str | None = None  # the packed format of a PackedWeight leaf (None: plain array)
 
   @property
   def key(self) -> str:
@@ -95,13 +107,71 @@ _MODEL = {t.path: t for t in MODEL_TENSORS}
 
 
 def plan(cfg: Config, tree: dict) -> list[Leaf]:
-  """A `Leaf` for every leaf of a pure-dict tree of arrays / ShapeDtypeStructs."""
+  """A `Leaf` for every leaf of a pure-dict tree of arrays / ShapeDtypeStructs, a
+  `PackedWeight` counting as one leaf."""
   names = name_map(cfg.model.family)
   leaves = []
-  for key_path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
+  for key_path, value in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_packed)[0]:
     path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in key_path)
-    leaves.append(_leaf(cfg, names, path, tuple(value.shape), value.dtype))
+    if is_packed(value):
+      leaf = _leaf(cfg, names, path, tuple(value.shape), jnp.bfloat16)
+      leaves.append(_packed(dataclasses.replace(leaf, packed=value.format)))
+    else:
+      leaves.append(_leaf(cfg, names, path, tuple(value.shape), value.dtype))
   return leaves
+
+
+def _packed(leaf: Leaf) -> Leaf:
+  """A packed leaf, checked: a linear, whose fused parts each own whole scale blocks."""
+  if not leaf.tensor.linear:
+    raise ConfigError(f"model parameter {leaf.key}: packed ({leaf.packed}) but not a linear; "
+                      "only linear weights can stay packed")
+  rows = formats.get(leaf.packed).block[0]
+  out = leaf.tensor_shape()[0]
+  if len(leaf.name_template) > 1 and out % rows:
+    raise ConfigError(f"model parameter {leaf.key}: {leaf.packed} fuses "
+                      f"{len(leaf.name_template)} checkpoint linears of {out} outputs each, "
+                      f"not a multiple of its {rows}-row scale blocks")
+  return leaf
+
+
+# Parameter kinds whose linears a checkpoint may ship packed: never the router, the
+# embeddings / lm_head or the vision tower.
+PACKABLE_KINDS = ("attention", "dense_ffn", "shared_experts", "experts", "expert_latent")
+
+
+def ignored_module(name: str, ignore) -> bool:
+  """compressed-tensors' rule: an entry names the module exactly, or is "re:REGEX"
+  matched from the start of the module name."""
+  return any(re.match(e[3:], name) if e.startswith("re:") else name == e for e in ignore)
+
+
+def packed_formats(cfg: Config, tree: dict) -> dict[tuple, str]:
+  """path -> packed format, for the leaves of a bf16 tree (arrays / ShapeDtypeStructs)
+  that `model.quantization` packs."""
+  q = cfg.model.quantization
+  if q.format == "none":
+    return {}
+  out = {}
+  for leaf in plan(cfg, tree):
+    if not leaf.tensor.linear or leaf.tensor.kind not in PACKABLE_KINDS or not leaf.name_template:
+      continue
+    modules = [module(n) for _, names in leaf.items() for n in names]
+    kept = [m for m in modules if ignored_module(m, q.ignore)]
+    if len(kept) == len(modules):
+      continue
+    if kept:
+      packed = next(m for m in modules if m not in kept)
+      raise ConfigError(f"model parameter {leaf.key}: model.quantization.ignore keeps "
+                        f"{kept[0]!r} in bf16 but packs {packed!r}; one parameter is packed "
+                        "whole or not at all")
+    out_n, in_k = leaf.tensor_shape()
+    reason = formats.get(q.format).check_matrix(out_n, in_k)
+    if reason:
+      raise ConfigError(f"model parameter {leaf.key} ({modules[0]}): {reason}")
+    _packed(dataclasses.replace(leaf, packed=q.format))
+    out[leaf.path] = q.format
+  return out
 
 
 def _missing(names: NameMap, joined: str, where: str) -> ConfigError:

@@ -6,31 +6,46 @@ which asks only for the slices this process's devices own; each slice is read fr
 memory-mapped shards with `safe_open(...).get_slice`, so no host ever holds the whole
 model. Names and layouts come from the one table in `hylora.io.hf_names`. Every problem
 with the folder is a `WeightsError` naming the tensor (and file) at fault.
+
+A packed frozen linear (`hylora.quant.PackedWeight`) is read and written as its checkpoint
+ships it (`hylora.io.packed_tensors`): codes and scales stay bit-exact, each device reading
+only its slices of both; a merged model of a packed base is written in bf16 only when asked
+(`merge_dequantized`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import re
+import struct
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from hylora.core import families
-from hylora.core.config import Config
+from hylora.core.config import Config, QuantizationConfig
 from hylora.core.errors import ConfigError, WeightsError
 from hylora.io.hf_names import Leaf, plan
+from hylora.io.packed_tensors import LAYOUTS, PACKED_SUFFIXES, SHAPE_DTYPES, module
+from hylora.quant.packed_weight import PackedWeight, is_packed
+from pallas_kernels.quantized_matmul import formats
 
 INDEX_FILE = "model.safetensors.index.json"
 ACCEPTED_DTYPES = ("BF16", "F16", "F32")  # cast to the parameter's dtype on load
+# a `.weight` stored quantized in place (FP8 checkpoints keep the name)
+QUANTIZED_WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")
 ADAPTER_LEAVES = ("lora_a", "lora_b")
+# dtypes safetensors' numpy reader cannot make (numpy has no float8): read from the bytes
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 class CheckpointFiles:
@@ -46,7 +61,7 @@ class CheckpointFiles:
         p.name for p in self.dir.glob("*.safetensors"))
     if not files:
       raise WeightsError(f"base weights: no *.safetensors files in {self.dir}")
-    self.handles, self.info = {}, {}
+    self.handles, self.info, self._maps = {}, {}, {}
     for name in files:
       self._open(name, [t for t, f in listed.items() if f == name])
     for tensor, name in listed.items():
@@ -81,41 +96,150 @@ class CheckpointFiles:
       self.info[tensor] = (name, tuple(view.get_shape()), view.get_dtype())
 
   def read(self, tensor: str, index: tuple[slice, ...]) -> np.ndarray:
-    return self.handles[self.info[tensor][0]].get_slice(tensor)[index]
+    file, _, dtype = self.info[tensor]
+    if dtype in RAW_DTYPES:
+      return np.asarray(self._mapped(tensor)[index])
+    return self.handles[file].get_slice(tensor)[index]
+
+  def _mapped(self, tensor: str) -> np.ndarray:
+    """The whole tensor as a memory map of its bytes (only the slices indexed are read)."""
+    if tensor not in self._maps:
+      file, shape, dtype = self.info[tensor]
+      path = self.dir / file
+      with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        begin, end = json.loads(f.read(size))[tensor]["data_offsets"]
+      if end == begin:
+        self._maps[tensor] = np.zeros(shape, RAW_DTYPES[dtype])
+      else:
+        data = np.memmap(path, np.uint8, mode="r", offset=8 + size + begin, shape=(end - begin,))
+        self._maps[tensor] = data.view(RAW_DTYPES[dtype]).reshape(shape)
+    return self._maps[tensor]
 
 
-def _expected(leaves: Iterable[Leaf]) -> dict[str, Leaf]:
-  return {name: leaf for leaf in leaves for _, names in leaf.items() for name in names}
+def _expected(leaves: Iterable[Leaf]) -> dict[str, tuple[Leaf, str]]:
+  """checkpoint tensor name -> (leaf, role): "weight" for a plain tensor, else the packed
+  tensor's role ("codes", "scales", "shape")."""
+  out = {}
+  for leaf in leaves:
+    for _, names in leaf.items():
+      for name in names:
+        if leaf.packed is None:
+          out[name] = (leaf, "weight")
+        else:
+          out.update({n: (leaf, role) for role, n in LAYOUTS[leaf.packed].names(name).items()})
+  return out
+
+
+def _optional(leaf: Leaf, role: str) -> bool:
+  return leaf.tensor.optional or (role == "shape" and not LAYOUTS[leaf.packed].shape_required)
 
 
 def check(files: CheckpointFiles, leaves: list[Leaf], extra: list[Leaf] = (),
           ignore: Iterable[str] = ()) -> None:
-  """Every tensor present, known, of the right shape and a float dtype; `extra` leaves
-  (trainable non-adapter parameters) may be present or not; names matching an `ignore`
-  regex are not part of the model and are skipped."""
+  """Every tensor present, known, of the right shape and dtype (a float dtype, or the
+  packed format's tensors for packed leaves); `extra` leaves (trainable non-adapter
+  parameters) may be present or not; names matching an `ignore` regex are not part of the
+  model and are skipped."""
   need, may = _expected(leaves), _expected(extra)
   skip = [re.compile(p) for p in ignore]
-  missing = [n for n, leaf in need.items() if n not in files.info and not leaf.tensor.optional]
+  missing = [
+      n for n, (leaf, role) in need.items() if n not in files.info and not _optional(leaf, role)
+  ]
   if missing:
+    leaf, role = need[missing[0]]
+    if leaf.packed:
+      _refuse_unpacked(files, leaf, missing[0], role)
+    stand_in = [module(missing[0]) + "." + s for s in PACKED_SUFFIXES]
+    stand_in = [n for n in stand_in if n in files.info]
+    if stand_in:
+      raise WeightsError(f"tensor {stand_in[0]!r} in {files.info[stand_in[0]][0]}: stored "
+                         f"quantized, but the model keeps {missing[0]!r} in bf16 "
+                         f"({_quantization_words(leaf)})")
     more = f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""
     raise WeightsError(f"tensor {missing[0]!r} is missing from {files.dir} (model parameter "
-                       f"{need[missing[0]].key}){more}")
+                       f"{leaf.key}){more}")
   for name, (file, shape, dtype) in files.info.items():
-    leaf = need.get(name) or may.get(name)
+    leaf, role = need.get(name) or may.get(name) or (None, None)
     if leaf is None:
       if any(p.search(name) for p in skip):
         continue
+      plain = module(name) + ".weight"
+      if name.rsplit(".", 1)[-1] in PACKED_SUFFIXES and plain in need:
+        raise WeightsError(f"tensor {name!r} in {file}: stored quantized, but the model keeps "
+                           f"{plain!r} in bf16 ({_quantization_words(need[plain][0])})")
       raise WeightsError(f"unexpected tensor {name!r} in {file}: no model parameter maps to it "
                          f"(the name map of this model's family; check the model config, or "
                          "skip it with --ignore-tensors REGEX)")
-    want = leaf.tensor_shape()
-    if shape != want:
-      raise WeightsError(f"tensor {name!r} in {file}: shape {list(shape)}, but the model expects "
-                         f"{list(want)} (parameter {leaf.key}, shape {list(leaf.shape)})")
-    if dtype not in ACCEPTED_DTYPES:
-      raise WeightsError(f"tensor {name!r} in {file}: dtype {dtype}, expected one of "
-                         f"{'/'.join(ACCEPTED_DTYPES)} (quantized checkpoints must be "
-                         "dequantized to BF16 first)")
+    if role == "weight":
+      _check_plain(name, file, shape, dtype, leaf)
+    else:
+      _check_packed(files, name, file, shape, dtype, leaf, role)
+
+
+def _quantization_words(leaf: Leaf) -> str:
+  return ("the checkpoint config's quantization_config leaves it out: model.quantization "
+          f"format / ignore; parameter {leaf.key}")
+
+
+def _check_plain(name, file, shape, dtype, leaf: Leaf) -> None:
+  want = leaf.tensor_shape()
+  if shape != want:
+    raise WeightsError(f"tensor {name!r} in {file}: shape {list(shape)}, but the model expects "
+                       f"{list(want)} (parameter {leaf.key}, shape {list(leaf.shape)})")
+  if dtype in QUANTIZED_WEIGHT_DTYPES:
+    raise WeightsError(f"tensor {name!r} in {file}: stored quantized ({dtype}), but the model "
+                       f"keeps it in bf16 ({_quantization_words(leaf)})")
+  if dtype not in ACCEPTED_DTYPES:
+    raise WeightsError(f"tensor {name!r} in {file}: dtype {dtype}, expected one of "
+                       f"{'/'.join(ACCEPTED_DTYPES)}")
+
+
+def _check_packed(files, name, file, shape, dtype, leaf: Leaf, role: str) -> None:
+  layout = LAYOUTS[leaf.packed]
+  out_n, in_k = leaf.tensor_shape()
+  what = f"{leaf.packed} {role} of a [{out_n}, {in_k}] weight, parameter {leaf.key}"
+  if role == "shape":
+    if dtype not in SHAPE_DTYPES or shape != (2,):
+      raise WeightsError(f"tensor {name!r} in {file}: {dtype} {list(shape)}, expected "
+                         f"{' or '.join(SHAPE_DTYPES)} [2] ({what})")
+    said = [int(v) for v in files.read(name, (slice(None),))]
+    if said != [out_n, in_k]:
+      codes = layout.names(module(name) + ".weight")["codes"]
+      raise WeightsError(f"tensor {name!r} in {file}: says [{said[0]}, {said[1]}], but "
+                         f"{codes!r} packs a [{out_n}, {in_k}] weight as the model expects "
+                         f"(parameter {leaf.key})")
+    return
+  want_dtype = layout.codes_dtype if role == "codes" else layout.scales_dtype
+  want = (layout.codes_shape if role == "codes" else layout.scales_shape)(out_n, in_k)
+  if role == "codes" and dtype in ACCEPTED_DTYPES and dtype != want_dtype:
+    raise WeightsError(f"tensor {name!r} in {file}: stored as {dtype}, but the checkpoint "
+                       f"config's quantization packs it ({what})")
+  if dtype != want_dtype:
+    raise WeightsError(f"tensor {name!r} in {file}: dtype {dtype}, expected {want_dtype} "
+                       f"({what})")
+  if shape != want:
+    raise WeightsError(f"tensor {name!r} in {file}: shape {list(shape)}, expected "
+                       f"{list(want)} ({what})")
+
+
+def _refuse_unpacked(files: CheckpointFiles, leaf: Leaf, missing: str, role: str) -> None:
+  """A packed tensor is missing: name what the folder holds instead."""
+  layout = LAYOUTS[leaf.packed]
+  plain = module(missing) + ".weight"
+  names = layout.names(plain)
+  if role == "scales" and names["codes"] in files.info:
+    codes, (file, _, dtype) = names["codes"], files.info[names["codes"]]
+    if dtype != layout.codes_dtype:
+      raise WeightsError(f"tensor {codes!r} in {file}: stored as {dtype}, but the checkpoint "
+                         f"config's quantization packs it ({leaf.packed}, parameter {leaf.key})")
+    raise WeightsError(f"tensor {missing!r} is missing from {files.dir}: the {leaf.packed} "
+                       f"scales of {codes!r} (model parameter {leaf.key})")
+  if plain in files.info and plain != missing:
+    file, _, dtype = files.info[plain]
+    raise WeightsError(f"tensor {plain!r} in {file}: stored as {dtype}, but the checkpoint "
+                       f"config's quantization packs it ({leaf.packed}: expected "
+                       f"{' + '.join(repr(n) for n in names.values())}; parameter {leaf.key})")
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -179,16 +303,90 @@ def _build(leaf: Leaf, files: CheckpointFiles, sharding) -> jax.Array:
   return jax.make_array_from_callback(leaf.shape, sharding, slice_for)
 
 
+# ---- packed leaves ---------------------------------------------------------------------
+
+
+def packed_shapes(leaf: Leaf) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The codes and scales shapes of a packed leaf: [*stack, N, K / per_code] and
+  [*stack, scale rows, scale columns] (N: every fused part's outputs)."""
+  out_n, in_k = leaf.tensor_shape()
+  fmt, stack = formats.get(leaf.packed), leaf.shape[:leaf.stack_dims]
+  n = out_n * len(leaf.name_template)
+  return (*stack, *fmt.codes_shape(n, in_k)), (*stack, *fmt.scales_shape(n, in_k))
+
+
+def _read_rows(files: CheckpointFiles, names, part: int, rows, read) -> np.ndarray:
+  """Rows [lo, hi) of the parts `names` stacked along out (`part` rows each), one read
+  per part touched; `read(name, lo, hi)` reads rows of one part."""
+  pieces = []
+  for p, name in enumerate(names):
+    lo, hi = max(rows[0], p * part), min(rows[1], (p + 1) * part)
+    if lo < hi:
+      pieces.append(read(name, lo - p * part, hi - p * part))
+  return np.concatenate(pieces, axis=0)
+
+
+def read_packed_block(leaf: Leaf, files: CheckpointFiles, role: str,
+                      index: tuple[slice, ...]) -> np.ndarray:
+  """The block `codes[index]` or `scales[index]` of a packed leaf, read from the
+  checkpoint's tensors as they are (int4's int32 words are viewed as their bytes)."""
+  layout = LAYOUTS[leaf.packed]
+  shape = packed_shapes(leaf)[role == "scales"]
+  bounds = _bounds(index, shape)
+  stack, (rows, cols) = bounds[:leaf.stack_dims], bounds[leaf.stack_dims:]
+  part = shape[-2] // len(leaf.name_template)
+
+  def read(weight_name, lo, hi):
+    name = layout.names(weight_name)[role]
+    if role == "scales":
+      return files.read(name, (slice(lo, hi), slice(*cols)))
+    stored, cut = layout.columns(*cols)
+    return layout.codes_from_disk(files.read(name, (slice(lo, hi), stored)))[:, cut]
+
+  ranges = [range(a, b) for a, b in stack]
+  blocks = [
+      _read_rows(files, leaf.names_at(i), part, rows, read) for i in itertools.product(*ranges)
+  ]
+  out = np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape) if ranges else blocks[0]
+  fmt = formats.get(leaf.packed)
+  return np.asarray(out).astype(fmt.codes_dtype if role == "codes" else fmt.scales_dtype,
+                                copy=False)
+
+
+def _build_packed(leaf: Leaf, files: CheckpointFiles, abstract: PackedWeight) -> PackedWeight:
+  codes_shape, scales_shape = packed_shapes(leaf)
+  for role, want, got in (("codes", codes_shape, abstract.codes), ("scales", scales_shape,
+                                                                   abstract.scales)):
+    if tuple(got.shape) != want:
+      raise ConfigError(f"model parameter {leaf.key}: packed {role} of shape "
+                        f"{list(got.shape)}, the {leaf.packed} format gives {list(want)}")
+
+  def build(role, target):
+    cache = {}
+
+    def slice_for(index):
+      key = tuple(_bounds(index, target.shape))
+      if key not in cache:
+        cache[key] = read_packed_block(leaf, files, role, index)
+      return cache[key]
+
+    return jax.make_array_from_callback(tuple(target.shape), target.sharding, slice_for)
+
+  return dataclasses.replace(abstract, codes=build("codes", abstract.codes),
+                             scales=build("scales", abstract.scales))
+
+
 def flat_paths(tree) -> dict[tuple, object]:
+  """path -> leaf, a `PackedWeight` counting as one leaf."""
   return {
       tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path):
-          v for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+          v for path, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_packed)[0]
   }
 
 
 def _unflatten_like(tree, values: dict[tuple, object]):
   paths = flat_paths(tree)
-  return jax.tree.unflatten(jax.tree.structure(tree), [values[p] for p in paths])
+  return jax.tree.unflatten(jax.tree.structure(tree, is_leaf=is_packed), [values[p] for p in paths])
 
 
 def non_adapters(tree) -> dict:
@@ -206,10 +404,12 @@ def load(directory: str | Path, cfg: Config, frozen_abstract: dict, lora=None):
   leaves = plan(cfg, frozen_abstract)
   extras = plan(cfg, non_adapters(lora)) if lora is not None else []
   check(files, leaves, extras, ignored(cfg, hf))
-  shardings = flat_paths(frozen_abstract)
+  abstract = flat_paths(frozen_abstract)
   frozen = _unflatten_like(
-      frozen_abstract,
-      {leaf.path: _build(leaf, files, shardings[leaf.path].sharding) for leaf in leaves})
+      frozen_abstract, {
+          leaf.path: (_build_packed(leaf, files, abstract[leaf.path]) if leaf.packed else _build(
+              leaf, files, abstract[leaf.path].sharding)) for leaf in leaves
+      })
   if lora is not None:
     present = {
         leaf.path: leaf
@@ -248,14 +448,21 @@ def check_config(directory: Path, cfg: Config) -> dict:
   return hf
 
 
-def hf_config(cfg: Config) -> dict:
+def hf_config(cfg: Config, dequantized: bool = False) -> dict:
   """The config.json written next to exported weights: the base checkpoint's own for a
-  released family, else the house config that rebuilds the model."""
+  released family, else the house config that rebuilds the model; `dequantized` (a
+  bf16 copy of a packed base) drops the quantization."""
   from hylora.core.overrides import to_dict
 
   if cfg.model.family != "hylora" and cfg.checkpoint.base_weights:
-    return families.read_config(cfg.checkpoint.base_weights)
+    hf = families.read_config(cfg.checkpoint.base_weights)
+    if dequantized:
+      for section in (hf, hf.get("text_config") or {}):
+        section.pop("quantization_config", None)
+    return hf
   m = cfg.model
+  if dequantized:
+    m = dataclasses.replace(m, quantization=QuantizationConfig())
   return {
       "architectures": ["HybridLMForCausalLM"],
       "model_type": families.HOUSE_MODEL_TYPE,
@@ -302,6 +509,27 @@ def to_tensors(leaf: Leaf, item: np.ndarray) -> list[np.ndarray]:
   return np.split(item.reshape(n_in, -1).T, len(leaf.name_template), axis=0)
 
 
+def packed_tensors(leaf: Leaf, names, codes: np.ndarray,
+                   scales: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+  """One slice's codes [N, K / per_code] and scales -> its checkpoint tensors, as the
+  format ships them (inverse of `read_packed_block`): fused parts split along out."""
+  layout = LAYOUTS[leaf.packed]
+  out_n, in_k = leaf.tensor_shape()
+  parts = len(names)
+  for name, c, sc in zip(names, np.split(codes, parts), np.split(scales, parts)):
+    tensors = layout.names(name)
+    yield tensors["codes"], layout.codes_to_disk(c)
+    yield tensors["scales"], sc
+    if layout.shape_required:
+      yield tensors["shape"], np.array([out_n, in_k], np.int32)
+
+
+def dequantized_item(leaf: Leaf, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """One packed slice as its bf16 model-layout kernel [*in, *out]."""
+  w = formats.dequantize(codes, scales, leaf.packed)  # [N, K]
+  return np.asarray(w).T.reshape(leaf.item_shape)
+
+
 def expert_slots(leaf: Leaf, frozen_flat: dict):
   """index (layer, logical expert) -> (layer, storage slot) under the layer's expert
   placement; the identity for leaves without an expert axis."""
@@ -325,11 +553,41 @@ def lora_delta(a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
   return scale * np.tensordot(a.astype(np.float32), b.astype(np.float32), axes=1)
 
 
-def model_tensors(cfg: Config, frozen: dict, lora: dict | None = None,
-                  merge: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def packed_leaves(cfg: Config, frozen: dict) -> list[Leaf]:
+  return [leaf for leaf in plan(cfg, frozen) if leaf.packed]
+
+
+def merged_bytes(cfg: Config, frozen: dict, lora: dict | None = None) -> int:
+  """The size of a merged copy: every packed weight in bf16, the rest as stored."""
+  total = 0
+  trees = [frozen] + ([non_adapters(lora)] if lora is not None else [])
+  for tree in trees:
+    source = flat_paths(tree)
+    for leaf in plan(cfg, tree):
+      if leaf.tensor.fill:
+        continue
+      itemsize = 2 if leaf.packed else np.dtype(source[leaf.path].dtype).itemsize
+      total += math.prod(leaf.item_shape) * itemsize * sum(1 for _ in leaf.items())
+  return total
+
+
+def check_merge(cfg: Config, frozen: dict, merge_dequantized: bool) -> None:
+  """A merged model of a packed base is written only as an explicit bf16 copy."""
+  packed = packed_leaves(cfg, frozen)
+  if packed and not merge_dequantized:
+    raise ConfigError(f"merge: the base is packed ({packed[0].packed}, e.g. "
+                      f"{packed[0].key}); the merged model can only be written in bf16, "
+                      "asked for with merge_dequantized=True (--merge-dequantized)")
+
+
+def model_tensors(cfg: Config, frozen: dict, lora: dict | None = None, merge: bool = False,
+                  merge_dequantized: bool = False) -> Iterator[tuple[str, np.ndarray]]:
   """(checkpoint name, host array) for every tensor of the model, one slice at a time;
   with `merge`, adapted weights become base + scale * B @ A, and trainable non-adapter
-  parameters are written too."""
+  parameters are written too. Packed weights are written as their format ships them;
+  merging a packed base needs `merge_dequantized`, which writes them in bf16."""
+  if merge:
+    check_merge(cfg, frozen, merge_dequantized)
   arrays = flat_paths(frozen)
   adapters = flat_paths(lora) if (merge and lora is not None) else {}
   trees = [frozen] + ([non_adapters(lora)] if adapters else [])
@@ -338,7 +596,15 @@ def model_tensors(cfg: Config, frozen: dict, lora: dict | None = None,
     for leaf in plan(cfg, tree):
       if leaf.tensor.fill:
         continue
-      read = item_reader(source[leaf.path], leaf.stack_dims)
+      value = source[leaf.path]
+      if leaf.packed:
+        codes_read = item_reader(value.codes, leaf.stack_dims)
+        scales_read = item_reader(value.scales, leaf.stack_dims)
+
+        def read(index, leaf=leaf, codes_read=codes_read, scales_read=scales_read):
+          return dequantized_item(leaf, codes_read(index), scales_read(index))
+      else:
+        read = item_reader(value, leaf.stack_dims)
       slot = expert_slots(leaf, arrays)
       pair = adapter_paths(leaf)
       a_read = b_read = None
@@ -348,6 +614,9 @@ def model_tensors(cfg: Config, frozen: dict, lora: dict | None = None,
         a_read, b_read = item_reader(a, a_dims), item_reader(b, leaf.stack_dims)
       for index, names in leaf.items():
         index = slot(index)
+        if leaf.packed and not merge:
+          yield from packed_tensors(leaf, names, codes_read(index), scales_read(index))
+          continue
         item = read(index)
         if a_read is not None:
           delta = lora_delta(a_read(index[:a_dims]), b_read(index), cfg.lora.scale)
@@ -394,9 +663,20 @@ def write_sharded(directory: str | Path, tensors: Iterable[tuple[str, np.ndarray
 
 
 def save(directory: str | Path, cfg: Config, frozen: dict, lora: dict | None = None,
-         merge: bool = False, max_shard_bytes: int = 4 << 30) -> list[str]:
-  """The model (merged with its adapters when `merge`) as an HF-layout folder."""
-  files = write_sharded(directory, model_tensors(cfg, frozen, lora, merge), max_shard_bytes)
+         merge: bool = False, max_shard_bytes: int = 4 << 30,
+         merge_dequantized: bool = False) -> list[str]:
+  """The model (merged with its adapters when `merge`) as an HF-layout folder; a packed
+  base is written as it ships, or merged into a bf16 copy with `merge_dequantized`."""
+  dequantized = merge and bool(packed_leaves(cfg, frozen))
+  if merge:
+    check_merge(cfg, frozen, merge_dequantized)
+  if dequantized and jax.process_index() == 0:
+    print(
+        f"merged model in bf16 (the packed base dequantized): "
+        f"{merged_bytes(cfg, frozen, lora) / 1e9:.2f} GB to write to {directory}", flush=True)
+  files = write_sharded(directory, model_tensors(cfg, frozen, lora, merge, merge_dequantized),
+                        max_shard_bytes)
   if jax.process_index() == 0:
-    (Path(directory) / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    config = hf_config(cfg, dequantized=dequantized)
+    (Path(directory) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   return files

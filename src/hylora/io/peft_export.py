@@ -18,6 +18,8 @@ so that PEFT computes W x + (lora_alpha / r) * B A x, exactly the model's adapte
 
 `merge=True` also writes `merged/`: the full model in the HF layout with every adapted
 weight replaced by base + scale * B A (hylora.io.hf_weights.save), loadable as base weights.
+A packed (quantized) base merges only into a bf16 copy, asked for with `merge_dequantized`
+(`checkpoint.merge_dequantized`); without it the merge is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -101,9 +103,14 @@ def adapter_config(cfg: Config, module_names: list[str], whole: list[str]) -> di
 
 
 def export(directory: str | Path, cfg: Config, frozen: dict, lora: dict, merge: bool = False,
-           max_shard_bytes: int = 4 << 30) -> Path:
-  """Writes the adapter (and with `merge` the merged model under `merged/`); every
+           max_shard_bytes: int = 4 << 30, merge_dequantized: bool | None = None) -> Path:
+  """Writes the adapter (and with `merge` the merged model under `merged/`, in bf16 for a
+  packed base when `merge_dequantized`, default `checkpoint.merge_dequantized`); every
   process must call it (the per-slice gathers are collectives), process 0 writes."""
+  if merge_dequantized is None:
+    merge_dequantized = cfg.checkpoint.merge_dequantized
+  if merge:
+    hf_weights.check_merge(cfg, frozen, merge_dequantized)
   out = Path(directory)
   tensors = dict(adapter_tensors(cfg, frozen, lora))
   if jax.process_index() == 0:
@@ -115,5 +122,6 @@ def export(directory: str | Path, cfg: Config, frozen: dict, lora: dict, merge: 
     config = adapter_config(cfg, modules, whole)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
   if merge:
-    hf_weights.save(out / "merged", cfg, frozen, lora, merge=True, max_shard_bytes=max_shard_bytes)
+    hf_weights.save(out / "merged", cfg, frozen, lora, merge=True, max_shard_bytes=max_shard_bytes,
+                    merge_dequantized=merge_dequantized)
   return out

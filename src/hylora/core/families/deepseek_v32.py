@@ -8,6 +8,11 @@ import dataclasses
 
 from hylora.core.config import MLAConfig, ModelConfig
 from hylora.core.families._fields import field, mla_heads, require
+from hylora.core.families._quantization import quantization
+
+# Linears DeepSeek-V3.2 ships in bf16 although its config names none: the indexer's head
+# weights (the router, norms, embeddings and lm_head are never packed).
+UNQUANTIZED = ("re:.*indexer\\.weights_proj$",)
 
 
 def _rope(hf: dict) -> dict:
@@ -78,7 +83,16 @@ def architecture(hf: dict, model: ModelConfig) -> ModelConfig:
           "mla": mla,
           "moe": moe,
           "vision": dataclasses.replace(model.vision, enabled=False),
+          "quantization": _quantization(hf),
       })
+
+
+def _quantization(hf: dict):
+  q = quantization(hf)
+  if q.format == "none":
+    return q
+  return dataclasses.replace(q,
+                             ignore=q.ignore + tuple(e for e in UNQUANTIZED if e not in q.ignore))
 
 
 def ignored_tensors(hf: dict) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import dataclasses
 
 from hylora.core.config import KDAConfig, MLAConfig, ModelConfig
 from hylora.core.families._fields import field, mla_heads, require
+from hylora.core.families._quantization import quantization
 
 
 def _text(hf: dict) -> dict:
@@ -45,7 +46,7 @@ def layer_types(hf: dict) -> tuple[str, ...]:
 
 def architecture(hf: dict, model: ModelConfig) -> ModelConfig:
   family = "kimi_k3" if hf.get("model_type") == "kimi_k3" else "kimi_linear"
-  hf = _text(hf)
+  outer, hf = hf, _text(hf)
   lac = hf.get("linear_attn_config") or {}
   heads = mla_heads(hf)
   act = field(hf, "hidden_act", default="silu")
@@ -122,6 +123,8 @@ def architecture(hf: dict, model: ModelConfig) -> ModelConfig:
           "mla": mla,
           "moe": moe,
           "vision": dataclasses.replace(model.vision, enabled=False),
+          # K3 keeps it in text_config; a copy at the top level counts too
+          "quantization": quantization(hf if "quantization_config" in hf else outer),
       })
 
 
