@@ -164,18 +164,24 @@ def pack_int32(codes: np.ndarray) -> np.ndarray:
   return words.view(np.int32)
 
 
-def shipped_tensors(fmt: str, name: str, matrix: np.ndarray):
-  """A bf16 [out, in] checkpoint matrix quantized as its publisher ships it:
-  ({tensor name: array}, codes, scales)."""
-  codes, scales = (np.asarray(a) for a in formats.quantize(matrix, fmt))
+def shipped_tensors(fmt: str, name: str, codes: np.ndarray, scales: np.ndarray,
+                    shape: tuple[int, int]) -> dict[str, np.ndarray]:
+  """One [out, in] matrix's codes and scales as their publisher ships them."""
   base = name[:-len(".weight")]
   if fmt == "fp8_block":
-    return {name: codes, f"{base}.weight_scale_inv": scales}, codes, scales
+    return {name: codes, f"{base}.weight_scale_inv": scales}
   tensors = {f"{base}.weight_packed": codes, f"{base}.weight_scale": scales}
   if fmt == "int4":
     tensors[f"{base}.weight_packed"] = pack_int32(codes)
-    tensors[f"{base}.weight_shape"] = np.array(matrix.shape, np.int32)
-  return tensors, codes, scales
+    tensors[f"{base}.weight_shape"] = np.array(shape, np.int32)
+  return tensors
+
+
+def quantized_matrices(fmt: str, matrices: list[np.ndarray]):
+  """Each bf16 [out, in] matrix quantized on its own (one program for all of them):
+  [(codes, scales)]."""
+  codes, scales = (np.asarray(a) for a in formats.quantize(np.stack(matrices), fmt))
+  return list(zip(codes, scales))
 
 
 def write_folder(q: Quantized, folder: Path, twin: bool = False) -> Path:
@@ -190,32 +196,35 @@ def write_folder(q: Quantized, folder: Path, twin: bool = False) -> Path:
       continue
     value = q.values[leaf.path]
     fmt = packed.get(leaf.path)
-    per_item = {}
-    for index, names in leaf.items():
-      item = value[index] if index else value
-      matrices = hf_weights.to_tensors(leaf, item)
-      if fmt is None:
+    items = [(index, names, hf_weights.to_tensors(leaf, value[index] if index else value))
+             for index, names in leaf.items()]
+    if fmt is None:
+      for _, names, matrices in items:
         tensors.update(zip(names, matrices))
-        continue
-      pieces = []
-      for name, matrix in zip(names, matrices):
-        shipped, codes, scales = shipped_tensors(fmt, name, matrix)
-        pieces.append((codes, scales))
+      continue
+    flat = quantized_matrices(fmt, [m for _, _, ms in items for m in ms])
+    if twin:
+      dequantized = np.asarray(
+          formats.dequantize(np.stack([c for c, _ in flat]), np.stack([s for _, s in flat]), fmt))
+    per_item, at = {}, 0
+    for index, names, matrices in items:
+      pieces = flat[at:at + len(names)]
+      for j, (name, matrix, (codes, scales)) in enumerate(zip(names, matrices, pieces)):
         if twin:
-          tensors[name] = np.asarray(formats.dequantize(codes, scales, fmt))
+          tensors[name] = dequantized[at + j]
         else:
-          tensors.update(shipped)
+          tensors.update(shipped_tensors(fmt, name, codes, scales, matrix.shape))
       per_item[index] = tuple(np.concatenate(p) for p in zip(*pieces))
-    if fmt is not None:
-      stack = leaf.shape[:leaf.stack_dims]
-      # the model's slots: slot s holds expert s mod E (the initial placement)
-      grid = [
-          per_item[tuple(i % leaf.routed if leaf.experts and d == len(stack) - 1 else i
-                         for d, i in enumerate(idx))]
-          for idx in np.ndindex(*stack)
-      ]
-      q.codes[leaf.path] = tuple(
-          np.stack([g[r] for g in grid]).reshape(*stack, *grid[0][r].shape) for r in (0, 1))
+      at += len(names)
+    stack = leaf.shape[:leaf.stack_dims]
+    # the model's slots: slot s holds expert s mod E (the initial placement)
+    grid = [
+        per_item[tuple(i % leaf.routed if leaf.experts and d == len(stack) - 1 else i
+                       for d, i in enumerate(idx))]
+        for idx in np.ndindex(*stack)
+    ]
+    q.codes[leaf.path] = tuple(
+        np.stack([g[r] for g in grid]).reshape(*stack, *grid[0][r].shape) for r in (0, 1))
   from safetensors.numpy import save_file
   save_file({
       n: np.ascontiguousarray(t) for n, t in tensors.items()

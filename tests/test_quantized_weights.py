@@ -5,6 +5,8 @@ merged only into an explicit bf16 copy, and every bad folder a one-line error.""
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -100,10 +102,25 @@ def test_fp8_parts_of_a_fused_linear_must_own_whole_blocks():
 # ---- folders of every format -----------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+  """fmt -> (Quantized, its checkpoint folder, its bf16 twin folder), each built once."""
+  built = {}
+
+  def get(fmt):
+    if fmt not in built:
+      q = qh.build(fmt)
+      root = tmp_path_factory.mktemp(fmt)
+      built[fmt] = (q, qh.write_folder(q,
+                                       root / "base"), qh.write_folder(q, root / "twin", twin=True))
+    return built[fmt]
+
+  return get
+
+
 @pytest.fixture(scope="module", params=qh.FORMATS)
-def quantized(request, tmp_path_factory):
-  q = qh.build(request.param)
-  folder = qh.write_folder(q, tmp_path_factory.mktemp(request.param) / "base")
+def quantized(request, bases):
+  q, folder, _ = bases(request.param)
   q.cfg = dataclasses.replace(
       q.cfg, checkpoint=dataclasses.replace(q.cfg.checkpoint, base_weights=str(folder)))
   frozen, _ = hf_weights.load(folder, q.cfg, q.frozen_packed)
@@ -181,12 +198,12 @@ def test_writing_back_is_byte_exact(quantized, tmp_path):
   assert families.architecture(config, q.cfg.model).quantization == q.cfg.model.quantization
 
 
-def test_the_bf16_twin_holds_the_dequantized_base(quantized, tmp_path):
+def test_the_bf16_twin_holds_the_dequantized_base(quantized, bases):
   """The twin of the end-to-end test (tests/test_quantized_training.py) is the packed base's
   own dequantized values, every other tensor the same."""
   q, _, frozen = quantized
-  twin, _ = hf_weights.load(qh.write_folder(q, tmp_path / "twin", twin=True), qh.bf16_twin(q.cfg),
-                            q.frozen_bf16)
+  twin_folder = bases(q.cfg.model.quantization.format)[2]
+  twin, _ = hf_weights.load(twin_folder, qh.bf16_twin(q.cfg), q.frozen_bf16)
   twin = hf_weights.flat_paths(twin)
   for path, value in hf_weights.flat_paths(frozen).items():
     if is_packed(value):  # on the host: one small eager program, not a sharded one per leaf
@@ -196,9 +213,9 @@ def test_the_bf16_twin_holds_the_dequantized_base(quantized, tmp_path):
     np.testing.assert_array_equal(np.asarray(twin[path]), np.asarray(want), err_msg=str(path))
 
 
-def test_peft_export_of_a_packed_base_equals_the_bf16_twin(quantized, tmp_path):
+def test_peft_export_of_a_packed_base_equals_the_bf16_twin(quantized, bases):
   q, folder, frozen = quantized
-  twin_folder = qh.write_folder(q, tmp_path / "twin", twin=True)
+  twin_folder = bases(q.cfg.model.quantization.format)[2]
   twin_cfg = qh.bf16_twin(q.cfg)
   twin, _ = hf_weights.load(twin_folder, twin_cfg, q.frozen_bf16)
   a = dict(peft_export.adapter_tensors(q.cfg, frozen, q.lora))
@@ -305,9 +322,9 @@ _NP = {
     ("mxfp4", "unknown_format", ["quantization_config.format", "'int8-quantized'", "supported"]),
     ("fp8_block", "unknown_method", ["quantization_config.quant_method", "'gptq'", "supported"]),
 ])
-def test_bad_quantized_folders_are_one_line_errors(tmp_path, fmt, case, words):
-  q = qh.build(fmt)
-  folder = qh.write_folder(q, tmp_path / "base")
+def test_bad_quantized_folders_are_one_line_errors(bases, tmp_path, fmt, case, words):
+  q, base, _ = bases(fmt)
+  folder = Path(shutil.copytree(base, tmp_path / "base"))
   if case == "missing_scale":
     _edit(folder, lambda t: t.pop(_first_packed(folder, words[0])))
   elif case == "scale_shape":
@@ -339,8 +356,9 @@ def test_bad_quantized_folders_are_one_line_errors(tmp_path, fmt, case, words):
     base = name[:-len(".weight")]
 
     def pack(t):
-      shipped, _, _ = qh.shipped_tensors(fmt, name, t.pop(name).astype(np.float32))
-      t.update(shipped)
+      matrix = t.pop(name).astype(np.float32)
+      codes, scales = qh.quantized_matrices(fmt, [matrix])[0]
+      t.update(qh.shipped_tensors(fmt, name, codes, scales, matrix.shape))
 
     _edit(folder, pack)
   elif case in ("unknown_format", "unknown_method"):
@@ -366,3 +384,16 @@ def _shape_of(q, module):
       if module + ".weight" in names:
         return leaf.tensor_shape()
   raise KeyError(module)
+
+
+@pytest.mark.parametrize("quantized", ["int4"], indirect=True)  # the house model's folder
+def test_the_command_refuses_a_merge_of_a_packed_base_before_training(quantized, tmp_path, capsys):
+  _, folder, _ = quantized
+  from experiments import lora_2p8t
+  common = ["--preset", "tiny", "--base-weights", str(folder), "--out", str(tmp_path / "run")]
+  rc = lora_2p8t.main(common + ["--export-adapter", str(tmp_path / "adapter"), "--merge"])
+  err = capsys.readouterr().err.strip()
+  assert rc == 2 and "\n" not in err and "int4" in err and "--merge-dequantized" in err
+  assert lora_2p8t.main(common + ["--merge-dequantized"]) == 2
+  assert "goes with --merge" in capsys.readouterr().err
+  assert not (tmp_path / "run").exists()
