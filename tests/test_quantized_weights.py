@@ -11,7 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 import quant_helpers as qh
 from hylora.core import families
@@ -397,3 +397,48 @@ def test_the_command_refuses_a_merge_of_a_packed_base_before_training(quantized,
   assert lora_2p8t.main(common + ["--merge-dequantized"]) == 2
   assert "goes with --merge" in capsys.readouterr().err
   assert not (tmp_path / "run").exists()
+
+
+# ---- checkpoints written by compressed-tensors -----------------------------------------
+
+QUANT_FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+
+
+@pytest.mark.parametrize("case", ["deepseek_v32_int4", "kimi_k3_mxfp4"])
+def test_checkpoints_written_by_compressed_tensors(case, tmp_path):
+  """Folders quantized and compressed by compressed-tensors itself
+  (experiments/quant_fixtures.py): read as the library wrote them, our dequantized weights
+  are the library's own decompression, and they are written back as they came."""
+  folder = QUANT_FIXTURES / case
+  cfg = qh.released_config(families.read_config(folder))
+  cfg = dataclasses.replace(
+      cfg, checkpoint=dataclasses.replace(cfg.checkpoint, base_weights=str(folder)))
+  assert cfg.model.quantization.format == {"deepseek_v32_int4": "int4"}.get(case, "mxfp4")
+  from hylora.train import state as st
+  from meshes.mesh import build_mesh
+  mesh = build_mesh(cfg.mesh)
+  _, frozen_bf16 = st.abstract_arrays(st.model_parts(qh.bf16_twin(cfg)), mesh)
+  frozen, _ = hf_weights.load(folder, cfg, qh.packed_abstract(cfg, mesh, frozen_bf16))
+  reference = load_file(str(folder / "reference" / "decompressed.safetensors"))
+  flat, compared = hf_weights.flat_paths(frozen), 0
+  for leaf in plan(cfg, frozen):
+    if not leaf.packed:
+      continue
+    value = flat[leaf.path]
+    weight = dataclasses.replace(value, codes=np.asarray(value.codes),
+                                 scales=np.asarray(value.scales)).dequantize()
+    weight = np.asarray(weight)
+    for index, names in leaf.items():
+      for name, tensor in zip(names, hf_weights.to_tensors(leaf, weight[index])):
+        np.testing.assert_array_equal(tensor, reference[name], err_msg=name)
+        compared += 1
+  assert compared == len(reference) > 0
+  hf_weights.save(tmp_path / "out", cfg, frozen)
+  want, got = qh.raw_tensors(folder), qh.raw_tensors(tmp_path / "out")
+  assert set(got) == set(want)
+  for name, (dtype, shape, data) in want.items():
+    if name.endswith(".weight_shape"):  # compressed-tensors writes int64, we write int32
+      assert got[name][1] == shape and np.array_equal(
+          np.frombuffer(got[name][2], _NP[got[name][0]]), np.frombuffer(data, _NP[dtype]))
+    else:
+      assert got[name] == want[name], name
