@@ -4,7 +4,7 @@ the library's own `apply_quantization_config` and `ModelCompressor.compress_mode
 the weights its own decompression gives back.
 
   python -m experiments.quant_fixtures bf16 --out tests/fixtures/quant   # this stack's venv
-  pip install compressed-tensors==0.20.0                                 # another venv (torch)
+  pip install '.[quant-fixtures]'                                      # another venv (torch)
   python experiments/quant_fixtures.py compress --out tests/fixtures/quant
 
 `bf16` writes each case's random bf16 checkpoint (`<out>/<case>/bf16/`, this stack's

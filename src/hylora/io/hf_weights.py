@@ -357,9 +357,11 @@ def _build_packed(leaf: Leaf, files: CheckpointFiles, abstract: PackedWeight) ->
   codes_shape, scales_shape = packed_shapes(leaf)
   for role, want, got in (("codes", codes_shape, abstract.codes), ("scales", scales_shape,
                                                                    abstract.scales)):
-    if tuple(got.shape) != want:
-      raise ConfigError(f"model parameter {leaf.key}: packed {role} of shape "
-                        f"{list(got.shape)}, the {leaf.packed} format gives {list(want)}")
+    fmt = formats.get(leaf.packed)
+    dtype = np.dtype(fmt.codes_dtype if role == "codes" else fmt.scales_dtype)
+    if tuple(got.shape) != want or np.dtype(got.dtype) != dtype:
+      raise ConfigError(f"model parameter {leaf.key}: packed {role} {got.dtype} "
+                        f"{list(got.shape)}, the {leaf.packed} format gives {dtype} {list(want)}")
 
   def build(role, target):
     cache = {}
