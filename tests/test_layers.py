@@ -14,6 +14,7 @@ FLOORS = (
     ("meshes", "pallas_kernels"),
     ("hylora.core",),
     ("hylora.ops",),
+    ("hylora.quant",),
     ("hylora.model",),
     ("hylora.data",),
     ("hylora.io",),

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hylora.core.config import MeshConfig, QuantizationConfig
 from hylora.core.errors import ConfigError
 from hylora.quant import PackedWeight, is_packed
-from hylora.quant.scheme import base_storage, dequantized
+from hylora.plan.base_storage import base_storage
+from hylora.quant.packed_weight import dequantized
 from hylora.train import state as st
 from hylora.train.step import make_loss_fn
 from meshes.mesh import build_mesh
@@ -50,11 +51,11 @@ def test_the_format_and_its_ignore_list_choose_the_packed_kernels():
   # an ignore list that splits one stacked array is refused, naming both modules
   split = dataclasses.replace(small_config().model, layers=12, dense_layers=4,
                               quantization=QuantizationConfig("fp8_block", (SPLIT,)))
-  with pytest.raises(ConfigError, match="model.quantization.ignore: keeps .* but not "):
+  with pytest.raises(ConfigError, match="model.quantization.ignore keeps .* in bf16 but packs"):
     st.model_parts(dataclasses.replace(small_config(), model=split))
   # 4-bit formats need the input width in whole groups of 32: the tiny model's gates are
   # narrower, and the error names the kernel
-  with pytest.raises(ConfigError, match="model.quantization.format: .*groups of 32"):
+  with pytest.raises(ConfigError, match="model parameter .*groups of 32"):
     st.model_parts(_packed("int4"))
 
 

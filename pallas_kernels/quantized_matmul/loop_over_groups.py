@@ -29,7 +29,7 @@ def loop_product(x, codes, scales, group_sizes, *, fmt: str, transpose: bool):
     w = dequantize(codes[g], scales[g], fmt, jnp.bfloat16)
     # Written in x's dtype with fp32 accumulation inside the product: no fp32 [M, N] copy.
     return jax.lax.dot_general(x, w.astype(x.dtype), (contract, ((), ())),
-                               preferred_element_type=jnp.float32).astype(x.dtype)
+                               preferred_element_type=x.dtype)
 
   def mine(g):
     return (rows >= starts[g]) & (rows < ends[g])

@@ -495,13 +495,6 @@ def model_ops(cfg: Config) -> tuple[str, ...]:
   for mixer, ffn in cfg.model.layer_kinds():
     ops.update(mixer_block(mixer).ops(cfg))
     ops.update(ffn_block(ffn).ops(cfg))
-  if cfg.model.quantization.format != "none":  # products with packed kernels
-    from hylora.quant.scheme import base_storage
-    kinds = set(base_storage(cfg).packed_kinds)
-    if "experts" in kinds:
-      ops.add("quantized_grouped_matmul")
-    if kinds - {"experts"}:
-      ops.add("quantized_matmul")
   return tuple(sorted(ops))
 
 

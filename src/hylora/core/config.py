@@ -164,7 +164,7 @@ class QuantizationConfig:
   format: str = "none"
   # Checkpoint modules kept in bf16: exact names, or "re:REGEX" matched from the start
   # (compressed-tensors' `ignore`). Only linears of the quantized kinds are packed at all
-  # (hylora.quant.scheme: never routers, norms, embeddings or lm_head).
+  # (hylora.io.packed_scheme: never routers, norms, embeddings or lm_head).
   ignore: tuple[str, ...] = ()
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hylora.quant.scheme import BaseStorage, base_storage
+from hylora.plan.base_storage import BaseStorage, base_storage
 from hylora.core.config import Config, MemoryConfig
 from hylora.core.errors import ConfigError
 
@@ -225,6 +225,15 @@ def remat_plan(cfg: Config, mesh_shape: dict, budget: float) -> RematPlan:
                    False, budget, budget, estimate.predicted_peak_bytes, estimate.fits)
 
 
+def quantized_ops(cfg: Config) -> tuple[str, ...]:
+  """The ops of the products with packed kernels (hylora.quant), where the base has any."""
+  if cfg.model.quantization.format == "none":
+    return ()
+  kinds = set(base_storage(cfg).packed_kinds)
+  return (("quantized_grouped_matmul",) if "experts" in kinds else
+          ()) + (("quantized_matmul",) if kinds - {"experts"} else ())
+
+
 def op_plans(cfg: Config, target: str, compiled_on: str,
              experts: ExpertPlan | None) -> tuple[OpPlan, ...]:
   """The implementation of every op the model calls (hylora.core.architecture.model_ops)."""
@@ -233,7 +242,7 @@ def op_plans(cfg: Config, target: str, compiled_on: str,
   from hylora.ops.registry import AUTO, per_shard_mode
 
   out = []
-  for op in model_ops(cfg):
+  for op in model_ops(cfg) + quantized_ops(cfg):
     field = KERNEL_CHOICE_FIELDS.get(op)
     choice = getattr(cfg.kernels, field) if field else AUTO
     there = catalog().pick(op, choice, target)

@@ -91,3 +91,19 @@ class PackedWeight:
 
 def is_packed(x) -> bool:
   return isinstance(x, PackedWeight)
+
+
+def packed_axes(axes: tuple | None, stack_dims: int, in_dims: int) -> tuple | None:
+  """A packed kernel's logical axes [*stack, N, K] from its bf16 kernel's
+  [*stack, *in, *out]: the flattened dims keep their leading dim's axis."""
+  if axes is None:
+    return None
+  return (*axes[:stack_dims], axes[stack_dims + in_dims], axes[stack_dims])
+
+
+def dequantized(frozen: dict, dtype=None) -> dict:
+  """The frozen tree with every `PackedWeight` replaced by its bf16 (or `dtype`) kernel:
+  the twin a bf16 checkpoint of the same values would load."""
+  return jax.tree.map(
+      lambda x: x.dequantize(dtype or jnp.bfloat16)
+      if isinstance(x, PackedWeight) else x, frozen, is_leaf=lambda x: isinstance(x, PackedWeight))

@@ -11,7 +11,7 @@ from flax import nnx
 from hylora.core.config import Config
 from hylora.model import HybridLM, LoRAParam
 from hylora.model.init import ParamInit
-from hylora.quant.scheme import pack_template, pack_values
+from hylora.io.packed_scheme import pack_template, pack_values
 from meshes.rules import state_shardings
 
 
@@ -42,7 +42,7 @@ def _build(cfg: Config, seed: int) -> HybridLM:
 def model_parts(cfg: Config, seed: int = 0) -> ModelParts:
   abstract = nnx.eval_shape(lambda: _build(cfg, seed))
   graphdef, lora, frozen = nnx.split(abstract, LoRAParam, ...)
-  # kernels the checkpoint ships packed stay packed (hylora.quant.scheme)
+  # kernels the checkpoint ships packed stay packed (hylora.io.packed_scheme)
   return ModelParts(graphdef, lora, pack_template(cfg, frozen), cfg.mesh.min_shard_size)
 
 
