@@ -16,6 +16,8 @@ from hylora.core.config import MeshConfig, QuantizationConfig
 from hylora.core.errors import ConfigError
 from hylora.quant import PackedWeight, is_packed
 from hylora.plan.base_storage import base_storage
+from hylora.plan.run_plan import resolve
+from hylora.train.mesh import run_mesh
 from hylora.train import state as st
 from meshes.mesh import build_mesh
 from meshes.per_shard import split_tokens_whole_weights
@@ -46,8 +48,15 @@ def test_the_format_and_its_ignore_list_choose_the_packed_kernels():
   # narrow for its 128-row scale blocks: kept)
   assert _kinds(_packed("fp8_block", EXPERTS_ONLY[1:] + ("re:.*experts.*",))) == {"attention"}
   assert _kinds(_packed("mxfp4", EXPERTS_ONLY)) == {"experts"}
-  storage = base_storage(_packed("mxfp4", EXPERTS_ONLY))
+  cfg = _packed("mxfp4", EXPERTS_ONLY, dispatch="auto")
+  storage = base_storage(cfg)
   assert storage.format == "mxfp4" and storage.nbytes < storage.bf16_nbytes
+  # the run's plan names the format and the ops of the packed products
+  plan = resolve(cfg, run_mesh(cfg.mesh))
+  assert "frozen base: mxfp4 as shipped" in plan.text()
+  ops = {o.op: o for o in plan.ops}
+  assert "quantized_grouped_matmul" in ops and "quantized_matmul" not in ops
+  assert ops["quantized_grouped_matmul"].per_device == "inside ep_alltoall"
   # an ignore list that splits one stacked array is refused, naming both modules
   split = dataclasses.replace(
       small_config().model, layers=12, dense_layers=4,
@@ -62,7 +71,7 @@ def test_the_format_and_its_ignore_list_choose_the_packed_kernels():
 
 
 def test_packed_arrays_are_sharded_like_their_kernels_and_scales_follow_the_codes():
-  cfg = _packed("mxfp4", EXPERTS_ONLY)
+  cfg = _packed("mxfp4", EXPERTS_ONLY, dispatch="auto")
   mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
   parts = st.model_parts(cfg)
   _, frozen = st.abstract_arrays(parts, mesh)

@@ -301,6 +301,7 @@ def dry_run(cfg: Config, device_memory: float = DEFAULT_DEVICE_MEMORY, *, compil
   m, tc = cfg.model, cfg.train
   return {
       "preset": cfg.preset,
+      "base_format": m.quantization.format,
       "params_total": counts["total"],
       "params_active_per_token": counts["active"],
       "params_lora": counts["lora"],

@@ -40,7 +40,9 @@ def format_report(r: dict) -> str:
       lines.append(f"  {label:<16}{lay['tree']:<7}{lay['spec']:<32} split {lay['split']:>4}"
                    f"  ({lay['arrays']} arrays)")
   lines += ["", f"  {'bytes per device':<34}{'analytic':>12}{'XLA':>13}"]
-  for label, key in (("base weights (bf16)", "weights"), ("LoRA params (fp32)", "lora"),
+  base = r.get("base_format", "none")
+  base = "bf16" if base == "none" else f"{base} + bf16"
+  for label, key in ((f"base weights ({base})", "weights"), ("LoRA params (fp32)", "lora"),
                      ("LoRA grads (fp32)", "grads"), ("optimizer state", "optimizer"), ("batch",
                                                                                         "batch")):
     lines.append(f"  {label:<34}{_gb(b[key]):>12}")

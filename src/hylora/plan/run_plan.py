@@ -24,9 +24,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hylora.plan.base_storage import BaseStorage, base_storage
 from hylora.core.config import Config, MemoryConfig
 from hylora.core.errors import ConfigError
+from hylora.plan.base_storage import BaseStorage, base_storage
 
 GB = 1e9
 PLAN_FILE = "plan.json"
@@ -149,7 +149,7 @@ class RunPlan:
                    f"{', '.join(m.host_names) or '-'}; the rest recomputed")
     b = self.base
     if b is not None:
-      lines.append(f"  frozen base: {b.format} as shipped ({b.packed_arrays} packed kernel arrays: "
+      lines.append(f"  frozen base: {b.format} as shipped ({b.packed_arrays} packed kernels: "
                    f"{', '.join(b.packed_kinds)}); {_size(b.nbytes)} in all, a bf16 base "
                    f"{_size(b.bf16_nbytes)}")
     ops = ", ".join(f"{o.op}={o.implementation}" +

@@ -49,8 +49,7 @@ from hylora.model.ffn.dispatch import dropless
 from hylora.model.ffn.local_experts import local_experts, window_counts
 from hylora.model.ffn.overflow_rounds import RoundPlan, overflow_rounds, rounds_after_first
 from hylora.model.ffn.permute_rows import gather_rows
-from hylora.quant.packed_weight import PackedWeight
-from hylora.quant.packed_weight import packed_axes
+from hylora.quant.packed_weight import PackedWeight, packed_axes
 from meshes.rules import PARAM_RULES, current_mesh, follow_spec, logical_to_spec
 
 EXPERT_AXIS, FSDP_AXIS = "expert", "fsdp"
