@@ -173,6 +173,39 @@ def _grouped_lora_inputs(key, size: str):
 GROUPED_LORA = OpCheck(_grouped_lora_inputs, grad_argnums=(0, 1, 2), fwd_rtol=1e-2, bwd_rtol=2e-2,
                        description="per-expert LoRA scale * (x A_g) B_g, bf16")
 
+
+def _packed(key, shape, fmt: str):
+  """Random packed weights [..., N, K] of `fmt` (codes, scales), about unit-normal / sqrt(K)."""
+  from pallas_kernels.quantized_matmul.formats import random_codes
+  return random_codes(key, shape, fmt, shape[-1]**-0.5)
+
+
+def _quantized_grouped_matmul_inputs(key, size: str):
+  # Kimi K3's routed experts (MXFP4): the latent 3584 -> gate/up 2 x 3072
+  m, k, n, groups = _pick(size, (64, 64, 48, 4), (16384, 3584, 6144, 14))
+  ks = jax.random.split(key, 3)
+  codes, scales = _packed(ks[1], (groups, n, k), "mxfp4")
+  return (_normal(ks[0], (m, k)), codes, scales, _group_sizes(ks[2], m, groups)), {"fmt": "mxfp4"}
+
+
+QUANTIZED_GROUPED_MATMUL = OpCheck(
+    _quantized_grouped_matmul_inputs, grad_argnums=(0,), fwd_rtol=1e-2, bwd_rtol=2e-2,
+    description="per-expert matmul against MXFP4-packed frozen weights (input gradient only)")
+
+
+def _quantized_matmul_inputs(key, size: str):
+  # a DeepSeek-V3.2 attention projection (FP8, 128 x 128 block scales): q_b 1536 -> 24576;
+  # small: edges that do not fill a scale block
+  b, t, k, n = _pick(size, (2, 16, 160, 72), (1, 8192, 1536, 24576))
+  ks = jax.random.split(key, 2)
+  codes, scales = _packed(ks[1], (n, k), "fp8_block")
+  return (_normal(ks[0], (b, t, k)), codes, scales), {"fmt": "fp8_block"}
+
+
+QUANTIZED_MATMUL = OpCheck(
+    _quantized_matmul_inputs, grad_argnums=(0,), fwd_rtol=1e-2, bwd_rtol=2e-2,
+    description="a linear against an FP8 block-scaled frozen weight (input gradient only)")
+
 # ---- loss and norms -----------------------------------------------------------------
 
 
@@ -222,6 +255,8 @@ CHECKS = {
     "attention.causal": CAUSAL,
     "grouped_matmul": GROUPED_MATMUL,
     "grouped_lora": GROUPED_LORA,
+    "quantized_grouped_matmul": QUANTIZED_GROUPED_MATMUL,
+    "quantized_matmul": QUANTIZED_MATMUL,
     "cross_entropy": CROSS_ENTROPY,
     "rms_norm": RMS_NORM,
     "residual_mix": RESIDUAL_MIX,
