@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import fixture_config, released_config, small_config, tiny_k3_config
+from helpers import fixture_config, released_config, tiny_k3_config, two_layer_config
 from hylora.core.config import QuantizationConfig
 from hylora.io import hf_weights
 from hylora.io.hf_names import packed_formats, plan
@@ -80,7 +80,7 @@ def config(fmt: str):
   hf = hf_config(fmt)
   if hf is not None:
     return released_config(hf)
-  cfg = small_config()
+  cfg = two_layer_config()
   ignore = tuple(INT4_CONFIG["ignore"])
   return dataclasses.replace(
       cfg, model=dataclasses.replace(cfg.model, quantization=QuantizationConfig("int4", ignore)))
