@@ -9,34 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _require(condition: bool, message: str) -> None:
-  if not condition:
-    raise ValueError(message)
-
-
-def _array(name: str, x, ndim: int, layout: str) -> None:
-  _require(
-      hasattr(x, "shape") and hasattr(x, "dtype"),
-      f"{name} must be an array {layout}, got {type(x).__name__}")
-  _require(x.ndim == ndim, f"{name} must have shape {layout}, got shape {tuple(x.shape)}")
+from pallas_kernels.input_checks import require, require_array
 
 
 def check_cross_entropy_inputs(hidden, lm_head, labels, ignore_index: int) -> None:
-  _array("hidden", hidden, 2, "[N, D]")
-  _array("lm_head", lm_head, 2, "[D, V]")
-  _array("labels", labels, 1, "[N]")
-  _require(
+  require_array("hidden", hidden, 2, "[N, D]")
+  require_array("lm_head", lm_head, 2, "[D, V]")
+  require_array("labels", labels, 1, "[N]")
+  require(
       jnp.issubdtype(hidden.dtype, jnp.floating) and jnp.issubdtype(lm_head.dtype, jnp.floating),
       f"hidden and lm_head must be floating-point, got {hidden.dtype} and "
       f"{lm_head.dtype}")
-  _require(jnp.issubdtype(labels.dtype, jnp.integer),
-           f"labels must be an integer array, got dtype {labels.dtype}")
-  _require(
+  require(jnp.issubdtype(labels.dtype, jnp.integer),
+          f"labels must be an integer array, got dtype {labels.dtype}")
+  require(
       hidden.shape[1] == lm_head.shape[0],
       f"hidden has D={hidden.shape[1]} (shape {tuple(hidden.shape)}) but lm_head "
       f"has D={lm_head.shape[0]} (shape {tuple(lm_head.shape)})")
-  _require(
+  require(
       labels.shape[0] == hidden.shape[0],
       f"labels has {labels.shape[0]} entries (shape {tuple(labels.shape)}) but "
       f"hidden has N={hidden.shape[0]} tokens")
@@ -44,6 +34,6 @@ def check_cross_entropy_inputs(hidden, lm_head, labels, ignore_index: int) -> No
     values = np.asarray(labels)
     vocab = lm_head.shape[1]
     bad = (values != ignore_index) & ((values < 0) | (values >= vocab))
-    _require(
+    require(
         not bad.any(), f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
         f"got {values[bad][:4].tolist()} at positions {np.flatnonzero(bad)[:4].tolist()}")
