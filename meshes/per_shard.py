@@ -104,14 +104,13 @@ def split_tokens_whole_weights(fn):
   @functools.wraps(fn)
   def per_shard(x, *weights, **options):
     body = lambda x, *weights: fn(x, *weights, **options)
-    mesh = current_mesh()
-    inside_shard_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
-    if mesh is None or mesh.size == 1 or inside_shard_map or x.ndim < 2:
+    found = _activation_spec(x)
+    if found is None:
       return body(x, *weights)
-    if x.ndim == 2:
-      tokens = P(logical_to_spec(("tokens",), x.shape[:1], mesh, ACTIVATION_RULES)[0])
-    else:
-      tokens = P(*logical_to_spec(("batch", "seq"), x.shape[:2], mesh, ACTIVATION_RULES))
+    mesh, spec = found
+    if x.ndim == 2:  # rows of tokens, not [B, T]
+      spec = logical_to_spec(("tokens",), x.shape[:1], mesh, ACTIVATION_RULES)
+    tokens = P(*spec)
     # check_vma off: a custom call's outputs carry no varying-axes type to compare
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, *(P() for _ in weights)),
                          out_specs=tokens, check_vma=False)(x, *weights)

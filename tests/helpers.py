@@ -82,3 +82,32 @@ def released_config(hf: dict) -> Config:
   cfg = small_config()
   cfg = dataclasses.replace(cfg, lora=dataclasses.replace(RELEASED_LORA, rank=4, alpha=8.0))
   return dataclasses.replace(cfg, model=families.architecture(hf, cfg.model))
+
+
+def token_batch(cfg: Config, mesh, documents: int = 1) -> dict:
+  """A random train batch of cfg's shape, each row `documents` equal documents (the last
+  label of a row ignored), sharded over every device along the batch."""
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from hylora.model import IGNORE_INDEX
+  from hylora.train.step import BATCH_KEYS
+
+  b, t = cfg.train.batch_size, cfg.train.seq_len
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.model.vocab_size, (b, t)).astype(np.int32)
+  labels = np.roll(tokens, -1, axis=1)
+  labels[:, -1] = IGNORE_INDEX
+  document = np.arange(t) * documents // t
+  arrays = {
+      "tokens":
+          tokens,
+      "labels":
+          labels,
+      "segment_ids":
+          np.broadcast_to(document + 1, (b, t)).astype(np.int32),
+      "positions":
+          np.broadcast_to(np.arange(t) - document * (t // documents), (b, t)).astype(np.int32)
+  }
+  sharding = NamedSharding(mesh, P(("fsdp", "expert")))
+  return {k: jax.device_put(arrays[k], sharding) for k in BATCH_KEYS}

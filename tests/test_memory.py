@@ -23,13 +23,12 @@ from hylora.core.config import MemoryConfig, MeshConfig
 from hylora.core.errors import ConfigError
 from hylora.plan.remat_planner import estimate_policy, plan_memory, replan_after_compile
 from hylora.plan.save_point_sizes import layer_save_points
-from hylora.model import IGNORE_INDEX
 from hylora.core.presets import get_preset
 from hylora.train import state as st
 from hylora.train.step import BATCH_KEYS, make_loss_fn
 from meshes.mesh import build_mesh
 from meshes.rules import activation_mesh
-from tests.helpers import small_config
+from tests.helpers import small_config, token_batch
 
 TIERED = MemoryConfig(
     remat="tiered", hbm_names=(save_points.QKV, save_points.TOPK, save_points.EXPERT_INPUT),
@@ -57,24 +56,6 @@ def _config(policy: MemoryConfig = MemoryConfig()):
   return dataclasses.replace(cfg, model=model, memory=policy)
 
 
-def _batch(cfg, mesh):
-  b, t = cfg.train.batch_size, cfg.train.seq_len
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, cfg.model.vocab_size, (b, t)).astype(np.int32)
-  labels = np.roll(tokens, -1, axis=1)
-  labels[:, -1] = IGNORE_INDEX
-  segment_ids = np.where(np.arange(t) < t // 2, 1, 2).astype(np.int32) * np.ones((b, 1), np.int32)
-  positions = np.where(np.arange(t) < t // 2, np.arange(t), np.arange(t) - t // 2)
-  arrays = {
-      "tokens": tokens,
-      "labels": labels,
-      "segment_ids": segment_ids,
-      "positions": np.broadcast_to(positions, (b, t)).astype(np.int32)
-  }
-  sharding = NamedSharding(mesh, P(("fsdp", "expert")))
-  return {k: jax.device_put(arrays[k], sharding) for k in BATCH_KEYS}
-
-
 def _grad_fn(cfg, mesh):
   objective = jax.value_and_grad(make_loss_fn(cfg, st.model_parts(cfg)), has_aux=True)
 
@@ -99,7 +80,7 @@ def policy_results():
   lora = jax.tree.map(
       lambda a: jax.device_put((0.2 * rng.standard_normal(a.shape)).astype(a.dtype), a.sharding),
       lora)
-  batch = _batch(base, mesh)
+  batch = token_batch(base, mesh, documents=2)
   fns = {name: _grad_fn(_config(policy), mesh) for name, policy in POLICIES.items()}
   step = jax.jit(lambda lora, frozen, batch: {n: f(lora, frozen, batch) for n, f in fns.items()})
   with warnings.catch_warnings():

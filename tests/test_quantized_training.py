@@ -1,38 +1,21 @@
 """A packed frozen base trains as its bf16 twin: for every packed format, the tiny
 quantized checkpoint loaded into the packed model gives the same loss and LoRA gradients
 as the twin checkpoint whose tensors are the dequantized values, loaded into the bf16
-model. Needs the model to hold `PackedWeight`s where `model.quantization` packs."""
+model."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quant_helpers as qh
+from helpers import token_batch
 from hylora.io import hf_weights
 from hylora.io.hf_names import packed_formats
-from hylora.model import IGNORE_INDEX
 from hylora.quant.packed_weight import is_packed
 from hylora.train import state as st
-from hylora.train.step import BATCH_KEYS, make_loss_fn
+from hylora.train.step import make_loss_fn
 from meshes.rules import activation_mesh
-
-
-def _batch(cfg, mesh):
-  b, t = cfg.train.batch_size, cfg.train.seq_len
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, cfg.model.vocab_size, (b, t)).astype(np.int32)
-  labels = np.roll(tokens, -1, axis=1)
-  labels[:, -1] = IGNORE_INDEX
-  arrays = {
-      "tokens": tokens,
-      "labels": labels,
-      "segment_ids": np.ones((b, t), np.int32),
-      "positions": np.broadcast_to(np.arange(t), (b, t)).astype(np.int32)
-  }
-  sharding = NamedSharding(mesh, P(("fsdp", "expert")))
-  return {k: jax.device_put(arrays[k], sharding) for k in BATCH_KEYS}
 
 
 def _loss_and_grads(cfg, mesh, lora, frozen, batch):
@@ -59,7 +42,7 @@ def test_packed_base_trains_like_its_bf16_twin(fmt, tmp_path):
   twin_folder = qh.write_folder(q, tmp_path / "twin", twin=True)
   frozen, _ = hf_weights.load(folder, q.cfg, frozen_abstract)
   twin, _ = hf_weights.load(twin_folder, qh.bf16_twin(q.cfg), q.frozen_bf16)
-  batch = _batch(q.cfg, q.mesh)
+  batch = token_batch(q.cfg, q.mesh)
   loss, grads = _loss_and_grads(q.cfg, q.mesh, q.lora, frozen, batch)
   twin_loss, twin_grads = _loss_and_grads(qh.bf16_twin(q.cfg), q.mesh, q.lora, twin, batch)
   assert np.isfinite(loss) and abs(loss - twin_loss) <= 1e-3 * abs(twin_loss), (loss, twin_loss)

@@ -21,7 +21,7 @@ from hylora.io.hf_names import packed_formats, plan
 from hylora.quant.packed_weight import PackedWeight, packed_axes
 
 
-def packed_leaves(cfg: Config, tree: dict) -> dict[tuple, "object"]:
+def leaves_to_pack(cfg: Config, tree: dict) -> dict[tuple, "object"]:
   """path -> `hylora.io.hf_names.Leaf` of every kernel of the pure-dict `tree` (bf16
   arrays or ShapeDtypeStructs) that the checkpoint packs (`hf_names.packed_formats`
   decides, from the checkpoint names)."""
@@ -38,7 +38,7 @@ def _keys(path) -> tuple:
 def pack_template(cfg: Config, frozen: nnx.State) -> nnx.State:
   """The abstract frozen state with each packed kernel's variable holding an abstract
   `PackedWeight` (its sharding metadata the packed layout's logical axes)."""
-  packed = packed_leaves(cfg, nnx.to_pure_dict(frozen))
+  packed = leaves_to_pack(cfg, nnx.to_pure_dict(frozen))
   if not packed:
     return frozen
   fmt = cfg.model.quantization.format
@@ -63,7 +63,7 @@ def pack_template(cfg: Config, frozen: nnx.State) -> nnx.State:
 def pack_values(cfg: Config, frozen: dict) -> dict:
   """A pure-dict frozen tree of bf16 kernels with the packed ones quantized (random
   bases, tests: the values a checkpoint of this format would hold)."""
-  packed = packed_leaves(cfg, frozen)
+  packed = leaves_to_pack(cfg, frozen)
   if not packed:
     return frozen
   fmt = cfg.model.quantization.format

@@ -13,11 +13,8 @@ from flax import nnx
 
 from hylora.core.architecture import parameter_kind
 from hylora.core.config import Config
+from hylora.plan.param_count import path_keys
 from hylora.quant.packed_weight import is_packed
-
-
-def _keys(path) -> tuple:
-  return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +38,7 @@ def _storage(model, lora) -> BaseStorage:
   flat = jax.tree_util.tree_flatten_with_path(frozen, is_leaf=is_packed)[0]
   for path, leaf in flat:
     if is_packed(leaf):
-      kinds.add(parameter_kind(_keys(path)))
+      kinds.add(parameter_kind(path_keys(path)))
       packed += 1
       nbytes += leaf.nbytes
       bf16 += math.prod(leaf.shape) * 2
