@@ -528,8 +528,8 @@ def packed_tensors(leaf: Leaf, names, codes: np.ndarray,
 
 def dequantized_item(leaf: Leaf, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
   """One packed slice as its bf16 model-layout kernel [*in, *out]."""
-  w = formats.dequantize(codes, scales, leaf.packed)  # [N, K]
-  return np.asarray(w).T.reshape(leaf.item_shape)
+  n_in, item = leaf.tensor.in_dims, leaf.item_shape
+  return np.asarray(PackedWeight(codes, scales, leaf.packed, item[:n_in], item[n_in:]).dequantize())
 
 
 def expert_slots(leaf: Leaf, frozen_flat: dict):
