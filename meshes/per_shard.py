@@ -10,8 +10,9 @@ over the axes the activation rules give the batch.
 Where the rules also split the sequence (fewer sequences than devices), a sequence's
 tokens live on several devices and a per-row kernel cannot run on one shard; the call
 is left to XLA (correct, and replicated) and a warning says so once. The attention
-kernels split such sequences themselves (`meshes.sequence_parallel`: state passing for
-linear recurrences, gathered keys for sparse attention and its indexer).
+kernels split such sequences themselves (state passing for linear recurrences,
+`meshes.split_recurrence`; gathered keys for sparse attention and its indexer,
+`meshes.gathered_keys`).
 
 XLA:CPU partitions its own top-K (a `TopK` custom call) the same way: `split_over_tokens`
 runs a function of each token alone (the MoE router's expert selection) on every
@@ -45,6 +46,11 @@ def _activation_spec(first):
     return None
   batch, seq = first.shape[:2]
   return mesh, logical_to_spec(("batch", "seq"), (batch, seq), mesh, ACTIVATION_RULES)
+
+
+def sequence_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry, as a tuple."""
+  return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def sequence_split(x):

@@ -43,7 +43,7 @@ def catalog() -> OpRegistry:
   # measurements behind each priority: docs/performance.md.
   # The attention kernels act on each sequence alone: per device on its batch rows; where
   # the sequence is split too, the linear ones pass their state between devices and the
-  # sparse ones gather the keys (meshes.sequence_parallel).
+  # sparse ones gather the keys (meshes.split_recurrence, meshes.gathered_keys).
   registry.register("linear_attention.gla", "pallas", f"{_LA}:chunked_gla", backends=("gpu",),
                     per_shard="linear_recurrence")
   registry.register("linear_attention.kda", "pallas", f"{_LA}:chunked_kda", backends=("gpu",),

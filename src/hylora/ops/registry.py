@@ -35,12 +35,12 @@ def per_shard_mode(per_shard: bool | str) -> str | None:
 
 def _per_shard_wrappers() -> dict[str, Callable]:
   from meshes.per_shard import split_over_batch, split_tokens_whole_weights
-  from meshes import sequence_parallel as sp
+  from meshes import gathered_keys, split_recurrence
   return {
       "rows": split_over_batch,
-      "linear_recurrence": sp.split_recurrence_over_devices,
-      "sparse_attention": sp.sparse_attention_over_devices,
-      "indexer": sp.indexer_over_devices,
+      "linear_recurrence": split_recurrence.split_recurrence_over_devices,
+      "sparse_attention": gathered_keys.sparse_attention_over_devices,
+      "indexer": gathered_keys.indexer_over_devices,
       "tokens": split_tokens_whole_weights
   }
 
@@ -55,7 +55,8 @@ class Impl:
   priority: int = 0  # among auto candidates, the highest wins
   # A kernel XLA cannot partition (one custom call) runs per device under a mesh:
   # "rows" (or True) acts on each batch row alone (meshes.per_shard.split_over_batch);
-  # where the sequence is split over devices too (meshes.sequence_parallel),
+  # where the sequence is split over devices too (meshes.split_recurrence,
+  # meshes.gathered_keys),
   # "linear_recurrence" passes its state between the devices' token ranges and
   # "sparse_attention" / "indexer" gather the keys for each device's range of queries;
   # "tokens" acts on each token alone, its weights whole on every device.

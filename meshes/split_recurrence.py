@@ -1,6 +1,4 @@
-"""Attention kernels on a sequence split over devices.
-
-Linear attention: state passing.
+"""Linear attention on a sequence split over devices: state passing.
 
 Where the activation rules split the sequence (fewer sequences than devices; the
 target's 64 sequences on 2 x 64 devices), each device holds a contiguous range of every
@@ -17,12 +15,6 @@ all-gathers of [Dk, Dk + Dv] per head: the alternative is the whole sequence gat
 onto every device. Gradients flow through the kernels' custom VJPs (initial state
 included) and the all-gathers.
 
-Sparse attention (`gathered_keys`): each device keeps its range of the queries and
-gathers every key, K and V (and the indexer's keys with the segment ids), along the
-sequence; the indexer is told where its queries start (`query_offset`), the attention
-kernel takes indices into the gathered keys. The gradients of the gathered keys are
-summed back onto their owners by the all-gather's transpose (a reduce-scatter).
-
 Kernel contract (`pallas_kernels.linear_attention`): fn(q, k, v, g, [beta], *, scale,
 initial_state, segment_ids, output_final_state) -> (o, final_state), arrays [B, T, ...],
 states [B, H, Dk, Dv] fp32.
@@ -37,11 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshes.per_shard import sequence_split, split_over_batch
-
-
-def _axes(entry) -> tuple[str, ...]:
-  return (entry,) if isinstance(entry, str) else tuple(entry)
+from meshes.per_shard import sequence_axes, sequence_split, split_over_batch
 
 
 def _incoming_states(transitions, finals, first_seg, last_seg, initial, n):
@@ -72,7 +60,7 @@ def split_recurrence_over_devices(fn):
     if split is None:
       return by_rows(q, k, v, g, *rest, **kwargs)
     mesh, rows, seq = split
-    seq_axes = _axes(seq)
+    seq_axes = sequence_axes(seq)
     n = math.prod(mesh.shape[a] for a in seq_axes)
     B, T, H, Dk = q.shape
     if segment_ids is None:
@@ -106,54 +94,3 @@ def split_recurrence_over_devices(fn):
     return o, (finals[-1] if output_final_state else None)
 
   return wrapped
-
-
-def gathered_keys(fn, key_args: tuple[int, ...], key_kwargs: tuple[str, ...] = (),
-                  offset_kwarg: str | None = None):
-  """fn(*arrays [B, T, ...], **kwargs) -> [B, T, ...] run per device on its rows and its
-  range of the queries, the positional `key_args` and keyword `key_kwargs` arrays
-  gathered whole along the sequence; `offset_kwarg` (if given) receives the position of
-  the device's first query. With the sequence whole on each device, `split_over_batch`."""
-  by_rows = split_over_batch(fn)
-
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    split = sequence_split(args[0])
-    if split is None:
-      return by_rows(*args, **kwargs)
-    mesh, rows, seq = split
-    seq_axes = _axes(seq)
-    arrays = {
-        **{
-            i: x for i, x in enumerate(args)
-        },
-        **{
-            k: x for k, x in kwargs.items() if isinstance(x, jax.Array)
-        }
-    }
-    names = list(arrays)
-    static = {k: x for k, x in kwargs.items() if k not in arrays}
-    gathered = set(key_args) | set(key_kwargs)
-
-    def body(*local):
-      local = dict(zip(names, local))
-      for name in gathered & set(local):
-        local[name] = jax.lax.all_gather(local[name], seq_axes, axis=1, tiled=True)
-      extra = {}
-      if offset_kwarg is not None:  # the queries (first argument) stay local
-        extra[offset_kwarg] = jax.lax.axis_index(seq_axes) * local[0].shape[1]
-      positional = [local[i] for i in range(len(args))]
-      return fn(*positional, **{
-          k: v for k, v in local.items() if isinstance(k, str)
-      }, **static, **extra)
-
-    tokens = P(rows, seq)
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(tokens for _ in names), out_specs=tokens,
-                         check_vma=False)(*(arrays[n] for n in names))
-
-  return wrapped
-
-
-sparse_attention_over_devices = functools.partial(gathered_keys, key_args=(1, 2))
-indexer_over_devices = functools.partial(gathered_keys, key_args=(1,), key_kwargs=("segment_ids",),
-                                         offset_kwarg="query_offset")
