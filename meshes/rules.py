@@ -53,13 +53,16 @@ CHOOSE_LAST = (ax.HEAD_DIM,)
 
 # Activations: the batch over every device when it divides; otherwise over the larger
 # `expert` axis, and the sequence then takes `fsdp` (the target's 64 sequences on 2 x 64
-# devices: one sequence per expert group, split in two along its length).
+# devices: one sequence per expert group, split in two along its length). Whatever the
+# batch leaves, the sequence takes (context parallelism): one 1M-token sequence spreads
+# over all 128 devices, 4 sequences over 2 x 64 take fsdp for the batch and expert for
+# the sequence.
 _BATCH_FIRST = (_BOTH, ("expert",), ("fsdp",))
 
 ACTIVATION_RULES: dict[str, tuple[tuple[str, ...], ...]] = {
     ax.BATCH: _BATCH_FIRST,
     ax.TOKENS: _BATCH_FIRST,
-    ax.SEQ: (("fsdp",),),
+    ax.SEQ: (_BOTH, ("fsdp",), ("expert",)),
     ax.EXP: (("expert",),),
 }
 
