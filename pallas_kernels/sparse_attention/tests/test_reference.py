@@ -30,6 +30,16 @@ def test_reference_topk_matches_materialised_scores_with_segments():
     np.testing.assert_array_equal(got, want)  # same order too: ties to smaller index
 
 
+@pytest.mark.parametrize("offset, count", [(0, 45), (16, 29), (7, 21), (40, 5)])
+def test_reference_topk_of_a_query_range_equals_those_rows_of_the_whole(offset, count):
+  q_idx, k_idx, w, seg = helpers.integer_indexer_inputs(3, 2, 45, 3, 8)
+  whole = topk_indices_reference(q_idx, k_idx, w, top_k=12, segment_ids=seg, block_q=16)
+  part = jax.jit(lambda a, c, o: topk_indices_reference(
+      a, k_idx, c, top_k=12, segment_ids=seg, query_offset=o, block_q=16))(
+          q_idx[:, offset:offset + count], w[:, offset:offset + count], offset)
+  np.testing.assert_array_equal(part, whole[:, offset:offset + count])
+
+
 def test_query_without_keys_outputs_zeros():
   q, k, v, _ = helpers.attention_inputs(2, 1, 8, 2, 1, 16, jnp.float32)
   idx = jnp.full((1, 8, 4), -1, jnp.int32).at[:, 4:, 0].set(0)

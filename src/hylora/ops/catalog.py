@@ -19,6 +19,15 @@ _RM = "pallas_kernels.residual_mix"
 _CA = "pallas_kernels.causal_attention"
 _QMM = "pallas_kernels.quantized_matmul"
 
+PER_DEVICE_REFERENCE = "reference_per_device"
+_PER_DEVICE_REFERENCES = {
+    "linear_attention.gla": "linear_recurrence",
+    "linear_attention.kda": "linear_recurrence",
+    "sparse_attention.topk_indices": "indexer",
+    "sparse_attention.attend": "sparse_attention",
+    "attention.causal": "rows",
+}
+
 
 @functools.cache
 def catalog() -> OpRegistry:
@@ -85,6 +94,13 @@ def catalog() -> OpRegistry:
                     backends=("cpu", "gpu", "tpu"), priority=-2)
   registry.register("quantized_grouped_matmul", "loop", f"{_QMM}:loop_quantized_grouped_matmul",
                     backends=("cpu", "gpu", "tpu"), priority=-2)
+  # The plain-JAX references run per device as the kernels they stand in for do (the same
+  # per_shard mode): a CPU compile of a GPU step whose sequence is split over devices
+  # then holds one device's share, not the XLA-partitioned whole sequence.
+  for op, mode in _PER_DEVICE_REFERENCES.items():
+    registry.register(op, PER_DEVICE_REFERENCE,
+                      registry.entry(op).reference.target, backends=("cpu", "gpu", "tpu"),
+                      priority=-2, per_shard=mode)
   registry.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
                     backends=("cpu", "gpu", "tpu"))
   # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
@@ -100,6 +116,12 @@ STAND_INS = {
     ("grouped_lora", "mosaic"): "loop",
     ("quantized_matmul", "pallas"): "loop",
     ("quantized_grouped_matmul", "pallas"): "loop",
+    ("linear_attention.gla", "pallas"): PER_DEVICE_REFERENCE,
+    ("linear_attention.kda", "pallas"): PER_DEVICE_REFERENCE,
+    ("sparse_attention.topk_indices", "pallas"): PER_DEVICE_REFERENCE,
+    ("sparse_attention.attend", "pallas"): PER_DEVICE_REFERENCE,
+    ("sparse_attention.attend", "by_density"): PER_DEVICE_REFERENCE,
+    ("attention.causal", "cudnn"): PER_DEVICE_REFERENCE,
 }
 
 # Which KernelConfig field chooses the implementation of each op.
