@@ -127,3 +127,25 @@ def test_a_fixed_mesh_smaller_than_the_host_is_printed_and_too_large_is_one_line
   assert _plan(cfg).devices == 2
   with pytest.raises(Exception, match="asks for 16 devices, this host has 8 cpu"):
     run_mesh(MeshConfig(fsdp=4, expert=4))
+
+
+@pytest.mark.parametrize("batch, seq, axes, ranks, rounds", [
+    (1, 1048576, ("fsdp", "expert"), 128, 7),
+    (4, 262144, ("expert",), 64, 6),
+    (64, 32768, ("fsdp",), 2, 1),
+    (128, 8192, None, 1, 0),
+])
+def test_the_sequence_takes_the_axes_the_batch_leaves(batch, seq, axes, ranks, rounds):
+  from hylora.plan.context_plan import context_plan
+  cfg = apply_overrides(get_preset("2p8t"), {
+      "train.batch_size": str(batch),
+      "train.seq_len": str(seq)
+  })
+  plan = context_plan(cfg, {"fsdp": 2, "expert": 64})
+  if axes is None:
+    assert plan is None  # whole sequences on every device
+    return
+  assert (plan.axes, plan.ranks, plan.scan_rounds) == (axes, ranks, rounds)
+  assert plan.tokens_per_rank * ranks == seq
+  assert dict(plan.schemes) == {"linear": "state scan over ranks", "sparse": "gathered keys"}
+  assert f"{ranks} ranges of {seq // ranks} tokens" in plan.text()

@@ -27,6 +27,7 @@ import numpy as np
 from hylora.core.config import Config, MemoryConfig
 from hylora.core.errors import ConfigError
 from hylora.plan.base_storage import BaseStorage, base_storage
+from hylora.plan.context_plan import ContextPlan, context_plan
 
 GB = 1e9
 PLAN_FILE = "plan.json"
@@ -79,6 +80,7 @@ class RunPlan:
   memory: RematPlan
   ops: tuple[OpPlan, ...]
   base: BaseStorage | None = None  # the frozen base as the checkpoint packs it (None: bf16)
+  sequence: ContextPlan | None = None  # how sequences split over devices (None: whole)
 
   def apply(self, cfg: Config) -> Config:
     """`cfg` with the plan's resolved choices (dispatcher, remat policy, the stand-ins of
@@ -139,6 +141,8 @@ class RunPlan:
                      "every row on every device); ep_alltoall runs them per device")
       else:
         lines.append("  routed experts: dropless, one program (sorted rows, grouped matmuls)")
+    if self.sequence is not None:
+      lines.append(self.sequence.text())
     m = self.memory
     how = (f"the planner's for {_size(m.planned_for)} of {_size(m.device_memory)} per device"
            if m.planned else "as given")
@@ -274,7 +278,8 @@ def resolve(cfg: Config, mesh, *, target: str | None = None) -> RunPlan:
   return RunPlan(preset=cfg.preset, devices=int(mesh.size), processes=jax.process_count(),
                  mesh=shape, target=target, compiled_on=compiled_on, experts=experts, memory=memory,
                  ops=op_plans(cfg, target, compiled_on, experts),
-                 base=base_storage(cfg) if cfg.model.quantization.format != "none" else None)
+                 base=base_storage(cfg) if cfg.model.quantization.format != "none" else None,
+                 sequence=context_plan(cfg, shape))
 
 
 def _size(nbytes: float) -> str:
