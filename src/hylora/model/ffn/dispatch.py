@@ -28,8 +28,14 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
 
 def dropless(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
              options: dict, *, num_experts: int, dropout_key=None, moe=None):
-  """x [N, d], weights/experts [N, k] -> (y [N, d], stats). `experts` are the slots of
-  `expert_weights` (see placement.py); `moe` (MoEConfig) carries dispatcher options."""
+  """x [N, d], weights/experts [N, k] -> (y [N, d], stats), or the same with [B, T] for
+  [N]. `experts` are the slots of `expert_weights` (see placement.py); `moe` (MoEConfig)
+  carries dispatcher options."""
+  if x.ndim == 3:
+    y, stats = dropless(x.reshape(-1, x.shape[-1]), weights.reshape(-1, weights.shape[-1]),
+                        experts.reshape(-1, experts.shape[-1]), expert_weights, options,
+                        num_experts=num_experts, dropout_key=dropout_key, moe=moe)
+    return y.reshape(*x.shape[:2], y.shape[-1]), stats
   n, k = experts.shape
   order, group_sizes = sort_by_expert(experts, num_experts)
   token_of_pair = (order // k).astype(jnp.int32)

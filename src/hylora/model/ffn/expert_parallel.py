@@ -50,7 +50,7 @@ from hylora.model.ffn.local_experts import local_experts, window_counts
 from hylora.model.ffn.overflow_rounds import RoundPlan, overflow_rounds, rounds_after_first
 from hylora.model.ffn.permute_rows import gather_rows
 from hylora.quant.packed_weight import PackedWeight, packed_axes
-from meshes.rules import PARAM_RULES, current_mesh, follow_spec, logical_to_spec
+from meshes.rules import (ACTIVATION_RULES, PARAM_RULES, current_mesh, follow_spec, logical_to_spec)
 
 EXPERT_AXIS, FSDP_AXIS = "expert", "fsdp"
 TOKEN_AXES = (FSDP_AXIS, EXPERT_AXIS)
@@ -318,7 +318,10 @@ def check_transport(transport: str, mesh) -> None:
 
 def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_weights: dict,
                 options: dict, *, num_experts: int, dropout_key=None, moe: MoEConfig | None = None):
-  """x [N, d], weights/experts [N, k] (experts: slots) -> (y [N, d], stats).
+  """x [N, d], weights/experts [N, k] (experts: slots) -> (y [N, d], stats); or the same
+  with [B, T] for [N], each device then taking the rows and the range of the sequence the
+  activation rules give it (a [B, T] split over batch and sequence has no contiguous
+  flat layout to reshape into: XLA would move every token to flatten it).
 
   Without an activation mesh (or on one device) this is the dropless reference."""
   moe = moe or MoEConfig()
@@ -331,7 +334,8 @@ def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
   if num_experts % ranks:
     raise ConfigError(f"model.moe.experts: {num_experts} expert slots cannot be split over "
                       f"the expert mesh axis of size {ranks} (mesh.expert)")
-  n, k = experts.shape
+  k = experts.shape[-1]
+  n = math.prod(experts.shape[:-1])
   chunks = moe.overlap_chunks
   if n % (devices * chunks):
     raise ConfigError(f"model.moe.overlap_chunks: the {n} tokens of a MoE layer do not split "
@@ -341,9 +345,17 @@ def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
   later_cap = later_round_rows(chunk_tokens * k, ranks, moe)
   per_rank = num_experts // ranks
   specs = {name: _weight_spec(name, w, mesh) for name, w in expert_weights.items()}
-  tokens = P(TOKEN_AXES, None)
+  if x.ndim == 3:
+    tokens = P(*logical_to_spec((ax.BATCH, ax.SEQ), x.shape[:2], mesh, ACTIVATION_RULES), None)
+  else:
+    tokens = P(TOKEN_AXES, None)
+  local_shape = None
 
   def local(x, weights_k, slots, expert_weights, key):
+    nonlocal local_shape
+    if x.ndim == 3:  # this device's [rows, range of the sequence] as one list of tokens
+      local_shape = x.shape[:2]
+      x, weights_k, slots = (a.reshape(-1, a.shape[-1]) for a in (x, weights_k, slots))
     expert_weights = {name: _gather_inner(w, specs[name]) for name, w in expert_weights.items()}
     if key is not None:  # distinct LoRA-dropout masks per device
       key = jax.random.fold_in(key, jax.lax.axis_index(TOKEN_AXES))
@@ -358,8 +370,11 @@ def ep_alltoall(x: jax.Array, weights: jax.Array, experts: jax.Array, expert_wei
       dropped.append(d)
       rounds.append(r)
     total = jax.lax.psum(sum(dropped).astype(jnp.float32), TOKEN_AXES)
+    y = jnp.concatenate(ys, axis=0)
+    if local_shape is not None:
+      y = y.reshape(*local_shape, y.shape[-1])
     # Every chunk's count is already the mesh's maximum (in rounds) or 1.
-    return jnp.concatenate(ys, axis=0), total, functools.reduce(jnp.maximum, rounds)
+    return y, total, functools.reduce(jnp.maximum, rounds)
 
   key_spec = None if dropout_key is None else P()
   y, dropped, rounds = jax.shard_map(local, mesh=mesh,

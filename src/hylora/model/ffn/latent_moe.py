@@ -38,8 +38,6 @@ class LatentMoE(MoE):
                                         init_std=m.init_std, dtype=m.weight_dtype)
 
   def __call__(self, x: jax.Array, ctx):
-    b, t, d = x.shape
-    flat = x.reshape(b * t, d)
-    h, aux = self.routed(flat, self.routed_expert_down_proj(flat), t, ctx)
+    h, aux = self.routed(x, self.routed_expert_down_proj(x), x.shape[1], ctx)
     y = self.routed_expert_up_proj(self.routed_expert_norm(h))
-    return self.with_shared(y.reshape(b, t, d), x, ctx), aux
+    return self.with_shared(y, x, ctx), aux

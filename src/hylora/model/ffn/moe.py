@@ -34,8 +34,10 @@ class MoE(nnx.Module):
     self.dispatch = get_dispatcher(moe.dispatch)
 
   def routed(self, x: jax.Array, rows: jax.Array, seq_len: int, ctx):
-    """x [N, d] chooses the experts; rows [N, w] (x itself, or a projection of it) pass
-    through them -> (weighted expert outputs [N, w], aux)."""
+    """x [B, T, d] chooses the experts; rows [B, T, w] (x itself, or a projection of it)
+    pass through them -> (weighted expert outputs [B, T, w], aux). The tokens are never
+    flattened outside the per-device dispatch: [B, T] sharded over both the batch and
+    the sequence (context parallelism) has no contiguous flat layout."""
     weights, experts, aux = self.router(x, seq_len=seq_len)
     table = self.placement[...]
     slots = route_to_slots(experts, table, self.cfg.experts)
@@ -51,7 +53,5 @@ class MoE(nnx.Module):
     return y + self.shared(x, ctx.dropout_key)
 
   def __call__(self, x: jax.Array, ctx):
-    b, t, d = x.shape
-    flat = x.reshape(b * t, d)
-    y, aux = self.routed(flat, flat, t, ctx)
-    return self.with_shared(y.reshape(b, t, d), x, ctx), aux
+    y, aux = self.routed(x, x, x.shape[1], ctx)
+    return self.with_shared(y, x, ctx), aux

@@ -14,6 +14,8 @@ changes what the layer computes.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -41,9 +43,11 @@ def _slots_by_expert(slot_to_expert: jax.Array, num_experts: int):
 
 
 def route_to_slots(experts: jax.Array, slot_to_expert: jax.Array, num_experts: int):
-  """experts [N, k] logical ids -> slots [N, k]; token n uses copy (n mod copies)."""
+  """experts [..., k] logical ids -> slots [..., k]; token n (its flat index) uses copy
+  (n mod copies)."""
   order, copies, first = _slots_by_expert(slot_to_expert, num_experts)
-  token = jnp.arange(experts.shape[0], dtype=jnp.int32)[:, None]
+  lead = experts.shape[:-1]
+  token = jnp.arange(math.prod(lead), dtype=jnp.int32).reshape(*lead, 1)
   pick = first[experts] + token % jnp.maximum(copies[experts], 1)
   return order[pick]
 

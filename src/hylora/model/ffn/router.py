@@ -4,6 +4,8 @@ the auxiliary losses."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,7 +38,9 @@ class Router(nnx.Module):
     self.bias = RouterBias(jnp.zeros((cfg.experts,), jnp.float32), **logical(None))
 
   def __call__(self, x: jax.Array, seq_len: int | None = None):
-    """x [N, d] (N = sequences x seq_len) -> (weights [N, k] fp32, experts [N, k] int32, aux)."""
+    """x [N, d] (N = sequences x seq_len) or [B, T, d] -> (weights [..., k] fp32, experts
+    [..., k] int32, aux), with x's leading dimensions. A [B, T, d] input keeps its tokens
+    where the activation rules placed them (a sequence split over devices included)."""
     cfg = self.cfg
     logits = jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
     logits = save_points.tag(logits, save_points.ROUTER)
@@ -51,14 +55,16 @@ class Router(nnx.Module):
       weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     weights = weights * cfg.routed_scale
 
-    n = x.shape[0]
+    n = math.prod(x.shape[:-1])
     load = jnp.zeros((cfg.experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     if cfg.aux_loss_kind == "sequence":
-      aux_loss = sequence_balance_loss(experts, probs, cfg.experts, seq_len or n)
+      aux_loss = sequence_balance_loss(experts.reshape(n, -1), probs.reshape(n, -1), cfg.experts,
+                                       x.shape[1] if x.ndim == 3 else (seq_len or n))
     else:
       # Switch-style balance loss: E * sum_e (fraction of routed pairs to e) * (mean prob of e).
-      aux_loss = cfg.experts * jnp.sum((load / (n * cfg.top_k)) * jnp.mean(probs, axis=0))
+      mean_probs = jnp.mean(probs.reshape(n, -1), axis=0)
+      aux_loss = cfg.experts * jnp.sum((load / (n * cfg.top_k)) * mean_probs)
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     return weights, experts.astype(jnp.int32), {
         "moe_aux_loss": aux_loss,
@@ -91,6 +97,8 @@ def _top_k_experts(selection: jax.Array, k: int, seq_len: int | None, groups: in
       s = keep_best_groups(s, groups, groups_kept)
     return jax.lax.top_k(s, k)[1]
 
+  if selection.ndim == 3:  # [B, T, E]
+    return split_over_tokens(pick)(selection)
   n, e = selection.shape
   if seq_len is None or n % seq_len:
     return pick(selection)
