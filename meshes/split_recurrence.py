@@ -94,8 +94,8 @@ def _transition_and_own_state(fn, q, k, v, g, rest, common):
     # A kernel without tiles for Dk + Dv value channels (the Pallas kernels take powers
     # of two): one pass each, three per device in all. A genuine input error raises
     # again below.
-    _, transition = fn(q, k, jnp.zeros(v.shape[:3] + (dk,), v.dtype), g, *rest,
-                       initial_state=eye, **common)
+    _, transition = fn(q, k, jnp.zeros(v.shape[:3] + (dk,), v.dtype), g, *rest, initial_state=eye,
+                       **common)
     _, own = fn(q, k, v, g, *rest, initial_state=None, **common)
     return transition, own
 

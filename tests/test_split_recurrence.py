@@ -35,12 +35,14 @@ def _segments(b, t):
 
 
 def _inputs(b, t, with_beta, seed=0):
-  keys = jax.random.split(jax.random.key(seed), 7)
+  keys = jax.random.split(jax.random.key(seed), 8)
   q, k, v = (jax.random.normal(key, (b, t, H, D), jnp.float32) for key in keys[:3])
   g = jnp.maximum(jax.nn.log_sigmoid(2.0 * jax.random.normal(keys[3], (b, t, H, D))), -20.0)
-  # strong decays in a quarter of the channels: -3 to -5 per token
+  # strong decays in a quarter of the channels (-3 to -5 per token) and mild ones in
+  # another (down to -0.02: a state that outlives a range and reaches the next ones)
   strong = jax.random.uniform(keys[6], (b, t, H, D // 4), jnp.float32, -5.0, -3.0)
-  g = g.at[..., :D // 4].set(strong)
+  mild = jax.random.uniform(keys[7], (b, t, H, D // 4), jnp.float32, -0.02, 0.0)
+  g = g.at[..., :D // 4].set(strong).at[..., D // 4:D // 2].set(mild)
   beta = (jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, H))),) if with_beta else ()
   h0 = jax.random.normal(keys[5], (b, H, D, D), jnp.float32)
   return (q, k, v, g, *beta), h0, _segments(b, t)
@@ -52,11 +54,15 @@ def _loss(fn, args, h0, seg, probe):
 
 
 KERNELS = {
-    ("gla", "reference"): lambda: split_recurrence_over_devices(gla_chunked),
-    ("kda", "reference"): lambda: split_recurrence_over_devices(kda_chunked),
+    ("gla", "reference"):
+        lambda: split_recurrence_over_devices(gla_chunked),
+    ("kda", "reference"):
+        lambda: split_recurrence_over_devices(kda_chunked),
     # the registered kernels, wrapped by the registry (interpreted on CPU)
-    ("gla", "pallas"): lambda: catalog().resolve("linear_attention.gla", "pallas"),
-    ("kda", "pallas"): lambda: catalog().resolve("linear_attention.kda", "pallas"),
+    ("gla", "pallas"):
+        lambda: catalog().resolve("linear_attention.gla", "pallas"),
+    ("kda", "pallas"):
+        lambda: catalog().resolve("linear_attention.kda", "pallas"),
 }
 # (fsdp, expert), batch: the sequence over one axis of 8, over both axes of 2 x 4, and
 # over one axis with the batch over the other
@@ -125,8 +131,39 @@ def _check_against_whole_sequence(kind, impl, mesh_name):
   for name, got, want in zip(names, (o, final, *grads), (want_o, want_final, *want_grads)):
     scale = float(jnp.max(jnp.abs(want)))
     assert scale > 0, name
-    np.testing.assert_allclose(np.asarray(got) / scale, np.asarray(want) / scale, rtol=0,
-                               atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(
+        np.asarray(got) / scale,
+        np.asarray(want) / scale, rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("dv, widths", [(16, [32, 16]), (32, [16, 32, 32])])
+def test_one_widened_pass_or_a_pass_each_where_the_kernel_has_no_tiles(dv, widths):
+  """[M | L] in one pass of Dk + Dv value channels; where the Pallas kernel refuses that
+  width (16 + 32: not a power of two), M and L in a pass each, the outputs unchanged."""
+  from pallas_kernels.linear_attention import chunked_gla
+  mesh = build_mesh(MeshConfig(fsdp=1, expert=8))
+  seen = []
+
+  def recording(q, k, v, g, **kwargs):
+    out = chunked_gla(q, k, v, g, **kwargs)  # raises before recording a refused width
+    seen.append(v.shape[-1])
+    return out
+
+  (q, k, _, g), h0, seg = _inputs(1, PER_DEVICE * 8, False)
+  v = jax.random.normal(jax.random.key(4), (1, PER_DEVICE * 8, H, dv))
+  h0 = jnp.zeros((1, H, D, dv))
+  want = jax.jit(lambda *xs: chunked_gla(*xs, initial_state=h0, segment_ids=seg)[0])(q, k, v, g)
+  wrapped = split_recurrence_over_devices(recording)
+
+  @jax.jit
+  def run(*xs):
+    with activation_mesh(mesh):
+      return wrapped(*xs, initial_state=h0, segment_ids=seg)[0]
+
+  got = run(q, k, v, g)
+  assert seen == widths
+  scale = float(jnp.max(jnp.abs(want)))
+  np.testing.assert_allclose(np.asarray(got) / scale, np.asarray(want) / scale, atol=1e-5)
 
 
 def test_compose_is_the_map_of_one_range_then_the_next():

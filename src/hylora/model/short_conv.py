@@ -6,8 +6,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.linear_attention._inputs import run_ids
-
 
 def causal_depthwise_conv(x: jax.Array, weight: jax.Array,
                           segment_ids: jax.Array | None = None) -> jax.Array:
@@ -23,14 +21,20 @@ def causal_depthwise_conv(x: jax.Array, weight: jax.Array,
   channel_dims = x.ndim - 2
   xf = x.astype(jnp.float32)
   w = weight.astype(jnp.float32)
-  # documents by run (a repeated id after a different one is a new document), as the
-  # recurrence's kernels count them
-  runs = None if segment_ids is None else run_ids(segment_ids, batch, length)
+  later = lambda a, s, fill: jnp.pad(a[:, :length - s], ((0, 0), (s, 0)) + ((0, 0),) *
+                                     (a.ndim - 2), constant_values=fill)  # a[t - s] at t
+  # joined[t]: token t continues token t-1's document (a repeated id after a different one
+  # is a new document, as the recurrence's kernels count them). Tap s reads token t-s where
+  # the s tokens up to t are all joined: local shifts only, so that on a sequence split over
+  # devices XLA exchanges a (K-1)-token halo (a cumulative run index would gather the
+  # whole sequence's ids onto every device).
+  joined = None if segment_ids is None else later(segment_ids, 1, 0) == segment_ids
+  same = None
   y = xf * w[..., taps - 1]
   for s in range(1, min(taps, length)):
-    past = jnp.pad(xf[:, :length - s], ((0, 0), (s, 0)) + ((0, 0),) * channel_dims)
-    if runs is not None:
-      same = jnp.pad(runs[:, s:] == runs[:, :-s], ((0, 0), (s, 0)))
+    past = later(xf, s, 0.0)
+    if joined is not None:
+      same = joined if same is None else same & later(joined, s - 1, False)
       past = jnp.where(same.reshape(batch, length, *(1,) * channel_dims), past, 0.0)
     y = y + past * w[..., taps - 1 - s]
   return y
