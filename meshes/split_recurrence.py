@@ -80,8 +80,9 @@ def _inclusive_scan(m, l, axes, n):
   return l
 
 
-def _transition_and_own_state(fn, q, k, v, g, rest, common):
-  """(M [b, H, Dk, Dk], L [b, H, Dk, Dv]) of this device's range."""
+def transition_and_own_state(fn, q, k, v, g, rest, common):
+  """(M [b, H, Dk, Dk], L [b, H, Dk, Dv]) of the range of tokens q, k, v, g, *rest by
+  the kernel fn (keyword arguments `common`, output_final_state=True among them)."""
   b, _, h, dk = q.shape
   dv = v.shape[-1]
   eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, h, dk, dk))
@@ -127,7 +128,7 @@ def split_recurrence_over_devices(fn):
       # a linear index over seq_axes in the order PartitionSpec splits the sequence
       here = jax.lax.axis_index(seq_axes)
       common = dict(scale=scale, segment_ids=segment_ids, output_final_state=True)
-      m, l = _transition_and_own_state(fn, q, k, v, g, rest, common)
+      m, l = transition_and_own_state(fn, q, k, v, g, rest, common)
       initial = initial_state.astype(jnp.float32)
       previous_last = _from_previous(segment_ids[:, -1], seq_axes, n)
       # the first device carries the given initial state; a device whose first token
