@@ -15,10 +15,10 @@ maps, which is associative: a Hillis-Steele scan across devices (one `ppermute` 
 [Dk, Dk + Dv] per head and round, log2(P) rounds) instead of gathering every range's
 (M, L) onto every device and chaining P of them there. One more `ppermute` hands device
 i the end state of device i - 1, and a second kernel pass from that state gives the
-outputs: two passes per device, memory and traffic independent of P. A state never
-crosses a document boundary: where a device's first token starts a new document (its
-segment id differs from the previous device's last one), its M and its incoming state
-are zero. Gradients come by autodiff: a `ppermute` transposes to the reverse one, the
+outputs: two passes per device, and no device holds more than its own (M, L) and one
+received. A state never crosses a document boundary: where a device's first token
+starts a new document (its segment id differs from the previous device's last one), its
+M and its incoming state are zero. Gradients come by autodiff: a `ppermute` transposes to the reverse one, the
 kernels have custom VJPs (initial state included).
 
 Kernel contract (`pallas_kernels.linear_attention`): fn(q, k, v, g, [beta], *, scale,
