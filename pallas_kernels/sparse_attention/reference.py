@@ -64,15 +64,15 @@ def indexer_scores_block(q_idx_block, k_idx, w_block, *, block_k: int = 1024):
   return scores.transpose(1, 2, 0, 3).reshape(scores.shape[1], scores.shape[2], -1)[..., :t]
 
 
-def selectable_mask(q_start, block_q: int, t: int, segment_ids=None, batch: int = 1, end=None):
-  """[B, block_q, T] bool: key s is selectable by query q_start + i (causal, same segment;
-  queries at or past `end`, default T, select nothing)."""
+def selectable_mask(q_start, block_q: int, t: int, segment_ids=None, batch: int = 1):
+  """[B, block_q, T] bool: key s of T keys is selectable by the query at position
+  q_start + i (causal, same segment)."""
   rows = q_start + jnp.arange(block_q, dtype=jnp.int32)
   cols = jnp.arange(t, dtype=jnp.int32)
-  mask = (cols[None, :] <= rows[:, None]) & (rows[:, None] < (t if end is None else end))
+  mask = (cols[None, :] <= rows[:, None]) & (rows[:, None] < t)
   mask = jnp.broadcast_to(mask[None], (batch, block_q, t))
   if segment_ids is not None:
-    # padded by a whole block: a block starting anywhere before T is never clamped
+    # padded by a whole block: a block starting at any key position is never clamped back
     padded = jnp.pad(segment_ids, ((0, 0), (0, block_q)), constant_values=-1)
     seg_rows = jax.lax.dynamic_slice_in_dim(padded, q_start, block_q, axis=1)
     mask = mask & (seg_rows[:, :, None] == segment_ids[:, None, :])
@@ -85,13 +85,15 @@ def topk_indices_reference(q_idx, k_idx, w, *, top_k: int, segment_ids=None, que
 
     Args:
       q_idx: [B, T, HI, DI] indexer queries.
-      k_idx: [B, T, DI] the one shared indexer key per token.
+      k_idx: [B, Tk, DI] the one shared indexer key per token (Tk = T unless
+        query_offset is given).
       w: [B, T, HI] per-query, per-head weights.
       top_k: keys kept per query.
-      segment_ids: optional int [B, T]; a query only selects keys of its own segment.
+      segment_ids: optional int [B, Tk] (the keys'); a query only selects keys of its
+        own segment.
       query_offset: the queries are positions query_offset .. query_offset + T - 1 of
-        the keys k_idx [B, Tk, DI] (a device's share of a split sequence; an int or a
-        traced int32 scalar); segment_ids [B, Tk] are then the keys'.
+        the keys (a device's range of a sequence split over devices; an int or a traced
+        int32 scalar); indices point into the Tk keys.
       block_q: queries scored at a time (memory is O(B * block_q * Tk)).
 
     Returns:
@@ -102,15 +104,15 @@ def topk_indices_reference(q_idx, k_idx, w, *, top_k: int, segment_ids=None, que
   input_checks.check_indexer_inputs(q_idx, k_idx, w, top_k, segment_ids,
                                     queries_are_a_range=query_offset is not None)
   input_checks.check_positive_int("block_q", block_q)
-  b, t = k_idx.shape[:2]
-  queries = q_idx.shape[1]
+  b, t = q_idx.shape[:2]
+  tk = k_idx.shape[1]
   offset = jnp.asarray(0 if query_offset is None else query_offset, jnp.int32)
-  block_q = min(block_q, queries)
-  kept = min(top_k, t)
+  block_q = min(block_q, t)
+  kept = min(top_k, tk)
 
   def one_block(q_start, q_blk, w_blk):
     scores = indexer_scores_block(q_blk, k_idx, w_blk)
-    ok = selectable_mask(offset + q_start, block_q, t, segment_ids, b, end=offset + queries)
+    ok = selectable_mask(offset + q_start, block_q, tk, segment_ids, b)
     # lax.top_k breaks ties towards the smaller index; unselectable keys sort last.
     _, idx = jax.lax.top_k(jnp.where(ok, scores, _NEG_INF), kept)
     picked_ok = jnp.take_along_axis(ok, idx, axis=-1)
