@@ -32,6 +32,7 @@ from experiments.bench_sparse_attention import compiled_with_temp, loss_of
 from experiments.timing import failed, interleaved_ratios, median_ms
 from hylora.ops.catalog import catalog
 from meshes.gathered_keys import balanced_half_blocks
+from pallas_kernels.sparse_attention.by_density import prefers_dense
 
 INDEXER, ATTEND = "sparse_attention.topk_indices", "sparse_attention.attend"
 SHARES = ("first", "last", "balanced")
@@ -132,14 +133,19 @@ def bench(shapes: Shapes, interpret: bool = False, balanced_device: int = 0, rep
   (q_idx, k_idx, w), (q, k, v) = make_inputs(shapes)
   s = shapes
   gathered = s.keys * (2 * s.kv_heads * s.head_dim + s.index_head_dim) * 2
+  dense = prefers_dense(q.shape, k.shape, s.top_k, q.dtype)
   print(
       json.dumps({
           "device": str(jax.devices()[0]),
           "jax": jax.__version__,
-          **dataclasses.asdict(shapes), "devices": devices,
+          **dataclasses.asdict(shapes),
+          "devices": devices,
           "gathered_keys_GB": round(gathered / 1e9, 3),
-          "implementations": names
-      }), flush=True)
+          "implementations": names,
+          # what the "by_density" choice runs at these shapes
+          "by_density_picks": "masked_dense" if dense else "pallas"
+      }),
+      flush=True)
   rows, shares = {}, {}
   most = causal_keys(share_offsets("last", shapes), shapes)
   for name in SHARES:

@@ -7,8 +7,8 @@ index, as `shard_map` and `all_gather` both order it). The indexer is told where
 queries start (`query_offset`); the attention kernel takes indices into the gathered
 keys. The gradients of the gathered keys are summed back onto their owners by the
 all-gather's transpose (a reduce-scatter). The gathered K and V carry no remat name, so
-under the model's memory policies the backward gathers them again instead of keeping
-them (what is kept are each device's own rows).
+under the model's memory policies (which save by name) the backward gathers them again
+instead of keeping them: what is kept are each device's own rows.
 
 Gather whole, not by index. At one 1M-token sequence over 128 devices (8192 queries
 each) with 8 KV heads of 128 channels in bf16, K and V are 2 GiB each gathered whole
@@ -35,10 +35,13 @@ indexer's default) each device's queries are cut in two halves, half-block j of 
 2P in the sequence, and device d scores half-blocks d and 2P - 1 - d, which together
 see the same number of keys on every device: two `ppermute`s bring them (one of the
 even half-blocks, one of the odd), each half runs the kernel with its own
-`query_offset`, and two more send the indices back. Every query is scored on its own
-against the same keys, so the indices equal the unbalanced (and unsplit) ones. The
-attention itself needs no balancing: each query reads min(top_k, its causal keys)
-selected keys, the same top_k everywhere except the sequence's first top_k queries.
+`query_offset`, and two more send the indices back (at 8192 queries a device sends
+its 128 MiB of bf16 indexer queries and gets 64 MiB of int32 indices back, little beside
+the gathered keys). A device with an odd number of queries keeps its own order. Every
+query is scored on its own against the same keys, so the indices equal the unbalanced
+(and unsplit) ones. The attention itself needs no balancing: each query reads
+min(top_k, its causal keys) selected keys, the same top_k everywhere except the
+sequence's first top_k queries.
 """
 
 from __future__ import annotations

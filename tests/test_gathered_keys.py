@@ -34,15 +34,16 @@ MESHES = {
 }
 
 
-def _inputs(t=TOKENS, seed=0):
+def _inputs(t=TOKENS, seed=0, batch=1):
   keys = jax.random.split(jax.random.key(seed), 6)
-  q = jax.random.normal(keys[0], (1, t, 4, 16), jnp.float32)
-  k, v = (jax.random.normal(key, (1, t, 2, 16), jnp.float32) for key in keys[1:3])
-  q_idx = jax.random.normal(keys[3], (1, t, 2, 16), jnp.float32)
-  k_idx = jax.random.normal(keys[4], (1, t, 16), jnp.float32)
-  w = jax.random.uniform(keys[5], (1, t, 2), jnp.float32)
-  seg = jnp.asarray(np.searchsorted(DOCUMENT_STARTS, np.arange(t), side="right")[None], jnp.int32)
-  return (q, k, v), (q_idx, k_idx, w), seg
+  q = jax.random.normal(keys[0], (batch, t, 4, 16), jnp.float32)
+  k, v = (jax.random.normal(key, (batch, t, 2, 16), jnp.float32) for key in keys[1:3])
+  q_idx = jax.random.normal(keys[3], (batch, t, 2, 16), jnp.float32)
+  k_idx = jax.random.normal(keys[4], (batch, t, 16), jnp.float32)
+  w = jax.random.uniform(keys[5], (batch, t, 2), jnp.float32)
+  documents = np.searchsorted(DOCUMENT_STARTS, np.arange(t), side="right")
+  seg = np.stack([documents, documents[::-1]][:batch])  # a second row's documents elsewhere
+  return (q, k, v), (q_idx, k_idx, w), jnp.asarray(seg, jnp.int32)
 
 
 def _close(got, want, name):
@@ -59,18 +60,21 @@ def _ops(indexer, attend):
                             indexer), catalog().resolve("sparse_attention.attend", attend))
 
 
-@pytest.mark.parametrize("mesh_name, indexer, attend", [
-    ("8 on one axis", "pallas", "pallas"),
-    ("2 x 4", "pallas", "pallas"),
-    ("2 x 4", "pallas", "masked_dense"),
-    ("8 on one axis", "pallas", "by_density"),
-    ("8 on one axis", "reference", "reference"),
-    ("2 x 4", "reference", "reference"),
-])
-def test_split_sequence_matches_the_whole_sequence(mesh_name, indexer, attend):
+@pytest.mark.parametrize(
+    "mesh_name, indexer, attend, batch",
+    [
+        ("8 on one axis", "pallas", "pallas", 1),
+        ("2 x 4", "pallas", "pallas", 1),
+        ("2 x 4", "pallas", "masked_dense", 1),
+        ("8 on one axis", "pallas", "by_density", 1),
+        ("8 on one axis", "reference", "reference", 1),
+        ("2 x 4", "reference", "reference", 1),
+        ("2 x 4", "reference", "reference", 2),  # the batch over fsdp, the sequence over expert
+    ])
+def test_split_sequence_matches_the_whole_sequence(mesh_name, indexer, attend, batch):
   topk, attention = _ops(indexer, attend)
   mesh = MESHES[mesh_name]()
-  (q, k, v), indexer_inputs, seg = _inputs()
+  (q, k, v), indexer_inputs, seg = _inputs(batch=batch)
   probe = jax.random.normal(jax.random.key(7), q.shape)
 
   def layer(q, k, v):
@@ -83,7 +87,8 @@ def test_split_sequence_matches_the_whole_sequence(mesh_name, indexer, attend):
 
   def split(q, k, v):
     with activation_mesh(mesh):
-      assert sequence_split(q)[2] is not None
+      _, rows, seq = sequence_split(q)
+      assert seq is not None and (rows is None) == (batch == 1)
       return grad(q, k, v)
 
   jaxpr = str(jax.make_jaxpr(split)(q, k, v))
