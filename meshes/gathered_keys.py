@@ -77,8 +77,12 @@ def indexer_key_blocks(devices: int, local_queries: int, block_k: int, balanced:
   """Key blocks the Pallas indexer scores on each device (a program per query scores
   the key blocks up to its query), as a list over the devices."""
 
+  def below(m):  # sum of q // block_k over the queries q < m
+    whole, rest = divmod(m, block_k)
+    return block_k * whole * (whole - 1) // 2 + rest * whole
+
   def blocks(first, n):  # queries first .. first + n - 1
-    return sum(q // block_k + 1 for q in range(first, first + n))
+    return n + below(first + n) - below(first)
 
   if not balanced:
     return [blocks(d * local_queries, local_queries) for d in range(devices)]
@@ -130,7 +134,8 @@ def gathered_keys(fn, key_args: tuple[int, ...], key_kwargs: tuple[str, ...] = (
     }
     names = list(arrays)
     static = {k: x for k, x in kwargs.items() if k not in arrays}
-    gathered = (set(key_args) | set(key_kwargs)) & set(names)
+    # in argument order, not a set's: every process must trace the same collectives
+    gathered = [n for n in names if n in key_args or n in key_kwargs]
     local_queries = args[0].shape[1] // devices
     zig_zag = balanced and devices > 1 and local_queries % 2 == 0
 

@@ -122,6 +122,16 @@ def test_indexer_in_the_devices_own_order_selects_the_same_keys(mesh_name, refer
 
 
 def test_balanced_order_evens_out_the_indexer_work():
+  # the count against query-by-query sums of the kernel's causal key blocks
+  one = lambda first, n, block_k: sum(q // block_k + 1 for q in range(first, first + n))
+  for devices, local, block_k in ((3, 10, 4), (5, 34, 16)):
+    halves = gathered_keys.balanced_half_blocks(devices)
+    assert gathered_keys.indexer_key_blocks(devices, local, block_k, balanced=False) == [
+        one(d * local, local, block_k) for d in range(devices)
+    ]
+    assert gathered_keys.indexer_key_blocks(devices, local, block_k, balanced=True) == [
+        sum(one(j * (local // 2), local // 2, block_k) for j in pair) for pair in halves
+    ]
   for devices in (3, 8, 128):
     for local in (64, 8192):
       plain = gathered_keys.indexer_key_blocks(devices, local, 32, balanced=False)
