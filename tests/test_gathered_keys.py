@@ -53,9 +53,7 @@ def _close(got, want, name):
 
 
 def _ops(indexer, attend):
-  if indexer == "reference":  # the references, run per device as the kernels are
-    return (gathered_keys.indexer_over_devices(topk_indices_reference),
-            gathered_keys.sparse_attention_over_devices(sparse_attention_reference))
+  """The registered implementations by name (the references too run per device)."""
   return (catalog().resolve("sparse_attention.topk_indices",
                             indexer), catalog().resolve("sparse_attention.attend", attend))
 

@@ -35,8 +35,12 @@ def catalog() -> OpRegistry:
   registry = OpRegistry()
   registry.define("linear_attention.gla", f"{_LA}.reference:gla_chunked")
   registry.define("linear_attention.kda", f"{_LA}.reference:kda_chunked")
-  registry.define("sparse_attention.topk_indices", f"{_SA}.reference:topk_indices_reference")
-  registry.define("sparse_attention.attend", f"{_SA}.reference:sparse_attention_reference")
+  # Per device on a split sequence like their kernels: left to XLA, each device would
+  # gather every query and run the whole sequence's loop (meshes.gathered_keys).
+  registry.define("sparse_attention.topk_indices", f"{_SA}.reference:topk_indices_reference",
+                  per_shard="indexer")
+  registry.define("sparse_attention.attend", f"{_SA}.reference:sparse_attention_reference",
+                  per_shard="sparse_attention")
   registry.define("attention.causal", f"{_CA}.reference:causal_attention_reference")
   registry.define("grouped_matmul", f"{_GMM}.reference:grouped_matmul_reference")
   registry.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
