@@ -35,7 +35,7 @@ DOCUMENT_ENDS = (100, 192, 300, T)
 # tests/test_split_recurrence.py, tests/test_gathered_keys.py).
 KERNELS = {
     name: KernelConfig(linear_attention=name, topk_indices=name, sparse_attention=name)
-    for name in ("pallas", "reference_per_device")
+    for name in ("pallas", "reference")
 }
 
 
@@ -100,10 +100,10 @@ def _loss_and_grads(cfg, mesh, lora, frozen, batch):
 
 @pytest.mark.parametrize("case, mesh_shape, dispatch, kernels", [
     ("hybrid", (1, 8), "dropless", "pallas"),
-    ("hybrid", (2, 4), "auto", "reference_per_device"),
-    ("kimi_linear", (2, 4), "dropless", "reference_per_device"),
-    ("kimi_k3", (1, 8), "auto", "reference_per_device"),
-    ("deepseek_v32", (2, 4), "dropless", "reference_per_device"),
+    ("hybrid", (2, 4), "auto", "reference"),
+    ("kimi_linear", (2, 4), "dropless", "reference"),
+    ("kimi_k3", (1, 8), "auto", "reference"),
+    ("deepseek_v32", (2, 4), "dropless", "reference"),
 ])
 def test_a_sequence_split_over_every_device_trains_as_on_one(case, mesh_shape, dispatch, kernels):
   cfg = _config(case, dispatch, kernels)
