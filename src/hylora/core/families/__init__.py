@@ -59,7 +59,7 @@ RUN_FIELDS = {
             "overlap_chunks", "aux_loss_kind", "spare_slots", "rebalance_every",
             "bias_update_every", "bias_update_rate"),
     "sparse_attention": ("block_q", "indexer_loss_weight"),
-    "mla": ("block_q",),
+    "mla": ("block_q", "block_k"),
 }
 
 

@@ -50,6 +50,7 @@ def architecture(hf: dict, model: ModelConfig) -> ModelConfig:
           "index_heads": field(hf, "index_n_heads"),
           "index_head_dim": field(hf, "index_head_dim"),
           "block_q": model.mla.block_q,
+          "block_k": model.mla.block_k,
       })
   scoring = field(hf, "scoring_func", default="sigmoid")
   require(scoring in ("sigmoid", "softmax"), hf, f"scoring_func {scoring!r}")

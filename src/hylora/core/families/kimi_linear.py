@@ -81,6 +81,7 @@ def architecture(hf: dict, model: ModelConfig) -> ModelConfig:
           "rope": False,  # Kimi's MLA is NoPE
           "output_gate": bool(hf.get("mla_use_output_gate", False)),
           "block_q": model.mla.block_q,
+          "block_k": model.mla.block_k,
       })
   router = field(hf, "moe_router_activation_func", "scoring_func", default="sigmoid")
   require(router in ("sigmoid", "softmax"), hf, f"router activation {router!r}")

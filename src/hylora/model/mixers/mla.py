@@ -9,8 +9,10 @@ key slice shared by every head. RoPE (interleaved pairs, plain or YaRN frequenci
 the rope parts of queries and shared key; without it (Kimi) they stay as they are.
 Softmax scale (nope_dim + rope_dim)^-0.5, times YaRN's mscale^2 where it applies.
 Attention is causal within each packed document, over every key, or over the keys
-DeepSeek-V3.2's indexer picks (dsa_indexer.py). K3 gates the attention output with
-sigmoid(g_proj x) before o_proj. Parameter names follow the checkpoints.
+DeepSeek-V3.2's indexer picks (dsa_indexer.py). On a sequence split over devices, full
+attention gathers the latent instead of K/V (latent_attention_split.py). K3 gates the
+attention output with sigmoid(g_proj x) before o_proj. Parameter names follow the
+checkpoints.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from hylora.core.config import LoRAConfig, MLAConfig, ModelConfig
 from hylora.model.context import ForwardContext
 from hylora.model.lora import Linear
 from hylora.model.mixers.dsa_indexer import DSAIndexer
+from hylora.model.mixers.latent_attention_split import split_sequence_latent_attention
 from hylora.model.norms import rms_norm
 from hylora.model.rope import YaRN, apply_rope_interleaved, rope_frequencies, yarn_mscale
+from meshes.per_shard import sequence_split
 from meshes.rules import constrain
 
 _HEADS = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
@@ -110,7 +114,7 @@ class LatentAttention(nnx.Module):
       self.rope = (tuple(float(f) for f in inv_freq), attention_factor)
 
   def __call__(self, x: jax.Array, ctx: ForwardContext):
-    c, key, pos = self.cfg, ctx.dropout_key, ctx.positions
+    c, key = self.cfg, ctx.dropout_key
     if self.q_proj is not None:
       q_latent, q = None, self.q_proj(x, key)
     else:
@@ -119,16 +123,46 @@ class LatentAttention(nnx.Module):
     q = save_points.tag(q, save_points.QKV)  # [B, T, H, nope + rope]
     latent = self.kv_a_proj_with_mqa(x, key)
     kv_latent, k_shared = latent[..., :c.kv_rank], latent[..., c.kv_rank:]
-    kv = self.kv_b_proj(rms_norm(kv_latent, self.kv_a_layernorm[...], _LATENT_NORM_EPS), key)
-    kv = save_points.tag(kv, save_points.QKV)  # [B, T, H, nope + v]
-    k_nope, v = kv[..., :c.nope_dim], kv[..., c.nope_dim:]
+    kv_latent = rms_norm(kv_latent, self.kv_a_layernorm[...], _LATENT_NORM_EPS)
+    if self.indexer is None and sequence_split(x) is not None:
+      o = self._attend_split_sequence(q, kv_latent, k_shared, ctx)
+    else:
+      o = self._attend(x, q, q_latent, kv_latent, k_shared, ctx)
+    o = save_points.tag(constrain(o, _HEADS), save_points.ATTENTION)  # [B, T, H, v]
+    if self.g_proj is not None:
+      gate = save_points.tag(jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)), save_points.GATES)
+      o = (o.astype(jnp.float32) * gate).astype(x.dtype)
+    return save_points.tag(self.o_proj(o, key), save_points.MIXER_OUT), {}
+
+  def _rotate(self, q, k_shared, positions):
+    """q [B, T, H, nope + rope] and the shared key [B, T, 1, rope] with RoPE on their rope
+    parts (as they are without it), from q and k_shared [B, T, rope]."""
+    c = self.cfg
     q_nope, q_rope = q[..., :c.nope_dim], q[..., c.nope_dim:]
     k_shared = k_shared[:, :, None, :]
     if self.rope is not None:
       inv_freq, attention_factor = self.rope
-      q_rope = apply_rope_interleaved(q_rope, pos, inv_freq, attention_factor)
-      k_shared = apply_rope_interleaved(k_shared, pos, inv_freq, attention_factor)
-    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+      q_rope = apply_rope_interleaved(q_rope, positions, inv_freq, attention_factor)
+      k_shared = apply_rope_interleaved(k_shared, positions, inv_freq, attention_factor)
+    return jnp.concatenate([q_nope, q_rope], axis=-1), k_shared
+
+  def _attend_split_sequence(self, q, kv_latent, k_shared, ctx: ForwardContext):
+    """Attention on a sequence split over devices: the latent is gathered, not K/V
+    (latent_attention_split.py)."""
+    c = self.cfg
+    q, k_shared = self._rotate(q, k_shared, ctx.positions)
+    return split_sequence_latent_attention(self.kv_b_proj, constrain(q, _HEADS), kv_latent,
+                                           k_shared[:, :, 0], ctx.segment_ids, ctx.dropout_key,
+                                           nope_dim=c.nope_dim, scale=softmax_scale(c),
+                                           block_k=c.block_k)
+
+  def _attend(self, x, q, q_latent, kv_latent, k_shared, ctx: ForwardContext):
+    """Attention with the sequence whole on each device: K/V expanded for every token."""
+    c = self.cfg
+    kv = self.kv_b_proj(kv_latent, ctx.dropout_key)
+    kv = save_points.tag(kv, save_points.QKV)  # [B, T, H, nope + v]
+    k_nope, v = kv[..., :c.nope_dim], kv[..., c.nope_dim:]
+    q, k_shared = self._rotate(q, k_shared, ctx.positions)
     k = jnp.concatenate(
         [k_nope, jnp.broadcast_to(k_shared, (*k_nope.shape[:3], c.rope_dim))], axis=-1)
     q, k, v = (constrain(t, _HEADS) for t in (q, k, v))
@@ -140,8 +174,4 @@ class LatentAttention(nnx.Module):
     else:
       attend = ops.resolve("attention.causal", ctx.execution.kernels)
       o = attend(q, k, v, segment_ids=ctx.segment_ids, scale=scale, block_q=c.block_q)
-    o = save_points.tag(constrain(o, _HEADS), save_points.ATTENTION)  # [B, T, H, v]
-    if self.g_proj is not None:
-      gate = save_points.tag(jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)), save_points.GATES)
-      o = (o.astype(jnp.float32) * gate).astype(x.dtype)
-    return save_points.tag(self.o_proj(o, key), save_points.MIXER_OUT), {}
+    return o

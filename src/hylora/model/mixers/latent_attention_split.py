@@ -1,0 +1,180 @@
+"""MLA's full attention on a sequence split across devices (context parallelism).
+
+Each device holds a range of the sequence. It all-gathers the compressed keys along the
+sequence, never K and V: the normed kv latent [B, T, kv_rank], the shared rope key
+[B, T, rope_dim] (already rotated) and the segment ids. It keeps its own queries
+[B, T_local, H, nope + rope] and attends, causally by global position (its first query
+sits at device index x T_local) and within each document (same segment id), to the
+gathered keys one block of `block_k` keys at a time: the block's latent goes through
+kv_b_proj (the module itself, so its LoRA adapter and a packed base weight work as
+everywhere else) to K_nope and V, scores against the local queries, and is dropped.
+No array spans all keys times heads: not K/V, not the [T_local, T] scores.
+
+Two passes over the key blocks, each a `lax.scan`:
+
+  1. lse = logsumexp_s(scores): an online max and sum per (query, head), without
+     gradient (its inputs stopped).
+  2. num = sum_blocks exp(s - lse) V,  z = sum_blocks exp(s - lse);  o = num / z.
+     z is 1 up to rounding; dividing by it gives o exactly the gradient the
+     dependence on lse would have given (dS = P * (dO . V - dO . o)), so pass 1
+     needs none. Each block's term depends only on the loop-invariant q and lse and
+     that block's gathered keys, and is checkpointed: autodiff of the sum keeps
+     no per-block state beyond the gathered keys the scan already holds.
+
+Blocks wholly in the future of every local query are skipped (`lax.cond`), in the
+backward too, so a device's work grows with its position in the sequence (the last
+device does the whole causal triangle's widest row).
+
+With LoRA dropout, each key block draws its adapter-input mask from the dropout key
+folded with the block's start, the same in both passes and on every device; the masks
+differ from the unsplit layer's (which draws one mask for the whole sequence).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from meshes.per_shard import sequence_axes, sequence_split
+
+_NEG_INF = float("-inf")
+
+# Key block at K3's shapes (1M tokens on 128 devices: 8192 local queries, 96 heads):
+# the scores of one block are [B, H, T_local, block_k] fp32 = 96 x 8192 x 256 x 4 B =
+# 0.8 GB; the backward holds about four such arrays at once (scores, probabilities,
+# their cotangents: ~3.2 GB), the forward two. Besides them, per device: the gathered
+# latent and rope key, 1M x (512 + 64) bf16 = 1.2 GB, the same again for the scan's
+# copy of its blocks (kept for the backward) and for their cotangent; the pass-2 sums
+# [B, T_local, H, v] fp32 = 0.4 GB; one block's K/V, 256 x 96 x 256 bf16 = 13 MB.
+# About 8 GB in all, against ~60 GB for the gathered K/V of the unsplit path. A block
+# of 512 doubles the score arrays (6.4 GB backward) for half the loop steps, each of
+# which already does ~130 GFLOP of score and value matmuls at 256.
+DEFAULT_BLOCK_K = 256
+
+
+def _pad_keys(x: jax.Array, multiple: int, value) -> jax.Array:
+  pad = -x.shape[1] % multiple
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value) if pad else x
+
+
+def _varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+  """x typed as varying over the mesh axes that ref varies over (scan carries and cond
+  branches must agree on that with what the body computes from ref)."""
+  missing = tuple(sorted(jax.typeof(ref).mat.varying - jax.typeof(x).mat.varying))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _block_attention(up_project, weights, dropout_key, q, latent, k_rope, seg_q, seg_k, q_offset, *,
+                     nope_dim: int, scale: float, block_k: int) -> jax.Array:
+  """Causal attention of local queries q [B, Tq, H, nope + rope] (global positions
+  q_offset + 0..Tq-1) over all keys, given as latent [B, T, R], k_rope [B, T, rope] and
+  segment ids seg_k [B, T] (seg_q [B, Tq] for the queries); up_project(weights, latent,
+  dropout_key) -> [.., H, nope + v]. Returns [B, Tq, H, v] in q's dtype."""
+  b, tq, h, _ = q.shape
+  n_blocks = -(-latent.shape[1] // block_k)
+
+  def blocks(x, value=0):
+    x = _pad_keys(x, block_k, value)  # padded keys sit after every query: masked
+    return x.reshape(b, n_blocks, block_k, *x.shape[2:]).swapaxes(0, 1)
+
+  starts = jnp.arange(n_blocks, dtype=jnp.int32) * block_k
+  keys = (blocks(latent), blocks(k_rope), blocks(seg_k, -1), starts)
+  q_pos = q_offset + jnp.arange(tq, dtype=jnp.int32)
+  last_q = q_offset + tq - 1
+
+  def scores(q, weights, block):
+    """Masked scores [B, H, Tq, block_k] fp32 and values [B, block_k, H, v]."""
+    lat, rope, seg, start = block
+    key = None if dropout_key is None else jax.random.fold_in(dropout_key, start)
+    kv = up_project(weights, lat, key)  # [B, block_k, H, nope + v]
+    k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q[..., :nope_dim], k_nope, preferred_element_type=jnp.float32)
+    s = s + jnp.einsum("bqhd,bkd->bhqk", q[..., nope_dim:], rope,
+                       preferred_element_type=jnp.float32)
+    k_pos = start + jnp.arange(block_k, dtype=jnp.int32)
+    ok = (k_pos[None, None, :] <= q_pos[None, :, None]) & (seg[:, None, :] == seg_q[:, :, None])
+    return jnp.where(ok[:, None], s * scale, _NEG_INF), v
+
+  # Pass 1: logsumexp per (query, head), no gradient.
+  q_fixed, weights_fixed, keys_fixed = jax.lax.stop_gradient((q, weights, keys))
+
+  def max_and_sum(carry, block):
+    m, l = carry
+    s, _ = scores(q_fixed, weights_fixed, block)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    shift = jnp.where(m_new == _NEG_INF, 0.0, m_new)  # no key yet: every term is 0
+    return m_new, l * jnp.exp(m - shift) + jnp.sum(jnp.exp(s - shift[..., None]), axis=-1)
+
+  def lse_step(carry, block):
+    needed = block[3] <= last_q
+    return jax.lax.cond(needed, max_and_sum, lambda c, _: c, carry, block), None
+
+  m0 = _varying_like(jnp.full((b, h, tq), _NEG_INF, jnp.float32), q)
+  (m, l), _ = jax.lax.scan(lse_step, (m0, jnp.zeros_like(m0)), keys_fixed)
+  lse = m + jnp.log(l)  # every query sees at least itself: finite
+
+  # Pass 2: the normalised sums, a term per block.
+  def terms(q, lse, weights, block):
+    s, v = scores(q, weights, block)
+    p = jnp.exp(s - lse[..., None])  # masked keys: exp(-inf) = 0
+    num = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return num, jnp.sum(p, axis=-1)
+
+  term_shapes = jax.eval_shape(terms, q, lse, weights, jax.tree.map(lambda x: x[0], keys))
+
+  def nothing(q, lse, weights, block):
+    return tuple(_varying_like(jnp.zeros(x.shape, x.dtype), q) for x in term_shapes)
+
+  # The skip inside the checkpoint: what the backward keeps of a step is then the
+  # checkpoint's inputs, the loop-invariant q, lse and weights (kept once) and the block.
+  @jax.checkpoint
+  def block_terms(q, lse, weights, block):
+    return jax.lax.cond(block[3] <= last_q, terms, nothing, q, lse, weights, block)
+
+  def sum_step(carry, block):
+    num, z = block_terms(q, lse, weights, block)
+    return (carry[0] + num, carry[1] + z), None
+
+  (num, z), _ = jax.lax.scan(sum_step, nothing(q, lse, weights, None), keys)
+  return (num / jnp.swapaxes(z, 1, 2)[..., None]).astype(q.dtype)
+
+
+def split_sequence_latent_attention(kv_b_proj: nnx.Module, q: jax.Array, latent: jax.Array,
+                                    k_rope: jax.Array, segment_ids: jax.Array | None,
+                                    dropout_key: jax.Array | None, *, nope_dim: int, scale: float,
+                                    block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
+  """o [B, T, H, v] of MLA's causal attention within documents, for q [B, T, H, nope +
+  rope] (rope part rotated), the normed kv latent [B, T, kv_rank] and the rotated shared
+  rope key [B, T, rope], on a sequence the activation rules split over devices (see
+  module doc). `kv_b_proj(latent, dropout_key)` expands a latent to [.., H, nope + v]."""
+  split = sequence_split(q)
+  if split is None:
+    raise ValueError("split_sequence_latent_attention: the activation rules do not split "
+                     f"the sequence of q {q.shape}")
+  if block_k < 1:
+    raise ValueError(f"split_sequence_latent_attention: block_k must be >= 1, got {block_k}")
+  mesh, rows, seq = split
+  seq_axes = sequence_axes(seq)
+  if segment_ids is None:
+    segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
+  graph, weights = nnx.split(kv_b_proj)
+  up_project = lambda weights, latent, key: nnx.merge(graph, weights)(latent, key)
+
+  def body(weights, dropout_key, q, latent, k_rope, seg_q):
+    # Typed varying here, once: their gradients' sum over devices then happens here too,
+    # not inside the skipped-or-not blocks (where only some devices would join it).
+    weights = jax.tree.map(lambda w: _varying_like(w, q), weights)
+    gather = lambda x: jax.lax.all_gather(x, seq_axes, axis=1, tiled=True)
+    q_offset = jax.lax.axis_index(seq_axes) * q.shape[1]
+    return _block_attention(up_project, weights, dropout_key, q, gather(latent), gather(k_rope),
+                            seg_q, gather(seg_q), q_offset, nope_dim=nope_dim, scale=scale,
+                            block_k=block_k)
+
+  tokens = P(rows, seq)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), tokens, tokens, tokens, tokens),
+                       out_specs=tokens)(weights, dropout_key, q, latent, k_rope,
+                                         segment_ids.astype(jnp.int32))

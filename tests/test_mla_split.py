@@ -1,0 +1,141 @@
+"""MLA's full attention on a sequence split across devices (latent_attention_split.py)
+equals the layer on one device, output and gradients, and gathers only the latent."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hylora.core.config import LoRAConfig, MeshConfig, MLAConfig, ModelConfig
+from hylora.model.context import ForwardContext
+from hylora.model.init import ParamInit
+from hylora.model.lora import LoRAParam
+from hylora.model.mixers.mla import LatentAttention
+from meshes.mesh import build_mesh
+from meshes.per_shard import sequence_split
+from meshes.rules import activation_mesh
+
+D, T = 48, 128
+# nope-only (Kimi) and with YaRN RoPE on a query latent (DeepSeek), both gated (K3);
+# key blocks of 8 on 16 queries per device: skipped, partial and diagonal blocks
+KIMI = MLAConfig(heads=4, q_rank=0, kv_rank=16, nope_dim=16, rope_dim=8, v_dim=12, rope=False,
+                 output_gate=True, block_k=8)
+DEEPSEEK = MLAConfig(heads=4, q_rank=24, kv_rank=16, nope_dim=16, rope_dim=16, v_dim=12, rope=True,
+                     rope_theta=10000.0, yarn_factor=40.0, yarn_original_max_positions=4096,
+                     yarn_mscale=1.0, yarn_mscale_all_dim=1.0, output_gate=True, block_k=8)
+LORA = LoRAConfig(
+    rank=2, targets=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
+
+
+def _layer(c: MLAConfig, seed=0):
+  """The layer in fp32 with random weights, norm scales and adapters (B too, so that
+  every adapter changes the output)."""
+  m = ModelConfig(d_model=D, mla=c, weight_dtype="float32")
+  mod = LatentAttention(m, LORA, init=ParamInit(seed))
+  rng = np.random.default_rng(seed)
+  for path, var in nnx.to_flat_state(nnx.state(mod, nnx.Any(nnx.Param, LoRAParam))):
+    name = "/".join(map(str, path))
+    if "norm" in name or name.endswith("lora_b"):
+      centre = 1.0 if "norm" in name else 0.0
+      var.set_value(
+          jnp.asarray(centre + 0.3 * rng.standard_normal(var.get_value().shape), jnp.float32))
+  return mod
+
+
+def _batch(seed=1):
+  """One sequence of T tokens: documents crossing the 16-token device ranges (one ends
+  exactly at a range's end), positions restarting per document."""
+  ends = (5, 48, 77, 128)
+  seg = np.zeros(T, np.int32)
+  pos = np.zeros(T, np.int32)
+  start = 0
+  for i, end in enumerate(ends):
+    seg[start:end], pos[start:end] = i, np.arange(end - start) * 37
+    start = end
+  x = np.random.default_rng(seed).standard_normal((1, T, D)).astype(np.float32)
+  probe = np.random.default_rng(seed + 1).standard_normal((1, T, D)).astype(np.float32)
+  return jnp.asarray(x), jnp.asarray(seg[None]), jnp.asarray(pos[None]), jnp.asarray(probe)
+
+
+def _gradients(mod, mesh):
+  """(output, gradients of every adapter, gradient of x), under `mesh` (None: one
+  device, no mesh), and the function's jaxpr."""
+  graph, adapters, rest = nnx.split(mod, LoRAParam, ...)
+  x, seg, pos, probe = _batch()
+
+  def run(adapters, x):
+    with activation_mesh(mesh):
+
+      def loss(adapters, x):
+        out = nnx.merge(graph, adapters, rest)(x, ForwardContext(seg, pos))[0]
+        return jnp.sum(out * probe), out
+
+      return jax.grad(loss, (0, 1), has_aux=True)(adapters, x)
+
+  (g_adapters, g_x), out = jax.jit(run)(adapters, x)
+  flat = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(g_adapters)}
+  return np.asarray(out), flat, np.asarray(g_x), jax.make_jaxpr(run)(adapters, x)
+
+
+def _sub_jaxprs(params):
+  for value in params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      inner = getattr(item, "jaxpr", item)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def _equations(jaxpr, inside=False):
+  """(equation, whether it is inside a shard_map) for every equation, nested ones too."""
+  for eqn in jaxpr.eqns:
+    yield eqn, inside
+    for sub in _sub_jaxprs(eqn.params):
+      yield from _equations(sub, inside or eqn.primitive.name == "shard_map")
+
+
+def _assert_close(got, want, name):
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err < 1e-5, f"{name}: relative error {err}"
+
+
+MESHES = {
+    "one_axis": lambda: jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("fsdp",)),
+    "both_axes": lambda: build_mesh(MeshConfig(fsdp=2, expert=4)),
+}
+
+
+@pytest.mark.parametrize("c", [KIMI, DEEPSEEK], ids=["kimi_nope", "deepseek_rope"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_split_sequence_equals_one_device_and_gathers_only_the_latent(c, mesh_name):
+  mesh = MESHES[mesh_name]()
+  mod = _layer(c)
+  x = _batch()[0]
+  with activation_mesh(mesh):
+    split = sequence_split(x)
+  assert split is not None and split[1] is None  # one sequence: over every device
+  want_out, want_grads, want_gx, _ = _gradients(mod, None)
+  out, grads, g_x, jaxpr = _gradients(mod, mesh)
+
+  _assert_close(out, want_out, "output")
+  _assert_close(g_x, want_gx, "x")
+  assert set(grads) == set(want_grads)
+  assert {n.split("/")[0] for n in grads} >= {"kv_b_proj", "o_proj", "kv_a_proj_with_mqa"}
+  for name in want_grads:
+    assert np.abs(want_grads[name]).max() > 0, name
+    _assert_close(grads[name], want_grads[name], name)
+
+  # Only the latent, the rope key and the segment ids cross devices, forward and back.
+  eqns = list(_equations(jaxpr.jaxpr))
+  gathered = {
+      tuple(v.aval.shape) for e, _ in eqns if e.primitive.name in ("all_gather", "reduce_scatter")
+      for v in (e.outvars if e.primitive.name == "all_gather" else e.invars)
+  }
+  assert gathered == {(1, T, c.kv_rank), (1, T, c.rope_dim), (1, T)}, gathered
+  # Nothing inside spans every key times heads (K/V: T x H x 28, scores: 16 x T x H), nor
+  # a stack of per-block query-sized state.
+  largest = max((v.aval.size, str(v.aval)) for e, inside in eqns if inside for v in e.outvars
+                if hasattr(v.aval, "size"))
+  assert largest[0] <= T * max(c.kv_rank, c.rope_dim), largest
