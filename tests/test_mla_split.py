@@ -1,7 +1,7 @@
 """MLA's full attention on a sequence split across devices (latent_attention_split.py)
 equals the layer on one device, output and gradients, and gathers only the latent."""
 
-import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from hylora.model.context import ForwardContext
 from hylora.model.init import ParamInit
 from hylora.model.lora import LoRAParam
 from hylora.model.mixers.mla import LatentAttention
+from hylora.quant import PackedWeight
 from meshes.mesh import build_mesh
 from meshes.per_shard import sequence_split
 from meshes.rules import activation_mesh
@@ -107,16 +108,26 @@ MESHES = {
 }
 
 
-@pytest.mark.parametrize("c", [KIMI, DEEPSEEK], ids=["kimi_nope", "deepseek_rope"])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_split_sequence_equals_one_device_and_gathers_only_the_latent(c, mesh_name):
-  mesh = MESHES[mesh_name]()
+def _packed_kv_b_proj(mod):
+  """mod with kv_b_proj's base weight packed (block FP8), as a quantized checkpoint ships it."""
+  kernel = mod.kv_b_proj.kernel
+  kernel.set_value(PackedWeight.from_kernel(kernel.get_value(), "fp8_block", 1, 0))
+  return mod
+
+
+@functools.cache
+def _one_device(c: MLAConfig, packed: bool):
   mod = _layer(c)
-  x = _batch()[0]
+  return _gradients(_packed_kv_b_proj(mod) if packed else mod, None)[:3]
+
+
+def _check_split_equals_one_device(c: MLAConfig, mesh_name: str, packed: bool = False):
+  mesh = MESHES[mesh_name]()
+  mod = _packed_kv_b_proj(_layer(c)) if packed else _layer(c)
   with activation_mesh(mesh):
-    split = sequence_split(x)
+    split = sequence_split(_batch()[0])
   assert split is not None and split[1] is None  # one sequence: over every device
-  want_out, want_grads, want_gx, _ = _gradients(mod, None)
+  want_out, want_grads, want_gx = _one_device(c, packed)
   out, grads, g_x, jaxpr = _gradients(mod, mesh)
 
   _assert_close(out, want_out, "output")
@@ -126,6 +137,13 @@ def test_split_sequence_equals_one_device_and_gathers_only_the_latent(c, mesh_na
   for name in want_grads:
     assert np.abs(want_grads[name]).max() > 0, name
     _assert_close(grads[name], want_grads[name], name)
+  return jaxpr
+
+
+@pytest.mark.parametrize("c", [KIMI, DEEPSEEK], ids=["kimi_nope", "deepseek_rope"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_split_sequence_equals_one_device_and_gathers_only_the_latent(c, mesh_name):
+  jaxpr = _check_split_equals_one_device(c, mesh_name)
 
   # Only the latent, the rope key and the segment ids cross devices, forward and back.
   eqns = list(_equations(jaxpr.jaxpr))
@@ -139,3 +157,7 @@ def test_split_sequence_equals_one_device_and_gathers_only_the_latent(c, mesh_na
   largest = max((v.aval.size, str(v.aval)) for e, inside in eqns if inside for v in e.outvars
                 if hasattr(v.aval, "size"))
   assert largest[0] <= T * max(c.kv_rank, c.rope_dim), largest
+
+
+def test_packed_kv_b_proj_on_a_split_sequence_equals_one_device():
+  _check_split_equals_one_device(KIMI, "both_axes", packed=True)
