@@ -67,7 +67,8 @@ class MLAConfig:
   index_heads: int = 4
   index_head_dim: int = 16
   block_q: int = 64  # query block of the plain-JAX attention: no [T, T] array exists
-  # key block of the attention on a sequence split over devices (latent_attention_split.py)
+  # key block of the attention on a sequence split over devices; why this size:
+  # hylora/model/mixers/latent_attention_split.py
   block_k: int = 256
 
 

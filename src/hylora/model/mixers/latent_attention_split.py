@@ -22,8 +22,8 @@ Two passes over the key blocks, each a `lax.scan`:
      no per-block state beyond the gathered keys the scan already holds.
 
 Blocks wholly in the future of every local query are skipped (`lax.cond`), in the
-backward too, so a device's work grows with its position in the sequence (the last
-device does the whole causal triangle's widest row).
+backward too, so the work is causal; a device's share grows with its position in the
+sequence (the first device's queries see one range of keys, the last's every range).
 
 With LoRA dropout, each key block draws its adapter-input mask from the dropout key
 folded with the block's start, the same in both passes and on every device; the masks
@@ -41,17 +41,16 @@ from meshes.per_shard import sequence_axes, sequence_split
 
 _NEG_INF = float("-inf")
 
-# Key block at K3's shapes (1M tokens on 128 devices: 8192 local queries, 96 heads):
-# the scores of one block are [B, H, T_local, block_k] fp32 = 96 x 8192 x 256 x 4 B =
-# 0.8 GB; the backward holds about four such arrays at once (scores, probabilities,
-# their cotangents: ~3.2 GB), the forward two. Besides them, per device: the gathered
-# latent and rope key, 1M x (512 + 64) bf16 = 1.2 GB, the same again for the scan's
-# copy of its blocks (kept for the backward) and for their cotangent; the pass-2 sums
-# [B, T_local, H, v] fp32 = 0.4 GB; one block's K/V, 256 x 96 x 256 bf16 = 13 MB.
-# About 8 GB in all, against ~60 GB for the gathered K/V of the unsplit path. A block
-# of 512 doubles the score arrays (6.4 GB backward) for half the loop steps, each of
-# which already does ~130 GFLOP of score and value matmuls at 256.
-DEFAULT_BLOCK_K = 256
+# The key block (MLAConfig.block_k, 256) at K3's shapes, 1M tokens on 128 devices: 8192
+# local queries, 96 heads. One block's scores are [B, H, T_local, block_k] fp32 = 96 x 8192
+# x 256 x 4 B = 0.8 GB; the backward holds about four such arrays at once (scores,
+# probabilities, their cotangents: ~3.2 GB), the forward two. Besides them, per device:
+# the gathered latent and rope key, 1M x (512 + 64) bf16 = 1.2 GB, the same again for the
+# scan's copy of its blocks (kept for the backward) and for their cotangent; the pass-2
+# sums [B, T_local, H, v] fp32 = 0.4 GB; one block's K/V, 256 x 96 x 256 bf16 = 13 MB.
+# About 7-8 GB in all, against ~60 GB for the whole sequence's K/V that gathering K/V
+# would hold. A block of 512 doubles the score arrays (6.4 GB in the backward) for half
+# the loop steps, each of which already does ~130 GFLOP of matmuls at 256.
 
 
 def _pad_keys(x: jax.Array, multiple: int, value) -> jax.Array:
@@ -146,7 +145,7 @@ def _block_attention(up_project, weights, dropout_key, q, latent, k_rope, seg_q,
 def split_sequence_latent_attention(kv_b_proj: nnx.Module, q: jax.Array, latent: jax.Array,
                                     k_rope: jax.Array, segment_ids: jax.Array | None,
                                     dropout_key: jax.Array | None, *, nope_dim: int, scale: float,
-                                    block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
+                                    block_k: int) -> jax.Array:
   """o [B, T, H, v] of MLA's causal attention within documents, for q [B, T, H, nope +
   rope] (rope part rotated), the normed kv latent [B, T, kv_rank] and the rotated shared
   rope key [B, T, rope], on a sequence the activation rules split over devices (see
