@@ -90,7 +90,7 @@ def indexer_key_blocks(devices: int, local_queries: int, block_k: int, balanced:
   return [sum(blocks(j * half, half) for j in pair) for pair in balanced_half_blocks(devices)]
 
 
-def _scored_in_balanced_order(call, queries: dict, seq_axes, devices: int):
+def in_balanced_order(call, queries: dict, seq_axes, devices: int):
   """call(queries of a range, its first position) -> per-query result [B, n, ...], run
   on half-blocks d and 2P - 1 - d of device d and returned in the device's own order."""
   half = next(iter(queries.values())).shape[1] // 2
@@ -153,7 +153,7 @@ def gathered_keys(fn, key_args: tuple[int, ...], key_kwargs: tuple[str, ...] = (
       if zig_zag:
         keys = {n: local[n] for n in gathered}
         queries = {n: x for n, x in local.items() if n not in gathered}
-        return _scored_in_balanced_order(lambda q, offset: call({
+        return in_balanced_order(lambda q, offset: call({
             **q,
             **keys
         }, offset), queries, seq_axes, devices)

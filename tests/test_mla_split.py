@@ -157,6 +157,10 @@ def test_split_sequence_equals_one_device_and_gathers_only_the_latent(c, mesh_na
   largest = max((v.aval.size, str(v.aval)) for e, inside in eqns if inside for v in e.outvars
                 if hasattr(v.aval, "size"))
   assert largest[0] <= T * max(c.kv_rank, c.rope_dim), largest
+  # Causal work balanced: half the queries (and their segment ids) to the device of the
+  # mirrored half-block and the outputs back, both halves, forward and back.
+  moved = [e for e, _ in eqns if e.primitive.name == "ppermute"]
+  assert len(moved) >= 4 and all(v.aval.shape[1] == T // 16 for e in moved for v in e.invars)
 
 
 def test_packed_kv_b_proj_on_a_split_sequence_equals_one_device():

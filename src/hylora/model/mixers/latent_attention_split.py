@@ -21,9 +21,12 @@ Two passes over the key blocks, each a `lax.scan`:
      that block's gathered keys, and is checkpointed: autodiff of the sum keeps
      no per-block state beyond the gathered keys the scan already holds.
 
-Blocks wholly in the future of every local query are skipped (`lax.cond`), in the
-backward too, so the work is causal; a device's share grows with its position in the
-sequence (the first device's queries see one range of keys, the last's every range).
+Blocks wholly in the future of every query a device scores are skipped (`lax.cond`), in
+the backward too, so the work is causal. Causal work grows with a query's position (the
+first device's queries see one range of keys, the last's every range), so each device
+attends for the queries of half-blocks d and 2P - 1 - d of the sequence's 2P instead of
+its own range (meshes.gathered_keys.in_balanced_order: two `ppermute`s of half the
+queries there, two of their outputs back), and every device does the same work.
 
 With LoRA dropout, each key block draws its adapter-input mask from the dropout key
 folded with the block's start, the same in both passes and on every device; the masks
@@ -32,11 +35,14 @@ differ from the unsplit layer's (which draws one mask for the whole sequence).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshes.gathered_keys import in_balanced_order
 from meshes.per_shard import sequence_axes, sequence_split
 
 _NEG_INF = float("-inf")
@@ -158,6 +164,7 @@ def split_sequence_latent_attention(kv_b_proj: nnx.Module, q: jax.Array, latent:
     raise ValueError(f"split_sequence_latent_attention: block_k must be >= 1, got {block_k}")
   mesh, rows, seq = split
   seq_axes = sequence_axes(seq)
+  devices = math.prod(mesh.shape[a] for a in seq_axes)
   if segment_ids is None:
     segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
   graph, weights = nnx.split(kv_b_proj)
@@ -168,10 +175,16 @@ def split_sequence_latent_attention(kv_b_proj: nnx.Module, q: jax.Array, latent:
     # not inside the skipped-or-not blocks (where only some devices would join it).
     weights = jax.tree.map(lambda w: _varying_like(w, q), weights)
     gather = lambda x: jax.lax.all_gather(x, seq_axes, axis=1, tiled=True)
-    q_offset = jax.lax.axis_index(seq_axes) * q.shape[1]
-    return _block_attention(up_project, weights, dropout_key, q, gather(latent), gather(k_rope),
-                            seg_q, gather(seg_q), q_offset, nope_dim=nope_dim, scale=scale,
-                            block_k=block_k)
+    keys = gather(latent), gather(k_rope), gather(seg_q)
+
+    def attend(queries, q_offset):
+      return _block_attention(up_project, weights, dropout_key, queries["q"], keys[0], keys[1],
+                              queries["seg_q"], keys[2], q_offset, nope_dim=nope_dim, scale=scale,
+                              block_k=block_k)
+
+    if q.shape[1] % 2 or devices == 1:
+      return attend(dict(q=q, seg_q=seg_q), jax.lax.axis_index(seq_axes) * q.shape[1])
+    return in_balanced_order(attend, dict(q=q, seg_q=seg_q), seq_axes, devices)
 
   tokens = P(rows, seq)
   return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), tokens, tokens, tokens, tokens),
