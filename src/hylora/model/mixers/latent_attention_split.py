@@ -73,8 +73,9 @@ def _varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _block_attention(up_project, weights, dropout_key, q, latent, k_rope, seg_q, seg_k, q_offset, *,
-                     nope_dim: int, scale: float, block_k: int) -> jax.Array:
+def attention_over_gathered_keys(up_project, weights, dropout_key, q, latent, k_rope, seg_q, seg_k,
+                                 q_offset, *, nope_dim: int, scale: float,
+                                 block_k: int) -> jax.Array:
   """Causal attention of local queries q [B, Tq, H, nope + rope] (global positions
   q_offset + 0..Tq-1) over all keys, given as latent [B, T, R], k_rope [B, T, rope] and
   segment ids seg_k [B, T] (seg_q [B, Tq] for the queries); up_project(weights, latent,
@@ -178,9 +179,9 @@ def split_sequence_latent_attention(kv_b_proj: nnx.Module, q: jax.Array, latent:
     keys = gather(latent), gather(k_rope), gather(seg_q)
 
     def attend(queries, q_offset):
-      return _block_attention(up_project, weights, dropout_key, queries["q"], keys[0], keys[1],
-                              queries["seg_q"], keys[2], q_offset, nope_dim=nope_dim, scale=scale,
-                              block_k=block_k)
+      return attention_over_gathered_keys(up_project, weights, dropout_key, queries["q"], keys[0],
+                                          keys[1], queries["seg_q"], keys[2], q_offset,
+                                          nope_dim=nope_dim, scale=scale, block_k=block_k)
 
     if q.shape[1] % 2 or devices == 1:
       return attend(dict(q=q, seg_q=seg_q), jax.lax.axis_index(seq_axes) * q.shape[1])
