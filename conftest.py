@@ -72,6 +72,7 @@ LONG_FILES_FIRST = (
     "tests/test_notebook.py",
     "tests/test_bench_multi_gpu.py",
     "tests/test_train.py",
+    "tests/test_context_parallel.py",
     "tests/test_split_recurrence.py",
     "tests/test_gathered_keys.py",
     "pallas_kernels/linear_attention/tests/test_kda_kernel.py",

@@ -5,8 +5,8 @@ indexer's keys with the segment ids), along the sequence, over whichever mesh ax
 it (one axis, or a tuple of them: the linear device index along the tuple is the range's
 index, as `shard_map` and `all_gather` both order it). The indexer is told where its
 queries start (`query_offset`); the attention kernel takes indices into the gathered
-keys. The gradients of the gathered keys are summed back onto their owners by the
-all-gather's transpose (a reduce-scatter). The gathered K and V carry no remat name, so
+keys. The gradients of the gathered keys are summed back onto their owners by a
+reduce-scatter in fp32 (`gather_sequence`). The gathered K and V carry no remat name, so
 under the model's memory policies (which save by name) the backward gathers them again
 instead of keeping them: what is kept are each device's own rows.
 
@@ -20,8 +20,8 @@ deduplicated, the union of a late device's selections spans nearly every earlier
 1M rows anyway), and it costs two all-to-all rounds (the indices out, the rows back)
 after the indexer instead of a gather that overlaps it. Fetching by index wins only
 once the sequence exceeds T_local x top_k keys. The backward is the same trade: the
-kernel's fp32 dk/dv tables cover the gathered keys (4 GiB each at 1M), cast to bf16 and
-reduce-scattered; by index they would be one row per selection.
+kernel's dk/dv tables cover the gathered keys (4 GiB each at 1M), reduce-scattered in
+fp32; by index they would be one row per selection.
 
 Nothing here is [T, T] or [T_local, T_global] per head: the Pallas indexer scores a
 chunk of queries at a time ([chunk, T_global] fp32, at most 1 GiB), its reference
@@ -104,6 +104,33 @@ def in_balanced_order(call, queries: dict, seq_axes, devices: int):
   return jnp.concatenate(results, axis=1)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_floats(x, axes):
+  return jax.lax.all_gather(x, axes, axis=1, tiled=True)
+
+
+def _gather_floats_fwd(x, axes):
+  return _gather_floats(x, axes), None
+
+
+def _gather_floats_bwd(axes, _, ct):
+  # every device's gradient for every key, summed in fp32 and rounded once: a bf16
+  # reduce-scatter over 128 devices rounds at every step of its ring
+  summed = jax.lax.psum_scatter(ct.astype(jnp.float32), axes, scatter_dimension=1, tiled=True)
+  return (summed.astype(ct.dtype),)
+
+
+_gather_floats.defvjp(_gather_floats_fwd, _gather_floats_bwd)
+
+
+def gather_sequence(x, axes):
+  """x [B, T_local, ...] of every device along the sequence axes, [B, T, ...]; a float's
+  gradient summed back onto its owner in fp32."""
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return _gather_floats(x, axes)
+  return jax.lax.all_gather(x, axes, axis=1, tiled=True)
+
+
 def gathered_keys(fn, key_args: tuple[int, ...], key_kwargs: tuple[str, ...] = (),
                   offset_kwarg: str | None = None, balanced: bool = False):
   """fn(*arrays [B, T, ...], **kwargs) -> [B, T, ...] run per device on its rows and its
@@ -149,7 +176,7 @@ def gathered_keys(fn, key_args: tuple[int, ...], key_kwargs: tuple[str, ...] = (
     def body(*local):
       local = dict(zip(names, local))
       for name in gathered:
-        local[name] = jax.lax.all_gather(local[name], seq_axes, axis=1, tiled=True)
+        local[name] = gather_sequence(local[name], seq_axes)
       if zig_zag:
         keys = {n: local[n] for n in gathered}
         queries = {n: x for n, x in local.items() if n not in gathered}

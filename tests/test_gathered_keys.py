@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from hylora.core.config import MeshConfig
 from hylora.ops import catalog
@@ -185,3 +186,38 @@ def test_one_devices_share_of_a_million_tokens_builds_no_query_by_key_buffer(ref
     assert size <= CHUNK_SCORE_BYTES or shape[-1] == 128, shape
   scores = [size for shape, size in arrays if shape[-1] >= total]
   assert max(scores) >= 1 << 28  # the indexer's scores of a block of queries
+
+
+def _equations(jaxpr):
+  """Every equation of jaxpr and of its sub-jaxprs."""
+  for e in jaxpr.eqns:
+    yield e
+    for param in e.params.values():
+      for sub in (param if isinstance(param, (list, tuple)) else [param]):
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None:
+          yield from _equations(getattr(inner, "jaxpr", inner))
+
+
+def test_gathered_bf16_keys_get_their_gradients_summed_in_fp32():
+  """A gathered bf16 key's gradient is every device's share summed in fp32 and rounded
+  once: a bf16 reduce-scatter would round at every step of its ring (over 128 devices)."""
+  from meshes.gathered_keys import gather_sequence
+  mesh = MESHES["2 x 4"]()
+  axes = ("fsdp", "expert")
+  x = jnp.ones((1, 64, 4), jnp.bfloat16)
+  weight = jax.random.normal(jax.random.key(0), (1, 64, 4), jnp.bfloat16)
+
+  def total(x):
+    gathered = jax.shard_map(lambda x: gather_sequence(x, axes) * weight, mesh=mesh,
+                             in_specs=P(None, axes), out_specs=P(None, axes), check_vma=False)
+    return jnp.sum(gathered(x).astype(jnp.float32))
+
+  scatters = [
+      e for e in _equations(jax.make_jaxpr(jax.grad(total))(x).jaxpr)
+      if e.primitive.name == "reduce_scatter"
+  ]
+  assert scatters and all(v.aval.dtype == jnp.float32 for e in scatters for v in e.invars)
+  # each of the 8 devices adds weight to every key's gradient
+  np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(total))(x), np.float32),
+                             8 * np.asarray(weight, np.float32), rtol=1e-2)
