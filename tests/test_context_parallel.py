@@ -139,3 +139,32 @@ def test_a_sequence_split_over_every_device_trains_as_on_one(case, mesh_shape, d
     assert scale > 0, f"{path}: no gradient reaches this adapter"
     np.testing.assert_allclose(got[path] / scale, want[path] / scale, atol=1e-5, rtol=0,
                                err_msg=path)
+
+
+def test_image_tokens_land_at_their_positions_on_a_split_sequence():
+  """The vision tower's tokens replace the embeddings at their global positions, each
+  device writing those in its own range: no device gathers the sequence."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from hylora.model.vision.placement import place_image_tokens
+  from meshes import logical_axes as ax
+  from meshes.rules import constrain
+
+  mesh = build_mesh(MeshConfig(fsdp=2, expert=4))
+  keys = jax.random.split(jax.random.key(2), 2)
+  x = jax.random.normal(keys[0], (1, T, 16), jnp.float32)
+  tokens = jax.random.normal(keys[1], (1, 2, 24, 16), jnp.float32)
+  # two tiles: one inside a device's range, one across the boundary at 192; unused slots -1
+  positions = np.concatenate([np.arange(10, 34), np.arange(180, 204)]).reshape(1, 2, 24)
+  positions[0, 1, -4:] = -1
+  positions = jnp.asarray(positions, jnp.int32)
+
+  def place(x, tokens, positions):
+    with activation_mesh(mesh):
+      return constrain(place_image_tokens(x, tokens, positions), (ax.BATCH, ax.SEQ, ax.EMBED))
+
+  split_x = jax.device_put(x, NamedSharding(mesh, P(None, ("fsdp", "expert"))))
+  compiled = jax.jit(place).lower(split_x, tokens, positions).compile()
+  assert "all-gather" not in compiled.as_text()
+  np.testing.assert_array_equal(compiled(split_x, tokens, positions),
+                                place_image_tokens(x, tokens, positions))
