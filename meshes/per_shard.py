@@ -22,6 +22,7 @@ device's tokens, whether the rules split the batch, the sequence or both.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -141,3 +142,24 @@ def split_over_tokens(fn):
                          check_vma=False)(*arrays)
 
   return per_shard
+
+
+def tokens_in_device_order(x):
+  """x [B, T, ...] as [B * T, ...] with every device's tokens contiguous, for a sum over
+  tokens (a permutation of the row-major flattening). A plain reshape is contiguous per
+  device unless the rules split the batch over some axes with several rows a device and
+  the sequence over others (4 rows of 262144 on 2 x 64: 2 rows x 4096 tokens a device);
+  there XLA would gather whole rows to flatten them, so the device blocks are brought
+  to the front first: [nb, B/nb, ns, T/ns] -> [nb, ns, B/nb, T/ns]."""
+  found = _activation_spec(x)
+  b, t = x.shape[:2]
+  rest = x.shape[2:]
+  if found is None:
+    return x.reshape(b * t, *rest)
+  mesh, spec = found
+  size = lambda entry: math.prod(mesh.shape[a] for a in sequence_axes(entry)) if entry else 1
+  nb, ns = size(spec[0]), size(spec[1])
+  if nb == 1 or ns == 1 or b == nb:
+    return x.reshape(b * t, *rest)
+  blocks = x.reshape(nb, b // nb, ns, t // ns, *rest).swapaxes(1, 2)
+  return blocks.reshape(b * t, *rest)

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hylora.core.config import MeshConfig
 from hylora.ops import catalog
 from meshes.mesh import build_mesh
-from meshes.per_shard import split_over_batch
+from meshes.per_shard import sequence_split, split_over_batch, tokens_in_device_order
 from meshes.rules import activation_mesh
 
 
@@ -97,3 +97,26 @@ def test_router_top_k_runs_on_each_devices_tokens(mesh, batch):
   got = np.asarray(jax.jit(select)(flat))
   want = np.asarray(jax.lax.top_k(scores, k)[1])
   np.testing.assert_array_equal(got, want)
+
+
+def test_tokens_flatten_in_place_when_batch_and_sequence_share_the_devices():
+  """4 rows on fsdp=4 x expert=2: 2 rows a device, the sequence over fsdp. The row-major
+  flattening would gather whole rows; tokens_in_device_order keeps every device's tokens
+  its own, a permutation of the row-major order."""
+  mesh = build_mesh(MeshConfig(fsdp=4, expert=2))
+  x = jnp.arange(4 * 64 * 3, dtype=jnp.float32).reshape(4, 64, 3)
+  with activation_mesh(mesh):
+    _, rows, seq = sequence_split(x)
+  assert (rows, seq) == ("expert", "fsdp")
+  placed = jax.device_put(x, NamedSharding(mesh, P(rows, seq)))
+
+  def flat(x):
+    with activation_mesh(mesh):
+      return tokens_in_device_order(x) * 2.0
+
+  compiled = jax.jit(flat).lower(placed).compile()
+  assert "all-gather" not in compiled.as_text() and "all-to-all" not in compiled.as_text()
+  got = np.asarray(compiled(placed))
+  assert got.shape == (256, 3)
+  np.testing.assert_array_equal(np.sort(got[:, 0]), np.sort(2 * np.asarray(x)[..., 0].ravel()))
+  np.testing.assert_array_equal(got[:, 1] - got[:, 0], 2.0)  # whole tokens moved together

@@ -19,6 +19,7 @@ from hylora.model.norms import RMSNorm
 from hylora.model.residual import RESIDUALS
 from hylora.model.stack import LayerStack
 from hylora.model.vision.tower import build_vision
+from meshes.per_shard import tokens_in_device_order
 from meshes.rules import constrain
 
 IGNORE_INDEX = -100
@@ -72,8 +73,8 @@ class HybridLM(nnx.Module):
     """
     ctx = ForwardContext(batch["segment_ids"], batch["positions"], dropout_key, execution)
     h, aux = self.hidden(batch["tokens"], ctx, batch.get("images"), batch.get("image_positions"))
-    b, t, d = h.shape
     ce = ops.resolve("cross_entropy", execution.kernels)
-    loss_sum, count = ce(h.reshape(b * t, d), self.lm_head[...], batch["labels"].reshape(-1),
-                         ignore_index=IGNORE_INDEX)
+    # a sum over tokens: flattened in whichever order keeps each device's tokens its own
+    loss_sum, count = ce(tokens_in_device_order(h), self.lm_head[...],
+                         tokens_in_device_order(batch["labels"]), ignore_index=IGNORE_INDEX)
     return loss_sum, count, aux
