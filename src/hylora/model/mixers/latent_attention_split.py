@@ -39,6 +39,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -73,6 +74,15 @@ def _varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _no_gradient(x):
+  """The cotangent of an integer or key input: float0 zeros (None stays None)."""
+  return None if x is None else np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
 def attention_over_gathered_keys(up_project, weights, dropout_key, q, latent, k_rope, seg_q, seg_k,
                                  q_offset, *, nope_dim: int, scale: float,
                                  block_k: int) -> jax.Array:
@@ -80,7 +90,7 @@ def attention_over_gathered_keys(up_project, weights, dropout_key, q, latent, k_
   q_offset + 0..Tq-1) over all keys, given as latent [B, T, R], k_rope [B, T, rope] and
   segment ids seg_k [B, T] (seg_q [B, Tq] for the queries); up_project(weights, latent,
   dropout_key) -> [.., H, nope + v]. Returns [B, Tq, H, v] in q's dtype."""
-  b, tq, h, _ = q.shape
+  b = q.shape[0]
   n_blocks = -(-latent.shape[1] // block_k)
 
   def blocks(x, value=0):
@@ -88,65 +98,128 @@ def attention_over_gathered_keys(up_project, weights, dropout_key, q, latent, k_
     return x.reshape(b, n_blocks, block_k, *x.shape[2:]).swapaxes(0, 1)
 
   starts = jnp.arange(n_blocks, dtype=jnp.int32) * block_k
-  keys = (blocks(latent), blocks(k_rope), blocks(seg_k, -1), starts)
-  q_pos = q_offset + jnp.arange(tq, dtype=jnp.int32)
-  last_q = q_offset + tq - 1
+  attend = _blockwise_attention(up_project, nope_dim, scale, block_k)
+  return attend(weights, dropout_key, q, blocks(latent), blocks(k_rope), seg_q, blocks(seg_k, -1),
+                starts, q_offset)
 
-  def scores(q, weights, block):
-    """Masked scores [B, H, Tq, block_k] fp32 and values [B, block_k, H, v]."""
-    lat, rope, seg, start = block
+
+def _blockwise_attention(up_project, nope_dim: int, scale: float, block_k: int):
+  """attend(weights, dropout_key, q, latent_blocks [n, B, block_k, R], rope_blocks
+  [n, B, block_k, rope], seg_q, seg_blocks [n, B, block_k], starts [n], q_offset), with its
+  flash-attention backward as a custom VJP."""
+
+  def block_scores(weights, dropout_key, q, seg_q, q_offset, lat, rope, seg, start):
+    """The block's masked scores [B, H, Tq, block_k] fp32, K_nope and V [B, block_k, H, .]
+    and the pullback of its up-projection."""
     key = None if dropout_key is None else jax.random.fold_in(dropout_key, start)
-    kv = up_project(weights, lat, key)  # [B, block_k, H, nope + v]
+    kv, pullback = jax.vjp(lambda w, x: up_project(w, x, key), weights, lat)
     k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
     s = jnp.einsum("bqhd,bkhd->bhqk", q[..., :nope_dim], k_nope, preferred_element_type=jnp.float32)
     s = s + jnp.einsum("bqhd,bkd->bhqk", q[..., nope_dim:], rope,
                        preferred_element_type=jnp.float32)
+    q_pos = q_offset + jnp.arange(q.shape[1], dtype=jnp.int32)
     k_pos = start + jnp.arange(block_k, dtype=jnp.int32)
     ok = (k_pos[None, None, :] <= q_pos[None, :, None]) & (seg[:, None, :] == seg_q[:, :, None])
-    return jnp.where(ok[:, None], s * scale, _NEG_INF), v
+    return jnp.where(ok[:, None], s * scale, _NEG_INF), k_nope, v, pullback
 
-  # Pass 1: logsumexp per (query, head), no gradient.
-  q_fixed, weights_fixed, keys_fixed = jax.lax.stop_gradient((q, weights, keys))
+  def needed(start, q, q_offset):  # a block wholly after the last query is skipped
+    return start <= q_offset + q.shape[1] - 1
 
-  def max_and_sum(carry, block):
-    m, l = carry
-    s, _ = scores(q_fixed, weights_fixed, block)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    shift = jnp.where(m_new == _NEG_INF, 0.0, m_new)  # no key yet: every term is 0
-    return m_new, l * jnp.exp(m - shift) + jnp.sum(jnp.exp(s - shift[..., None]), axis=-1)
+  def forward(weights, dropout_key, q, lat_blocks, rope_blocks, seg_q, seg_blocks, starts,
+              q_offset):
+    """o [B, Tq, H, v] and lse [B, H, Tq]: one pass, an online max, sum and weighted sum."""
 
-  def lse_step(carry, block):
-    needed = block[3] <= last_q
-    return jax.lax.cond(needed, max_and_sum, lambda c, _: c, carry, block), None
+    def update(carry, block):
+      m, l, acc = carry
+      s, _, v, _ = block_scores(weights, dropout_key, q, seg_q, q_offset, *block)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      shift = jnp.where(m_new == _NEG_INF, 0.0, m_new)  # no key yet: every term is 0
+      p = jnp.exp(s - shift[..., None])
+      rescale = jnp.exp(m - shift)
+      pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      acc = acc * jnp.swapaxes(rescale, 1, 2)[..., None] + pv
+      return m_new, l * rescale + jnp.sum(p, axis=-1), acc
 
-  m0 = _varying_like(jnp.full((b, h, tq), _NEG_INF, jnp.float32), q)
-  (m, l), _ = jax.lax.scan(lse_step, (m0, jnp.zeros_like(m0)), keys_fixed)
-  lse = m + jnp.log(l)  # every query sees at least itself: finite
+    def step(carry, block):
+      return jax.lax.cond(needed(block[3], q, q_offset), update, lambda c, _: c, carry, block), None
 
-  # Pass 2: the normalised sums, a term per block.
-  def terms(q, lse, weights, block):
-    s, v = scores(q, weights, block)
-    p = jnp.exp(s - lse[..., None])  # masked keys: exp(-inf) = 0
-    num = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return num, jnp.sum(p, axis=-1)
+    b, tq, h, _ = q.shape
+    v_dim = jax.eval_shape(lambda w, x: up_project(w, x, None), weights,
+                           lat_blocks[0]).shape[-1] - nope_dim
+    m0 = _varying_like(jnp.full((b, h, tq), _NEG_INF, jnp.float32), q)
+    acc0 = _varying_like(jnp.zeros((b, tq, h, v_dim), jnp.float32), q)
+    (m, l, acc), _ = jax.lax.scan(step, (m0, jnp.zeros_like(m0), acc0),
+                                  (lat_blocks, rope_blocks, seg_blocks, starts))
+    # every query sees at least itself: l > 0
+    o = (acc / jnp.swapaxes(l, 1, 2)[..., None]).astype(q.dtype)
+    return o, m + jnp.log(l)
 
-  term_shapes = jax.eval_shape(terms, q, lse, weights, jax.tree.map(lambda x: x[0], keys))
+  @jax.custom_vjp
+  def attend(weights, dropout_key, q, lat_blocks, rope_blocks, seg_q, seg_blocks, starts, q_offset):
+    return forward(weights, dropout_key, q, lat_blocks, rope_blocks, seg_q, seg_blocks, starts,
+                   q_offset)[0]
 
-  def nothing(q, lse, weights, block):
-    return tuple(_varying_like(jnp.zeros(x.shape, x.dtype), q) for x in term_shapes)
+  def attend_fwd(*args):
+    # Differentiating the caller inlines this into its linearization, where the float
+    # inputs are unknown and the integer ones (positions, segment ids) known: uncheckpointed,
+    # the loop would be split and each block's mask stacked as a residual.
+    o, lse = jax.checkpoint(forward, policy=jax.checkpoint_policies.nothing_saveable)(*args)
+    return o, (args, o, lse)
 
-  # The skip inside the checkpoint: what the backward keeps of a step is then the
-  # checkpoint's inputs, the loop-invariant q, lse and weights (kept once) and the block.
-  @jax.checkpoint
-  def block_terms(q, lse, weights, block):
-    return jax.lax.cond(block[3] <= last_q, terms, nothing, q, lse, weights, block)
+  def attend_bwd(residuals, d_o):
+    """One pass over the key blocks: each block's K/V recomputed from its latent, its
+    probabilities from lse, and the gradients of q, of the block's latent and rope key,
+    and of the up-projection's weights."""
+    args, o, lse = residuals
+    weights, dropout_key, q, lat_blocks, rope_blocks, seg_q, seg_blocks, starts, q_offset = args
+    d_o = d_o.astype(jnp.float32)
+    delta = jnp.swapaxes(jnp.sum(d_o * o.astype(jnp.float32), axis=-1), 1, 2)  # [B, H, Tq]
+    w_leaves, w_tree = jax.tree.flatten(weights)
+    trained = [i for i, w in enumerate(w_leaves) if _is_float(w)]
 
-  def sum_step(carry, block):
-    num, z = block_terms(q, lse, weights, block)
-    return (carry[0] + num, carry[1] + z), None
+    def gradients(carry, block):
+      dq, dw = carry
+      lat, rope = block[0], block[1]
+      s, k_nope, v, pullback = block_scores(weights, dropout_key, q, seg_q, q_offset, *block)
+      p = jnp.exp(s - lse[..., None])  # masked keys: exp(-inf) = 0
+      dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(v.dtype), d_o.astype(v.dtype),
+                      preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bqhd,bkhd->bhqk", d_o.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
+      dq_nope = jnp.einsum("bhqk,bkhd->bqhd", ds, k_nope, preferred_element_type=jnp.float32)
+      dq_rope = jnp.einsum("bhqk,bkd->bqhd", ds, rope, preferred_element_type=jnp.float32)
+      dk_nope = jnp.einsum("bhqk,bqhd->bkhd", ds, q[..., :nope_dim],
+                           preferred_element_type=jnp.float32)
+      d_rope = jnp.einsum("bhqk,bqhd->bkd", ds, q[..., nope_dim:],
+                          preferred_element_type=jnp.float32)
+      dw_block, d_lat = pullback(jnp.concatenate([dk_nope, dv], axis=-1).astype(k_nope.dtype))
+      dw_leaves = jax.tree.leaves(dw_block)
+      dw = [a + dw_leaves[i].astype(jnp.float32) for a, i in zip(dw, trained)]
+      dq = dq + jnp.concatenate([dq_nope, dq_rope], axis=-1)
+      return (dq, dw), (d_lat.astype(lat.dtype), d_rope.astype(rope.dtype))
 
-  (num, z), _ = jax.lax.scan(sum_step, nothing(q, lse, weights, None), keys)
-  return (num / jnp.swapaxes(z, 1, 2)[..., None]).astype(q.dtype)
+    dq0 = _varying_like(jnp.zeros(q.shape, jnp.float32), q)
+    dw0 = [_varying_like(jnp.zeros(w_leaves[i].shape, jnp.float32), q) for i in trained]
+    block0 = jax.tree.map(lambda x: x[0], (lat_blocks, rope_blocks, seg_blocks, starts))
+    ys_shapes = jax.eval_shape(lambda c, blk: gradients(c, blk)[1], (dq0, dw0), block0)
+
+    def skip(carry, block):
+      return carry, tuple(_varying_like(jnp.zeros(y.shape, y.dtype), q) for y in ys_shapes)
+
+    def step(carry, block):
+      return jax.lax.cond(needed(block[3], q, q_offset), gradients, skip, carry, block)
+
+    (dq, dw), (d_lat, d_rope) = jax.lax.scan(step, (dq0, dw0),
+                                             (lat_blocks, rope_blocks, seg_blocks, starts))
+    dw_leaves = [_no_gradient(w) for w in w_leaves]
+    for a, i in zip(dw, trained):
+      dw_leaves[i] = a.astype(w_leaves[i].dtype)
+    return (jax.tree.unflatten(w_tree, dw_leaves), _no_gradient(dropout_key), dq.astype(q.dtype),
+            d_lat, d_rope, _no_gradient(seg_q), _no_gradient(seg_blocks), _no_gradient(starts),
+            _no_gradient(q_offset))
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend
 
 
 def split_sequence_latent_attention(kv_b_proj: nnx.Module, q: jax.Array, latent: jax.Array,
