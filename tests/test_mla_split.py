@@ -2,6 +2,7 @@
 equals the layer on one device, output and gradients, and gathers only the latent."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -165,3 +166,30 @@ def test_split_sequence_equals_one_device_and_gathers_only_the_latent(c, mesh_na
 
 def test_packed_kv_b_proj_on_a_split_sequence_equals_one_device():
   _check_split_equals_one_device(KIMI, "both_axes", packed=True)
+
+
+def test_scanned_layers_keep_nothing_per_key_block():
+  """Differentiated inside a scan over layers, as the layer stack runs it, the split layer
+  keeps no per-key-block state: no [n_blocks, ...] scores, masks or values in the compiled
+  program (linearizing a scan hoists its loop-invariant integer work, such as the masks,
+  out of the loop, one per block, unless the attention hides it)."""
+  graph, adapters, rest = nnx.split(_layer(KIMI), LoRAParam, ...)
+  x, seg, pos, probe = _batch()
+  mesh = MESHES["one_axis"]()
+
+  def run(adapters, xs):
+    with activation_mesh(mesh):
+
+      def loss(adapters):
+
+        def layer(h, x):
+          return nnx.merge(graph, adapters, rest)(x + h, ForwardContext(seg, pos))[0], None
+
+        return jnp.sum(jax.lax.scan(layer, jnp.zeros_like(x), xs)[0] * probe)
+
+      return jax.value_and_grad(loss)(adapters)
+
+  hlo = jax.jit(run).lower(adapters, jnp.stack([x, 2 * x])).compile().as_text()
+  n_blocks = T // KIMI.block_k
+  stacked = set(re.findall(rf"\w+\[{n_blocks}(?:,\d+){{4,}}\]", hlo))
+  assert not stacked, stacked
