@@ -10,16 +10,19 @@ kv_b_proj (the module itself, so its LoRA adapter and a packed base weight work 
 everywhere else) to K_nope and V, scores against the local queries, and is dropped.
 No array spans all keys times heads: not K/V, not the [T_local, T] scores.
 
-Two passes over the key blocks, each a `lax.scan`:
+The attention is a custom VJP, flash attention's, so its gradient keeps nothing per key
+block: only its inputs, o and lse = logsumexp of each (query, head)'s scores.
 
-  1. lse = logsumexp_s(scores): an online max and sum per (query, head), without
-     gradient (its inputs stopped).
-  2. num = sum_blocks exp(s - lse) V,  z = sum_blocks exp(s - lse);  o = num / z.
-     z is 1 up to rounding; dividing by it gives o exactly the gradient the
-     dependence on lse would have given (dS = P * (dO . V - dO . o)), so pass 1
-     needs none. Each block's term depends only on the loop-invariant q and lse and
-     that block's gathered keys, and is checkpointed: autodiff of the sum keeps
-     no per-block state beyond the gathered keys the scan already holds.
+  forward:  one `lax.scan` over the key blocks, an online max, sum and weighted sum of V.
+  backward: one `lax.scan` over the key blocks. Each block's K/V is up-projected again
+            from its latent; P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - delta)
+            with delta = rowsum(dO * o), dq += dS K, dK = dS^T q; the up-projection's
+            pullback turns [dK_nope | dV] into the block latent's gradient and the
+            weights' (summed in fp32 over the blocks).
+
+The forward runs under `jax.checkpoint` (nothing saved): linearizing a caller's scan (the
+layer stack) hoists the work that depends only on its loop-invariant integer inputs out
+of the loop, and the attention's masks would come out of it stacked, one per key block.
 
 Blocks wholly in the future of every query a device scores are skipped (`lax.cond`), in
 the backward too, so the work is causal. Causal work grows with a query's position (the
@@ -29,8 +32,8 @@ its own range (meshes.gathered_keys.in_balanced_order: two `ppermute`s of half t
 queries there, two of their outputs back), and every device does the same work.
 
 With LoRA dropout, each key block draws its adapter-input mask from the dropout key
-folded with the block's start, the same in both passes and on every device; the masks
-differ from the unsplit layer's (which draws one mask for the whole sequence).
+folded with the block's start, the same forward and backward and on every device; the
+masks differ from the unsplit layer's (which draws one mask for the whole sequence).
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ _NEG_INF = float("-inf")
 # local queries, 96 heads. One block's scores are [B, H, T_local, block_k] fp32 = 96 x 8192
 # x 256 x 4 B = 0.8 GB; the backward holds about four such arrays at once (scores,
 # probabilities, their cotangents: ~3.2 GB), the forward two. Besides them, per device:
-# the gathered latent and rope key, 1M x (512 + 64) bf16 = 1.2 GB, the same again for the
-# scan's copy of its blocks (kept for the backward) and for their cotangent; the pass-2
-# sums [B, T_local, H, v] fp32 = 0.4 GB; one block's K/V, 256 x 96 x 256 bf16 = 13 MB.
-# About 7-8 GB in all, against ~60 GB for the whole sequence's K/V that gathering K/V
-# would hold. A block of 512 doubles the score arrays (6.4 GB in the backward) for half
-# the loop steps, each of which already does ~130 GFLOP of matmuls at 256.
+# the gathered latent and rope key, 1M x (512 + 64) bf16 = 1.2 GB, the same again for their
+# copy in blocks and for their gradient; the forward's weighted sum [B, T_local, H, v] fp32
+# = 0.4 GB and the backward's dq [B, T_local, H, nope + rope] fp32 = 0.6 GB; one block's
+# K/V, 256 x 96 x 256 bf16 = 13 MB. About 8 GB in all, against ~60 GB for the whole
+# sequence's K/V that gathering K/V would hold. A block of 512 doubles the score arrays
+# (6.4 GB in the backward) for half the loop steps, each of which already does ~130 GFLOP
+# of matmuls at 256.
 
 
 def _pad_keys(x: jax.Array, multiple: int, value) -> jax.Array:
@@ -108,11 +112,14 @@ def _blockwise_attention(up_project, nope_dim: int, scale: float, block_k: int):
   [n, B, block_k, rope], seg_q, seg_blocks [n, B, block_k], starts [n], q_offset), with its
   flash-attention backward as a custom VJP."""
 
-  def block_scores(weights, dropout_key, q, seg_q, q_offset, lat, rope, seg, start):
-    """The block's masked scores [B, H, Tq, block_k] fp32, K_nope and V [B, block_k, H, .]
-    and the pullback of its up-projection."""
+  def block_up_projection(dropout_key, start):
+    """(weights, latent [B, block_k, R]) -> [B, block_k, H, nope + v] for the block at
+    start, its dropout mask drawn from the key folded with start."""
     key = None if dropout_key is None else jax.random.fold_in(dropout_key, start)
-    kv, pullback = jax.vjp(lambda w, x: up_project(w, x, key), weights, lat)
+    return lambda weights, lat: up_project(weights, lat, key)
+
+  def block_scores(kv, q, seg_q, q_offset, rope, seg, start):
+    """The block's masked scores [B, H, Tq, block_k] fp32, K_nope and V [B, block_k, H, .]."""
     k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
     s = jnp.einsum("bqhd,bkhd->bhqk", q[..., :nope_dim], k_nope, preferred_element_type=jnp.float32)
     s = s + jnp.einsum("bqhd,bkd->bhqk", q[..., nope_dim:], rope,
@@ -120,7 +127,7 @@ def _blockwise_attention(up_project, nope_dim: int, scale: float, block_k: int):
     q_pos = q_offset + jnp.arange(q.shape[1], dtype=jnp.int32)
     k_pos = start + jnp.arange(block_k, dtype=jnp.int32)
     ok = (k_pos[None, None, :] <= q_pos[None, :, None]) & (seg[:, None, :] == seg_q[:, :, None])
-    return jnp.where(ok[:, None], s * scale, _NEG_INF), k_nope, v, pullback
+    return jnp.where(ok[:, None], s * scale, _NEG_INF), k_nope, v
 
   def needed(start, q, q_offset):  # a block wholly after the last query is skipped
     return start <= q_offset + q.shape[1] - 1
@@ -131,7 +138,9 @@ def _blockwise_attention(up_project, nope_dim: int, scale: float, block_k: int):
 
     def update(carry, block):
       m, l, acc = carry
-      s, _, v, _ = block_scores(weights, dropout_key, q, seg_q, q_offset, *block)
+      lat, rope, seg, start = block
+      kv = block_up_projection(dropout_key, start)(weights, lat)
+      s, _, v = block_scores(kv, q, seg_q, q_offset, rope, seg, start)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
       shift = jnp.where(m_new == _NEG_INF, 0.0, m_new)  # no key yet: every term is 0
       p = jnp.exp(s - shift[..., None])
@@ -160,9 +169,7 @@ def _blockwise_attention(up_project, nope_dim: int, scale: float, block_k: int):
                    q_offset)[0]
 
   def attend_fwd(*args):
-    # Differentiating the caller inlines this into its linearization, where the float
-    # inputs are unknown and the integer ones (positions, segment ids) known: uncheckpointed,
-    # the loop would be split and each block's mask stacked as a residual.
+    # Unsaved, so that a caller's linearization cannot stack the masks (module doc).
     o, lse = jax.checkpoint(forward, policy=jax.checkpoint_policies.nothing_saveable)(*args)
     return o, (args, o, lse)
 
@@ -172,19 +179,21 @@ def _blockwise_attention(up_project, nope_dim: int, scale: float, block_k: int):
     and of the up-projection's weights."""
     args, o, lse = residuals
     weights, dropout_key, q, lat_blocks, rope_blocks, seg_q, seg_blocks, starts, q_offset = args
-    d_o = d_o.astype(jnp.float32)
-    delta = jnp.swapaxes(jnp.sum(d_o * o.astype(jnp.float32), axis=-1), 1, 2)  # [B, H, Tq]
+    delta = jnp.sum(d_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    delta = jnp.swapaxes(delta, 1, 2)  # [B, H, Tq]
+    d_o = d_o.astype(q.dtype)
     w_leaves, w_tree = jax.tree.flatten(weights)
     trained = [i for i, w in enumerate(w_leaves) if _is_float(w)]
 
     def gradients(carry, block):
       dq, dw = carry
-      lat, rope = block[0], block[1]
-      s, k_nope, v, pullback = block_scores(weights, dropout_key, q, seg_q, q_offset, *block)
+      lat, rope, seg, start = block
+      kv, pullback = jax.vjp(block_up_projection(dropout_key, start), weights, lat)
+      s, k_nope, v = block_scores(kv, q, seg_q, q_offset, rope, seg, start)
       p = jnp.exp(s - lse[..., None])  # masked keys: exp(-inf) = 0
-      dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(v.dtype), d_o.astype(v.dtype),
+      dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(d_o.dtype), d_o,
                       preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bqhd,bkhd->bhqk", d_o.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bqhd,bkhd->bhqk", d_o, v, preferred_element_type=jnp.float32)
       ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
       dq_nope = jnp.einsum("bhqk,bkhd->bqhd", ds, k_nope, preferred_element_type=jnp.float32)
       dq_rope = jnp.einsum("bhqk,bkd->bqhd", ds, rope, preferred_element_type=jnp.float32)
