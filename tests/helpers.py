@@ -111,3 +111,23 @@ def token_batch(cfg: Config, mesh, documents: int = 1) -> dict:
   }
   sharding = NamedSharding(mesh, P(("fsdp", "expert")))
   return {k: jax.device_put(arrays[k], sharding) for k in BATCH_KEYS}
+
+
+def loss_and_lora_grads(cfg: Config, mesh, lora: dict, frozen: dict, batch: dict):
+  """(mean token loss, gradient of every LoRA factor) of one step's objective, compiled
+  whole, under `mesh`'s activation rules (None: no mesh)."""
+  import jax.numpy as jnp
+
+  from hylora.train import state as st
+  from hylora.train.step import make_loss_fn
+  from meshes.rules import activation_mesh
+
+  objective = jax.value_and_grad(make_loss_fn(cfg, st.model_parts(cfg)), has_aux=True)
+
+  @jax.jit
+  def run(lora, frozen, batch):
+    with activation_mesh(mesh):
+      (_, info), grads = objective(lora, frozen, batch, jnp.sum(batch["labels"] >= 0), None)
+    return info["loss_sum"] / info["tokens"], grads
+
+  return jax.device_get(run(lora, frozen, batch))

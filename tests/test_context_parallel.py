@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import fixture_config, released_config, small_config, tiny_k3_config
+from helpers import (fixture_config, loss_and_lora_grads, released_config, small_config,
+                     tiny_k3_config)
 from hylora.core.config import KernelConfig, MeshConfig
 from hylora.io.hf_weights import flat_paths
 from hylora.model import IGNORE_INDEX
 from hylora.train import state as st
-from hylora.train.step import make_loss_fn
 from meshes.mesh import build_mesh
 from meshes.per_shard import sequence_axes, sequence_split
 from meshes.rules import activation_mesh
@@ -98,18 +98,6 @@ def _adapters_with_signal(lora: dict) -> dict:
       tree, [0.05 * jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)])
 
 
-def _loss_and_grads(cfg, mesh, lora, frozen, batch):
-  objective = jax.value_and_grad(make_loss_fn(cfg, st.model_parts(cfg)), has_aux=True)
-
-  @jax.jit
-  def run(lora, frozen, batch):
-    with activation_mesh(mesh):
-      (_, info), grads = objective(lora, frozen, batch, jnp.sum(batch["labels"] >= 0), None)
-    return info["loss_sum"] / info["tokens"], grads
-
-  return jax.device_get(run(lora, frozen, batch))
-
-
 @pytest.mark.parametrize("case, mesh_shape, dispatch, kernels", [
     ("hybrid", (1, 8), "dropless", "pallas"),
     ("hybrid", (2, 4), "auto", "reference"),
@@ -127,8 +115,8 @@ def test_a_sequence_split_over_every_device_trains_as_on_one(case, mesh_shape, d
   lora, frozen = jax.device_get(st.init_params(cfg, st.model_parts(cfg), mesh))
   lora = _adapters_with_signal(lora)
 
-  whole_loss, whole_grads = _loss_and_grads(cfg, None, lora, frozen, batch)
-  loss, grads = _loss_and_grads(cfg, mesh, lora, frozen, batch)
+  whole_loss, whole_grads = loss_and_lora_grads(cfg, None, lora, frozen, batch)
+  loss, grads = loss_and_lora_grads(cfg, mesh, lora, frozen, batch)
 
   assert np.isfinite(whole_loss)
   assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss), (loss, whole_loss)

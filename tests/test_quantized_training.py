@@ -3,31 +3,15 @@ quantized checkpoint loaded into the packed model gives the same loss and LoRA g
 as the twin checkpoint whose tensors are the dequantized values, loaded into the bf16
 model."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import quant_helpers as qh
-from helpers import token_batch
+from helpers import loss_and_lora_grads, token_batch
 from hylora.io import hf_weights
 from hylora.io.hf_names import packed_formats
 from hylora.quant.packed_weight import is_packed
 from hylora.train import state as st
-from hylora.train.step import make_loss_fn
-from meshes.rules import activation_mesh
-
-
-def _loss_and_grads(cfg, mesh, lora, frozen, batch):
-  objective = jax.value_and_grad(make_loss_fn(cfg, st.model_parts(cfg)), has_aux=True)
-
-  @jax.jit
-  def run(lora, frozen, batch):
-    with activation_mesh(mesh):
-      (_, info), grads = objective(lora, frozen, batch, jnp.sum(batch["labels"] >= 0), None)
-    return info["loss_sum"] / info["tokens"], grads
-
-  return jax.device_get(run(lora, frozen, batch))
 
 
 @pytest.mark.parametrize("fmt", qh.FORMATS)
@@ -43,8 +27,8 @@ def test_packed_base_trains_like_its_bf16_twin(fmt, tmp_path):
   frozen, _ = hf_weights.load(folder, q.cfg, frozen_abstract)
   twin, _ = hf_weights.load(twin_folder, qh.bf16_twin(q.cfg), q.frozen_bf16)
   batch = token_batch(q.cfg, q.mesh)
-  loss, grads = _loss_and_grads(q.cfg, q.mesh, q.lora, frozen, batch)
-  twin_loss, twin_grads = _loss_and_grads(qh.bf16_twin(q.cfg), q.mesh, q.lora, twin, batch)
+  loss, grads = loss_and_lora_grads(q.cfg, q.mesh, q.lora, frozen, batch)
+  twin_loss, twin_grads = loss_and_lora_grads(qh.bf16_twin(q.cfg), q.mesh, q.lora, twin, batch)
   assert np.isfinite(loss) and abs(loss - twin_loss) <= 1e-3 * abs(twin_loss), (loss, twin_loss)
   flat, twin_flat = hf_weights.flat_paths(grads), hf_weights.flat_paths(twin_grads)
   assert set(flat) == set(twin_flat)
