@@ -35,7 +35,7 @@ DOCUMENT_ENDS = (100, 192, 300, T)
 # tests/test_split_recurrence.py, tests/test_gathered_keys.py).
 KERNELS = {
     name: KernelConfig(linear_attention=name, topk_indices=name, sparse_attention=name)
-    for name in ("pallas", "reference")
+    for name in ("pallas", "reference_per_device")
 }
 
 
@@ -100,9 +100,9 @@ def _adapters_with_signal(lora: dict) -> dict:
 
 @pytest.mark.parametrize("case, mesh_shape, dispatch, kernels", [
     ("hybrid", (1, 8), "dropless", "pallas"),
-    ("hybrid", (2, 4), "auto", "reference"),
-    ("kimi_k3", (2, 4), "auto", "reference"),
-    ("deepseek_v32", (1, 8), "dropless", "reference"),
+    ("hybrid", (2, 4), "auto", "reference_per_device"),
+    ("kimi_k3", (2, 4), "auto", "reference_per_device"),
+    ("deepseek_v32", (1, 8), "dropless", "reference_per_device"),
 ])
 def test_a_sequence_split_over_every_device_trains_as_on_one(case, mesh_shape, dispatch, kernels):
   cfg = _config(case, dispatch, kernels)

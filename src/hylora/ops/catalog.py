@@ -19,26 +19,25 @@ _RM = "pallas_kernels.residual_mix"
 _CA = "pallas_kernels.causal_attention"
 _QMM = "pallas_kernels.quantized_matmul"
 
+PER_DEVICE_REFERENCE = "reference_per_device"
+_PER_DEVICE_REFERENCES = {
+    "linear_attention.gla": "linear_recurrence",
+    "linear_attention.kda": "linear_recurrence",
+    "sparse_attention.topk_indices": "indexer",
+    "sparse_attention.attend": "sparse_attention",
+    "attention.causal": "rows",
+}
+
 
 @functools.cache
 def catalog() -> OpRegistry:
   """Every op with its reference and fast implementations, built once on first use."""
   registry = OpRegistry()
-  # References of kernels that run per device run per device too (the same `per_shard`):
-  # on a sequence split over devices XLA would otherwise give each device the whole
-  # sequence, and a CPU compile of a GPU step (where they stand in for the kernels)
-  # would hold far more than one device's share (meshes.split_recurrence,
-  # meshes.gathered_keys).
-  registry.define("linear_attention.gla", f"{_LA}.reference:gla_chunked",
-                  per_shard="linear_recurrence")
-  registry.define("linear_attention.kda", f"{_LA}.reference:kda_chunked",
-                  per_shard="linear_recurrence")
-  registry.define("sparse_attention.topk_indices", f"{_SA}.reference:topk_indices_reference",
-                  per_shard="indexer")
-  registry.define("sparse_attention.attend", f"{_SA}.reference:sparse_attention_reference",
-                  per_shard="sparse_attention")
-  registry.define("attention.causal", f"{_CA}.reference:causal_attention_reference",
-                  per_shard="rows")
+  registry.define("linear_attention.gla", f"{_LA}.reference:gla_chunked")
+  registry.define("linear_attention.kda", f"{_LA}.reference:kda_chunked")
+  registry.define("sparse_attention.topk_indices", f"{_SA}.reference:topk_indices_reference")
+  registry.define("sparse_attention.attend", f"{_SA}.reference:sparse_attention_reference")
+  registry.define("attention.causal", f"{_CA}.reference:causal_attention_reference")
   registry.define("grouped_matmul", f"{_GMM}.reference:grouped_matmul_reference")
   registry.define("grouped_lora", f"{_GMM}.reference:grouped_lora_reference")
   registry.define("quantized_matmul", f"{_QMM}.reference:quantized_matmul_reference")
@@ -95,6 +94,14 @@ def catalog() -> OpRegistry:
                     backends=("cpu", "gpu", "tpu"), priority=-2)
   registry.register("quantized_grouped_matmul", "loop", f"{_QMM}:loop_quantized_grouped_matmul",
                     backends=("cpu", "gpu", "tpu"), priority=-2)
+  # The references run per device as the kernels do (the same per_shard mode): what a CPU
+  # compile of a GPU step runs in their place (STAND_INS), so that on a sequence split over
+  # devices each holds one device's share, not the XLA-partitioned whole sequence
+  # (meshes.split_recurrence, meshes.gathered_keys).
+  for op, mode in _PER_DEVICE_REFERENCES.items():
+    registry.register(op, PER_DEVICE_REFERENCE,
+                      registry.entry(op).reference.target, backends=("cpu", "gpu", "tpu"),
+                      priority=-2, per_shard=mode)
   registry.register("cross_entropy", "chunked", f"{_CE}:chunked_cross_entropy",
                     backends=("cpu", "gpu", "tpu"))
   # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
@@ -110,6 +117,12 @@ STAND_INS = {
     ("grouped_lora", "mosaic"): "loop",
     ("quantized_matmul", "pallas"): "loop",
     ("quantized_grouped_matmul", "pallas"): "loop",
+    ("linear_attention.gla", "pallas"): PER_DEVICE_REFERENCE,
+    ("linear_attention.kda", "pallas"): PER_DEVICE_REFERENCE,
+    ("sparse_attention.topk_indices", "pallas"): PER_DEVICE_REFERENCE,
+    ("sparse_attention.attend", "pallas"): PER_DEVICE_REFERENCE,
+    ("sparse_attention.attend", "by_density"): PER_DEVICE_REFERENCE,
+    ("attention.causal", "cudnn"): PER_DEVICE_REFERENCE,
 }
 
 # Which KernelConfig field chooses the implementation of each op.

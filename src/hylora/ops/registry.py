@@ -86,14 +86,10 @@ class OpRegistry:
   def __init__(self):
     self._ops: dict[str, OpEntry] = {}
 
-  def define(self, name: str, reference, *, per_shard: bool | str = False) -> OpEntry:
-    """The op `name` with its reference; `per_shard` as for `register` (a reference that
-    stands in for a per-device kernel on CPU runs per device as the kernel would)."""
+  def define(self, name: str, reference) -> OpEntry:
     if name in self._ops:
       raise ValueError(f"op {name!r} is already defined")
-    per_shard_mode(per_shard)
-    entry = OpEntry(
-        name, Impl(REFERENCE, reference, ("cpu", "gpu", "tpu"), priority=-1, per_shard=per_shard))
+    entry = OpEntry(name, Impl(REFERENCE, reference, ("cpu", "gpu", "tpu"), priority=-1))
     self._ops[name] = entry
     return entry
 
