@@ -14,13 +14,19 @@ class MeshShapeError(ValueError):
   """The requested (fsdp, expert) shape does not fit the devices present."""
 
 
+def add_xla_flags(*flags: str) -> None:
+  """Adds `--name=value` flags to XLA_FLAGS, keeping any the environment already sets;
+  only before JAX initialises a backend."""
+  have = os.environ.get("XLA_FLAGS", "")
+  extra = [f for f in flags if f.split("=")[0] not in have]
+  os.environ["XLA_FLAGS"] = " ".join([have, *extra]).strip()
+
+
 def ensure_cpu_devices(count: int) -> None:
   """Asks for `count` simulated CPU devices; must run before JAX initialises a backend."""
   if count <= 0:
     return
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+  add_xla_flags(f"--xla_force_host_platform_device_count={count}")
   jax.config.update("jax_num_cpu_devices", count)
 
 

@@ -1,3 +1,5 @@
+import os
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -9,7 +11,7 @@ from hylora.core.overrides import apply_overrides
 from hylora.train.state import model_parts, shardings
 from hylora.train.trainer import check_model_fits_mesh
 from meshes import PARAM_RULES, build_mesh, logical_to_spec
-from meshes.mesh import MeshShapeError
+from meshes.mesh import MeshShapeError, add_xla_flags
 from tests.helpers import small_config
 
 
@@ -70,3 +72,12 @@ def test_every_model_parameter_gets_a_sharding():
   assert experts and all(s.spec == P(None, "expert", "fsdp", None) for s in experts)
   embed = [s for p, s in flat if jax.tree_util.keystr(p) == "['embed']"]
   assert embed[0].spec == P(("fsdp", "expert"), None)
+
+
+def test_xla_flags_are_added_once_and_a_flag_already_set_is_kept(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true --xla_dump_to=/x")
+  add_xla_flags("--xla_cpu_multi_thread_eigen=false", "--xla_backend_optimization_level=0")
+  add_xla_flags("--xla_backend_optimization_level=0")
+  assert os.environ["XLA_FLAGS"].split() == [
+      "--xla_cpu_multi_thread_eigen=true", "--xla_dump_to=/x", "--xla_backend_optimization_level=0"
+  ]

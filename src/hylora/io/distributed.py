@@ -18,9 +18,16 @@ import time
 import jax
 
 from hylora.core.errors import ConfigError
+from meshes.mesh import add_xla_flags
 
 DEFAULT_PORT_BASE = 61440  # SLURM runs without --coordinator: port = base + job id % 4096
 DEFAULT_TIMEOUT_S = 300  # how long processes wait for each other to start (JAX's default)
+# XLA:CPU orders a device's collectives by when they start, not end: a loop holding a
+# collective and an op Eigen runs on its thread pool returns while its iterations go on,
+# the next collective starts beside them on some devices and not on others, and the
+# processes wait on each other forever (a device in the loop's all-reduce, its peer in
+# the next all-gather). Single-threaded Eigen runs every op inline, in program order.
+CPU_COLLECTIVE_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +116,7 @@ def initialize(group: ProcessGroup, *, timeout_s: float = DEFAULT_TIMEOUT_S,
   then); must run before JAX creates its backends."""
   if cpu_collectives:  # simulated CPU devices talk over gloo (TCP) between processes
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    add_xla_flags(*CPU_COLLECTIVE_XLA_FLAGS)
   left = timeout_s
   if group.process_id != 0:
     left = wait_for_coordinator(group.coordinator, timeout_s)

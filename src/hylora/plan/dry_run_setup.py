@@ -13,10 +13,10 @@ optimising code that never runs.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from hylora.core.config import Config
 from hylora.core.errors import ConfigError
+from meshes.mesh import add_xla_flags
 
 # XLA:CPU's default scheduler orders the program for the CPU's threads: it runs the
 # recomputations of every layer of a scanned period side by side, holding four MoE
@@ -33,9 +33,7 @@ DRY_RUN_XLA_FLAGS = ("--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZ
 def set_xla_flags() -> None:
   """Adds DRY_RUN_XLA_FLAGS to XLA_FLAGS (a flag already set is kept); only before JAX
   starts its backend."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  extra = [f for f in DRY_RUN_XLA_FLAGS if f.split("=")[0] not in flags]
-  os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+  add_xla_flags(*DRY_RUN_XLA_FLAGS)
 
 
 def dry_run_target(cfg: Config) -> str:
