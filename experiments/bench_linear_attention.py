@@ -10,12 +10,14 @@ and every comparison as alternating rounds of ours and the other side in this pr
 (`experiments.timing.interleaved_ratios`): the plain-JAX reference (`reference_*_ms`,
 `vs_reference_*`) and the peers, jla's Mosaic GPU kernels (`linear_attention(...,
 impl="mosaic_gpu")`) and fla's `chunk_gla` / `chunk_kda` (PyTorch, on the same arrays),
-at every shape but the 1M-token one (`jla_*_ms`, `vs_jla_*`, ...). A peer that is not
+at every shape (`jla_*_ms`, `vs_jla_*`, ...), each shape in every gate regime
+(`--gates`). A peer that is not
 installed is reported as missing; one that fails at a shape, as failed.
 """
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
 import os
 
@@ -31,7 +33,9 @@ REFERENCE_SKIP = {
     (1, 1048576, 8, 128): "reference skipped: its fwd+bwd alone would take seconds per call"
 }
 
-GATES = ("logsigmoid", "kda_init")
+# log_sigmoid(N(0, 1)) (about -0.8 a token), log_sigmoid(N(-3, 1)) (about -3 a token: most
+# chunks decay past the bounded-chunk limit), and the KDA layer's formula at initialisation.
+GATES = ("logsigmoid", "logsigmoid_strong", "kda_init")
 
 
 def kda_init_gates(key, B, T, H, D):
@@ -62,7 +66,8 @@ def inputs(B, T, H, D, seed=0, gates="logsigmoid"):
   q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks[:3])
   if gates == "kda_init":
     return q, k, v, kda_init_gates(ks[3], B, T, H, D)
-  g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, T, H, D), jnp.float32))
+  mean = -3.0 if gates == "logsigmoid_strong" else 0.0
+  g = jax.nn.log_sigmoid(mean + jax.random.normal(ks[3], (B, T, H, D), jnp.float32))
   return q, k, v, g
 
 
@@ -326,9 +331,7 @@ def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
   else:
     fwd, fwdbwd = fwd_and_fwdbwd(reference, len(x))
     sides["reference"] = (lambda: fwd(*x)), (lambda: fwdbwd(*x))
-  if peers and shape in REFERENCE_SKIP:
-    row["peers"] = "not run at this shape"
-  elif peers:
+  if peers:
     for name in peers:
       try:
         sides[name] = peer_fns(name, op, x)
@@ -341,7 +344,7 @@ def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
   print(json.dumps(row), flush=True)
 
 
-def bench_kda(shapes, skip_reference, breakdown=False, gates="logsigmoid", peers=()):
+def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=()):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
   from pallas_kernels.linear_attention import chunked_kda, kda_chunked
@@ -368,12 +371,12 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates="logsigmoid", peers
   }), flush=True)
   if breakdown:
     print(json.dumps(kda_kernel_breakdown(shapes[0])), flush=True)
-  for shape in shapes:
-    x = kda_inputs(shape, gates=gates)
+  for shape, regime in itertools.product(shapes, gates):
+    x = kda_inputs(shape, gates=regime)
     row = {
         "op": "kda",
         "shape": list(shape),
-        "gates": gates,
+        "gates": regime,
         "unbounded_chunk_share": round(unbounded_share(x[3]), 3)
     }
     impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
@@ -396,8 +399,7 @@ def main():
   ap.add_argument(
       "--peers", metavar="PEERS", type=parse_peers, default=list(PEERS),
       help=f"peers to compare in this process, of {','.join(PEERS)} (default: "
-      "all; those not installed are reported as missing), or none; at every "
-      "shape but the 1M-token one.")
+      "all; those not installed are reported as missing), or none.")
   ap.add_argument("--tiling", nargs="*", default=[parse_tiling("")], type=parse_tiling,
                   help="launch settings to compare, e.g. block_k=64,block_v=32,state_stages=3")
   ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
@@ -406,9 +408,9 @@ def main():
   ap.add_argument("--breakdown", action="store_true", help="also time each kernel alone")
   ap.add_argument("--op", choices=("gla", "kda"), default="gla")
   ap.add_argument(
-      "--gates", choices=GATES, default="logsigmoid",
-      help="how the timed shapes' gates are drawn: log_sigmoid of a normal, or "
-      "as fla's KDA layer initialises them (some fast-decaying channels)")
+      "--gates", nargs="+", choices=GATES, default=list(GATES),
+      help="how the timed shapes' gates are drawn (each shape in every regime given): "
+      "log_sigmoid of N(0, 1) or of N(-3, 1), or as fla's KDA layer initialises them")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
@@ -419,11 +421,11 @@ def main():
   if args.breakdown:
     for _, tiling in args.tiling:
       print(json.dumps(kernel_breakdown(args.shapes[0], tiling)), flush=True)
-  for shape in args.shapes:
-    x = inputs(*shape, gates=args.gates)
+  for shape, regime in itertools.product(args.shapes, args.gates):
+    x = inputs(*shape, gates=regime)
     row = {
         "shape": list(shape),
-        "gates": args.gates,
+        "gates": regime,
         "unbounded_chunk_share": round(unbounded_share(x[3]), 3)
     }
     impls = [(f"pallas{name}", lambda *a, t=tiling: chunked_gla(*a, tiling=t))

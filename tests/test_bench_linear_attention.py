@@ -43,3 +43,11 @@ def test_kda_init_gates_send_some_blocks_down_the_sub_chunk_path():
   assert 0.05 < bench.unbounded_share(g) < 0.9
   _, _, _, g = bench.inputs(1, 1024, 16, 64)
   assert bench.unbounded_share(g) == 0.0
+
+
+def test_strong_logsigmoid_gates_send_most_blocks_down_the_sub_chunk_path():
+  """--gates logsigmoid_strong: about -3 a token, past the bounded-chunk limit (-1.25 a
+    token on average over a chunk) in nearly every block."""
+  _, _, _, g = bench.inputs(1, 1024, 16, 64, gates="logsigmoid_strong")
+  assert -3.5 < float(g.mean()) < -2.5
+  assert bench.unbounded_share(g) > 0.9
