@@ -10,9 +10,8 @@ and every comparison as alternating rounds of ours and the other side in this pr
 (`experiments.timing.interleaved_ratios`): the plain-JAX reference (`reference_*_ms`,
 `vs_reference_*`) and the peers, jla's Mosaic GPU kernels (`linear_attention(...,
 impl="mosaic_gpu")`) and fla's `chunk_gla` / `chunk_kda` (PyTorch, on the same arrays),
-at every shape (`jla_*_ms`, `vs_jla_*`, ...), each shape in every gate regime
-(`--gates`). A peer that is not
-installed is reported as missing; one that fails at a shape, as failed.
+at every shape (`jla_*_ms`, `vs_jla_*`, ...), each shape in every gate regime (`--gates`).
+A peer that is not installed is reported as missing; one that fails at a shape, as failed.
 """
 import argparse
 import functools

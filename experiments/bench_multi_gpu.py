@@ -60,14 +60,14 @@ from hylora.model.lora import LoRAParam
 from hylora.train.mesh import run_mesh
 from hylora.core.overrides import apply_overrides, split_overrides
 from hylora.core.presets import gpu_1, tiny
-from meshes.mesh import ensure_cpu_devices
+from meshes.mesh import add_xla_flags, ensure_cpu_devices
 from meshes.rules import ACTIVATION_RULES, activation_mesh, logical_to_spec, state_shardings
 
 DEFAULTS = {
     "full": dict(experts_per_rank=14, chunks=[1, 2, 4], steps=5, repeats=10),
     "small": dict(experts_per_rank=2, chunks=[1, 2], steps=1, repeats=2)
 }
-SMALL_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+SMALL_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 PARTS = ("transport", "moe_layer", "train_step")
 TOLERANCE = 2e-2  # max |difference| / max |first|: bf16 sums taken in another order
 
@@ -463,9 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(sys.argv[1:] if argv is None else argv)
     if args.small:  # before JAX starts a backend
       os.environ.setdefault("JAX_PLATFORMS", "cpu")
-      flags = os.environ.get("XLA_FLAGS", "")
-      if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {SMALL_XLA_FLAGS}".strip()
+      add_xla_flags(*SMALL_XLA_FLAGS)
       ensure_cpu_devices(8)
     if args.mock_gpus:
       if not args.schedule_only:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -45,6 +44,7 @@ from hylora.model.init import ParamInit
 from hylora.model.mixers import MIXERS
 from hylora.core.overrides import apply_overrides, split_overrides
 from hylora.core.presets import get_preset
+from meshes.mesh import add_xla_flags
 
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=5, help="timed runs")
   p.add_argument("--planned", action="store_true",
                  help="step: under the memory planner's plan for this device (as bench_step)")
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_gpu_enable_command_buffer" not in flags:  # before the backend starts
-    os.environ["XLA_FLAGS"] = f"{flags} {NO_COMMAND_BUFFERS}".strip()
+  add_xla_flags(NO_COMMAND_BUFFERS)  # before the backend starts
   try:
     overrides, rest = split_overrides(argv)
     args = p.parse_args(rest)
