@@ -33,15 +33,17 @@ REFERENCE_SKIP = {
 }
 
 # log_sigmoid(N(0, 1)) (about -0.8 a token), log_sigmoid(N(-3, 1)) (about -3 a token: most
-# chunks decay past the bounded-chunk limit), and the KDA layer's formula at initialisation.
+# chunks decay past the whole-chunk limit), and the KDA layer's formula at initialisation.
 GATES = ("logsigmoid", "logsigmoid_strong", "kda_init")
+STATE_WALKS = ("auto", "triton", "mosaic")
 
 
 def kda_init_gates(key, B, T, H, D):
   """Gates as fla's KDA layer draws them at initialisation: g = -A softplus(x + dt_bias),
     A ~ U(1, 16) per head, dt = softplus(dt_bias) log-uniform in [1e-3, 0.1] per channel,
-    x a small projection (0.1 N(0, 1)): down to about -1.6 to -2.5 per token, so heads with a large A hold
-    channels that decay by more than the bounded chunks allow (2 * FACTOR_LIMIT)."""
+    x a small projection (0.1 N(0, 1)): down to about -1.6 to -2.5 per token, so heads with a
+    large A hold channels that decay by more than one anchor per chunk allows
+    (2 * FACTOR_LIMIT)."""
   ka, kd, kx = jax.random.split(key, 3)
   a = jax.random.uniform(ka, (H, 1), jnp.float32, 1.0, 16.0)
   dt = jnp.exp(jax.random.uniform(kd, (H, D), jnp.float32, jnp.log(1e-3), jnp.log(0.1)))
@@ -50,14 +52,19 @@ def kda_init_gates(key, B, T, H, D):
   return -a * jax.nn.softplus(x + dt_bias)
 
 
-def unbounded_share(g, chunk=64):
-  """The share of (chunk, head) blocks in which some channel decays by more than
-    2 * FACTOR_LIMIT over the chunk: those take the sub-chunk path (an upper bound where
-    a kernel tests per key block, a subset of the channels)."""
-  from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
-  B, T, H, D = g.shape
-  span = -jnp.sum(g[:, :T // chunk * chunk].reshape(B, T // chunk, chunk, H, D), axis=2)
-  return float(jnp.mean(jnp.max(span, axis=-1) > 2.0 * FACTOR_LIMIT))
+def layout_shares(g):
+  """The share of (chunk, head) blocks in each in-chunk layout (_chunk_factors) over all of
+    a head's channels: a kernel that decides per key block may take a faster layout."""
+  from pallas_kernels.linear_attention import _chunk_factors as factors
+  from pallas_kernels.linear_attention._inputs import CHUNK
+  T = g.shape[1] // CHUNK * CHUNK
+  layouts = factors.chunk_layouts(g[:, :T])
+  names = {
+      factors.WHOLE_CHUNK: "whole_chunk",
+      factors.PER_SUB_CHUNK: "per_sub_chunk",
+      factors.SUB_CHUNKS: "sub_chunks"
+  }
+  return {name: round(float(jnp.mean(layouts == code)), 3) for code, name in names.items()}
 
 
 def inputs(B, T, H, D, seed=0, gates="logsigmoid"):
@@ -171,7 +178,7 @@ def correctness(tilings, shape=(1, 4096, 4, 128)):
         }), flush=True)
 
 
-def kernel_breakdown(shape, tiling):
+def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   """Milliseconds of each kernel (and the plain-JAX preparation) alone; on Hopper (or
     interpreted) also the fused forward's two kernels."""
   from pallas_kernels.linear_attention import _chunk_prep
@@ -184,7 +191,7 @@ def kernel_breakdown(shape, tiling):
   from pallas_kernels.linear_attention.gla import state_walk_kind, state_walks
   interp = interpret_mode()  # a CPU smoke run interprets the kernels
   B, T, H, D = shape
-  q, k, v, g = inputs(*shape)
+  q, k, v, g = inputs(*shape, gates=gates)
   t = tiling._replace(interpret=interp)
   t = t._replace(state_walk=state_walk_kind(t, (q.dtype, k.dtype, v.dtype), D, D))
   chunk_states, chunk_state_grads = state_walks(t)
@@ -231,10 +238,10 @@ def kernel_breakdown(shape, tiling):
       kernel_ms["fused.state_outputs"] = round(median_ms(fused, qg, kg, vp, a_d, b), 3)
     except Exception as e:  # reported, so that the other figures still print
       kernel_ms["fused"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-  return {"shape": list(shape), "state_walk": t.state_walk, "kernel_ms": kernel_ms}
+  return {"shape": list(shape), "gates": gates, "state_walk": t.state_walk, "kernel_ms": kernel_ms}
 
 
-def kda_kernel_breakdown(shape):
+def kda_kernel_breakdown(shape, gates="logsigmoid"):
   """Milliseconds of each KDA kernel alone (forward: intra = scores + solve, states,
     output; backward adds the recomputed intra with the inverse, dv_local, state_grads,
     wy_grads, key_grads); the state kernels in every implementation that runs here."""
@@ -248,7 +255,7 @@ def kda_kernel_breakdown(shape):
   from pallas_kernels.linear_attention._pallas_common import interpret_mode
   interp = interpret_mode()  # a CPU smoke run interprets the kernels
   B, T, H, D = shape
-  q, k, v, g = inputs(*shape)
+  q, k, v, g = inputs(*shape, gates=gates)
   beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), shape[:3], jnp.float32))
   qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, None, B, T)
   beta = jnp.pad(beta, ((0, 0), (0, qp.shape[1] - T), (0, 0)))
@@ -290,6 +297,8 @@ def kda_kernel_breakdown(shape):
           "kda",
       "shape":
           list(shape),
+      "gates":
+          gates,
       "kernel_ms":
           walk_ms | {
               "intra":
@@ -343,7 +352,8 @@ def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
   print(json.dumps(row), flush=True)
 
 
-def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=()):
+def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
+              walks=STATE_WALKS):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
   from pallas_kernels.linear_attention import chunked_kda, kda_chunked
@@ -369,17 +379,13 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
       "rel_rms": errs
   }), flush=True)
   if breakdown:
-    print(json.dumps(kda_kernel_breakdown(shapes[0])), flush=True)
+    for regime in gates:
+      print(json.dumps(kda_kernel_breakdown(shapes[0], regime)), flush=True)
   for shape, regime in itertools.product(shapes, gates):
     x = kda_inputs(shape, gates=regime)
-    row = {
-        "op": "kda",
-        "shape": list(shape),
-        "gates": regime,
-        "unbounded_chunk_share": round(unbounded_share(x[3]), 3)
-    }
+    row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
     impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
-             for walk in ("auto", "triton", "mosaic")]
+             for walk in walks]
     bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
     del x
 
@@ -410,23 +416,22 @@ def main():
       "--gates", nargs="+", choices=GATES, default=list(GATES),
       help="how the timed shapes' gates are drawn (each shape in every regime given): "
       "log_sigmoid of N(0, 1) or of N(-3, 1), or as fla's KDA layer initialises them")
+  ap.add_argument("--state-walks", nargs="+", choices=STATE_WALKS, default=list(STATE_WALKS),
+                  help="--op kda: the state walks to time (auto: mosaic where it runs)")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
   print(jax.devices(), flush=True)
   if args.op == "kda":
-    return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers)
+    return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
+                     args.state_walks)
   correctness(args.tiling)
   if args.breakdown:
-    for _, tiling in args.tiling:
-      print(json.dumps(kernel_breakdown(args.shapes[0], tiling)), flush=True)
+    for (_, tiling), regime in itertools.product(args.tiling, args.gates):
+      print(json.dumps(kernel_breakdown(args.shapes[0], tiling, regime)), flush=True)
   for shape, regime in itertools.product(args.shapes, args.gates):
     x = inputs(*shape, gates=regime)
-    row = {
-        "shape": list(shape),
-        "gates": regime,
-        "unbounded_chunk_share": round(unbounded_share(x[3]), 3)
-    }
+    row = {"shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
     impls = [(f"pallas{name}", lambda *a, t=tiling: chunked_gla(*a, tiling=t))
              for name, tiling in args.tiling]
     bench_shape(row, "gla", impls, gla_chunked, x, shape, args.skip_reference, args.peers)

@@ -35,19 +35,20 @@ def test_correctness_reports_each_setting(capsys):
     assert all(e < 1e-2 for e in r["rel_rms"].values()), r
 
 
-def test_kda_init_gates_send_some_blocks_down_the_sub_chunk_path():
-  """--gates kda_init: a range of per-token decays reaching past the bounded-chunk limit
-    in the heads with a large A, and none past it with the default gates."""
+def test_kda_init_gates_put_some_chunks_past_one_anchor():
+  """--gates kda_init: a range of per-token decays reaching past the whole-chunk limit in
+    the heads with a large A, none past it with the default gates."""
   _, _, _, g = bench.inputs(1, 1024, 16, 64, gates="kda_init")
   assert float(g.max()) < 0 and -3.0 < float(g.min()) < -1.25
-  assert 0.05 < bench.unbounded_share(g) < 0.9
-  _, _, _, g = bench.inputs(1, 1024, 16, 64)
-  assert bench.unbounded_share(g) == 0.0
+  shares = bench.layout_shares(g)
+  assert 0.05 < shares["per_sub_chunk"] < 0.9 and shares["sub_chunks"] == 0.0
+  assert bench.layout_shares(bench.inputs(1, 1024, 16, 64)[3])["whole_chunk"] == 1.0
 
 
-def test_strong_logsigmoid_gates_send_most_blocks_down_the_sub_chunk_path():
-  """--gates logsigmoid_strong: about -3 a token, past the bounded-chunk limit (-1.25 a
-    token on average over a chunk) in nearly every block."""
+def test_strong_logsigmoid_gates_need_one_anchor_per_sub_chunk():
+  """--gates logsigmoid_strong: about -3 a token, past the whole-chunk limit (-1.25 a token
+    on average over a chunk) in nearly every block, within the per-sub-chunk one in most."""
   _, _, _, g = bench.inputs(1, 1024, 16, 64, gates="logsigmoid_strong")
   assert -3.5 < float(g.mean()) < -2.5
-  assert bench.unbounded_share(g) > 0.9
+  shares = bench.layout_shares(g)
+  assert shares["whole_chunk"] < 0.1 and shares["per_sub_chunk"] > 0.5, shares

@@ -1,23 +1,40 @@
-"""Whole-chunk decay factoring through a per-channel midpoint, for chunks whose decays allow.
+"""In-chunk decay factoring through per-channel anchors, for chunks whose decays allow.
 
-For any per-channel reference m, sum_d x_t[d] y_s[d] exp(b_t[d] - b_s[d]) equals
-(x_t exp(b_t - m)) . (y_s exp(m - b_s)). With m the midpoint of the chunk's range of b in
-each channel, every factor is exp(x) with |x| at most half that range. A chunk whose
-channels each decay by at most 2 * FACTOR_LIMIT over its 64 tokens (a gate above -1.25
-per token on average) is "bounded": every factor then lies in [exp(-40), exp(40)], far
-from fp32 overflow and underflow, and each in-chunk decayed product (the scores A, the
-score-gradient paths into dq and dk) is one [64, D] matmul of fp32 operands (TF32 on GPU,
-exact in interpret mode) instead of 16-token sub-chunk blocks and diagonal blocks. Other
-chunks take the sub-chunk path, whose every exponent is <= 0.
+For any per-channel anchor m, sum_d x_t[d] y_s[d] exp(b_t[d] - b_s[d]) equals
+(x_t exp(b_t - m)) . (y_s exp(m - b_s)), so an in-chunk decayed product (the scores A,
+the score-gradient paths into dq and dk) is a matmul of fp32 operands (TF32 on GPU, exact
+in interpret mode) instead of 16-token sub-chunk blocks and exact diagonal blocks. Every
+factor must stay far from fp32 overflow and underflow: within exp(+-FACTOR_LIMIT).
+
+A chunk takes one of three layouts:
+  WHOLE_CHUNK     one anchor, the midpoint of the chunk's range of b in each channel: every
+                  channel decays by at most 2 * FACTOR_LIMIT over the 64 tokens (a gate
+                  above -1.25 a token on average); one [64, D] matmul per product.
+  PER_SUB_CHUNK   one anchor m_J per 16-token sub-chunk J, the midpoint of its range: every
+                  sub-chunk decays by at most 2 * FACTOR_LIMIT (a gate above -5.3 a token
+                  on average, which covers gates bounded below by -5). Every token is
+                  factored through its own sub-chunk's anchor, and a pair (t in I, s in
+                  J <= I) is bridged by exp(m_I - m_J) <= 1, applied to one side's
+                  operand (`Anchors`): one matmul per sub-chunk and product, and no more
+                  exps than WHOLE_CHUNK.
+  SUB_CHUNKS      anything else: 16-token sub-chunk blocks whose exponents are all <= 0
+                  and exact diagonal blocks (_score_rows, _diagonal_blocks).
 """
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
+from pallas_kernels.linear_attention._pallas_common import N_SUB, SUB, iota, rows
+
+WHOLE_CHUNK, PER_SUB_CHUNK, SUB_CHUNKS = 0, 1, 2
+C = N_SUB * SUB
 
 
 def midpoint(b):
-  """(m [1, D], bounded): the per-channel midpoint of b [C, D] and whether the chunk may
-    factor its decays through it."""
+  """(m [1, D], bounded): the per-channel midpoint of b [n, D] and whether the rows may
+    factor their decays through it."""
   hi, lo = jnp.max(b, axis=0, keepdims=True), jnp.min(b, axis=0, keepdims=True)
   return 0.5 * (hi + lo), jnp.max(hi - lo) <= 2.0 * FACTOR_LIMIT
 
@@ -26,3 +43,84 @@ def factors(b, m):
   """(exp(b - m), exp(m - b)): the query-side and key-side factors of every token."""
   rel = b - m
   return jnp.exp(rel), jnp.exp(-rel)
+
+
+def _per_token(values):
+  """[C, D] whose row t is values[t // SUB] (N_SUB rows [1, D])."""
+  sub_chunk = iota(C, 0, (C, 1)) // SUB
+  out = values[-1]
+  for j in range(N_SUB - 2, -1, -1):
+    out = jnp.where(sub_chunk == j, values[j], out)
+  return out
+
+
+class Anchors(NamedTuple):
+  """A factored chunk's anchors: one [1, D] row per sub-chunk (all the chunk's midpoint when
+    `uniform`, the WHOLE_CHUNK layout).
+
+    Per sub-chunk, a loop step over sub-chunk i pairs its own rows, factored by
+    `step_factors`, with operands of the whole chunk (every row factored through its own
+    anchor) bridged to m_i. The step's factors carry exp(-FACTOR_LIMIT) and the bridges
+    exp(+FACTOR_LIMIT): every step factor is then <= 1, and a bridge flushes to zero
+    (below exp(-87)) only for pairs whose decay is below exp(FACTOR_LIMIT - 87) ~ 4e-21.
+    Unshifted, a flushed bridge could drop pairs that decay by as little as
+    exp(2 FACTOR_LIMIT - 87) ~ 7e-4 (two 80-wide sub-chunks across a one-token gap)."""
+  rows: tuple
+  uniform: jax.Array
+
+  def per_token(self):
+    """[C, D]: every token's anchor."""
+    return _per_token(self.rows)
+
+  def of(self, i):
+    """[1, D]: the anchor of sub-chunk i (a loop index)."""
+    out = self.rows[0]
+    for j in range(1, N_SUB):
+      out = jnp.where(i == j, self.rows[j], out)
+    return out
+
+  def step_factors(self, b_i, i):
+    """(exp(b - m_i), exp(m_i - b)) for sub-chunk i's rows b_i [SUB, D], each times
+      exp(-FACTOR_LIMIT) unless uniform (the bridges carry it back)."""
+    shift = FACTOR_LIMIT * (1.0 - self.uniform.astype(jnp.float32))
+    rel = b_i - self.of(i)
+    return jnp.exp(rel - shift), jnp.exp(-rel - shift)
+
+  def bridge(self, x, i, keys):
+    """x [C, D], every row factored through its own anchor, re-anchored at sub-chunk i's
+      m_i for the pairs the causal mask keeps: as keys (rows of sub-chunks J <= i) times
+      exp(m_i - m_J), as queries (rows of sub-chunks J >= i) times exp(m_J - m_i); each
+      times exp(FACTOR_LIMIT) (see step_factors). Other rows get exp(FACTOR_LIMIT) alone
+      (finite; their pairs are dropped). Skipped when uniform."""
+    m_i = self.of(i)
+
+    def bridged():
+      rel = [(m_i - m_j) if keys else (m_j - m_i) for m_j in self.rows]
+      return x * _per_token([jnp.exp(jnp.minimum(r, 0.0) + FACTOR_LIMIT) for r in rel])
+
+    return jax.lax.cond(self.uniform, lambda: x, bridged)
+
+
+def anchors(b_ref):
+  """(Anchors, factors): the anchors of the chunk's layout, from its b_ref [C, D], and
+    whether it factors at all (WHOLE_CHUNK or PER_SUB_CHUNK)."""
+  m, whole = midpoint(rows(b_ref, 0, C))
+  per_sub_chunk, own = True, []
+  for j in range(N_SUB):
+    m_j, bounded = midpoint(rows(b_ref, j * SUB, SUB))
+    own.append(jnp.where(whole, m, m_j))
+    per_sub_chunk &= bounded
+  return Anchors(tuple(own), whole), whole | per_sub_chunk
+
+
+def chunk_layouts(g):
+  """[B, n, H] int32: the layout each chunk of gates g [B, T, H, D] takes over all its
+    channels (T a multiple of the chunk; plain JAX, for tests and reports)."""
+  B, T, H, D = g.shape
+  b = jnp.cumsum(g.astype(jnp.float32).reshape(B, T // C, C, H, D), axis=2)
+  limit = 2.0 * FACTOR_LIMIT
+  whole = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1) <= limit
+  subs = b.reshape(B, T // C, N_SUB, SUB, H, D)
+  per_sub_chunk = jnp.max(subs.max(axis=3) - subs.min(axis=3), axis=(2, -1)) <= limit
+  return jnp.where(whole, WHOLE_CHUNK, jnp.where(per_sub_chunk, PER_SUB_CHUNK,
+                                                 SUB_CHUNKS)).astype(jnp.int32)

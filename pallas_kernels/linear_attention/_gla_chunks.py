@@ -9,9 +9,9 @@ channels it can, so programs stay small (few registers, many resident warps):
   key grads    dq, dk and the decay gradient db per (chunk, block of key channels): one
                `fori_loop` step per 16 rows; every path into them combines channels of
                one key block only, so a block decides alone whether its decays factor
-               over the whole chunk (_chunk_factors: each step one matmul per path
-               against the whole chunk) or by sub-chunk blocks (whose diagonal blocks
-               factor or not, _diagonal_blocks).
+               (_chunk_factors: each step one matmul per path against the whole chunk)
+               or go by sub-chunk blocks (whose diagonal blocks factor or not,
+               _diagonal_blocks).
 ci (carry_in) zeroes the start state's path for tokens past a segment reset inside the
 chunk, il (in_last) the end state's path for tokens of earlier segments.
 """
@@ -45,10 +45,10 @@ def _value_grads_kernel(k_ref, b_ref, il_ref, ds_ref, a_ref, do_ref, dv_ref, *, 
 
 
 def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, do_ref, da_ref,
-                      dat_ref, dq_ref, dk_ref, db_ref, *, scale, cd, bounded_rows):
-  """dq, dk and db of one key block: when the block's decays are bounded
-    (_chunk_factors), one `fori_loop` step per `bounded_rows` rows, each against the whole
-    chunk in one matmul per path; else one step per sub-chunk."""
+                      dat_ref, dq_ref, dk_ref, db_ref, *, scale, cd):
+  """dq, dk and db of one key block, one `fori_loop` step per sub-chunk: when the block's
+    decays factor (_chunk_factors), against the whole chunk in one matmul per path; else
+    by 16x16 blocks."""
   S, dS = h_ref[...], ds_ref[...]  # matmul operands: kept in the compute dtype
   # sum_v S dS: the gradient of the start state's decay through the chunk
   hds = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1)
@@ -57,38 +57,38 @@ def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref,
   keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
   # b_last scales the surviving start state and every key's decay to the chunk end
   extra = keep * hds[None, :] * jnp.exp(b_last)
-  m, bounded = factors.midpoint(b)
   refs = (q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, do_ref, da_ref, dat_ref, dq_ref, dk_ref,
           db_ref)
 
-  def whole_chunk():
-    down, up = factors.factors(b, m)
+  def factored(anchors):
+    """One step per sub-chunk, its rows against the whole chunk: every token factored
+      through its own anchor, bridged to the step's (_chunk_factors)."""
+    down, up = factors.factors(b, anchors.per_token())
     key, q_down = rows(k_ref, 0, C) * up, rows(q_ref, 0, C) * down
-    n = bounded_rows
 
     def step(i, extra):
-      s = pl.multiple_of(i * n, n)
-      q_i, k_i = rows(q_ref, s, n), rows(k_ref, s, n)
-      down_i, up_i = factors.factors(rows(b_ref, s, n), m)
+      s = pl.multiple_of(i * SUB, SUB)
+      q_i, k_i, b_i = rows(q_ref, s, SUB), rows(k_ref, s, SUB), rows(b_ref, s, SUB)
+      down_i, up_i = anchors.step_factors(b_i, i)
       # dq first, then dk: one of them live at a time (register pressure).
       # State path (o <- start state) and score path (dA against the keys)
-      dq = (scale * mm(do_ref[pl.ds(s, n), :], S, cd, trans_b=True) *
-            (down_i * jnp.exp(m)) * flag_column(ci_ref, s, n) +
-            diag.f32_mm(da_ref[pl.ds(s, n), :], key) * down_i)
-      dq_ref[pl.ds(s, n), :] = dq.astype(dq_ref.dtype)
+      dq = (scale * mm(do_ref[pl.ds(s, SUB), :], S, cd, trans_b=True) * jnp.exp(b_i) *
+            flag_column(ci_ref, s) +
+            diag.f32_mm(da_ref[pl.ds(s, SUB), :], anchors.bridge(key, i, keys=True)) * down_i)
+      dq_ref[pl.ds(s, SUB), :] = dq.astype(dq_ref.dtype)
       db = q_i * dq
       # state path (end state <- k, v) and score path (dA^T against the queries)
-      dk = (mm(v_ref[pl.ds(s, n), :], dS, cd, trans_b=True) * (up_i * jnp.exp(b_last - m)) *
-            flag_column(il_ref, s, n))
+      dk = (mm(v_ref[pl.ds(s, SUB), :], dS, cd, trans_b=True) * masked_exp(b_last - b_i) *
+            flag_column(il_ref, s))
       extra += jnp.sum(k_i * dk, axis=0, keepdims=True)
-      dk += diag.f32_mm(dat_ref[pl.ds(s, n), :], q_down) * up_i
-      dk_ref[pl.ds(s, n), :] = dk.astype(dk_ref.dtype)
+      dk += diag.f32_mm(dat_ref[pl.ds(s, SUB), :], anchors.bridge(q_down, i, keys=False)) * up_i
+      dk_ref[pl.ds(s, SUB), :] = dk.astype(dk_ref.dtype)
       # extra is complete once the last rows have added their keys
-      closes = (iota(n, 0, (n, 1)) == n - 1) & (i == C // n - 1)
-      db_ref[pl.ds(s, n), :] = db - k_i * dk + jnp.where(closes, extra, 0.0)
+      closes = (iota(SUB, 0, (SUB, 1)) == SUB - 1) & (i == N_SUB - 1)
+      db_ref[pl.ds(s, SUB), :] = db - k_i * dk + jnp.where(closes, extra, 0.0)
       return extra
 
-    jax.lax.fori_loop(0, C // n, step, extra)
+    jax.lax.fori_loop(0, N_SUB, step, extra)
 
   def by_sub_chunks():
     chunk = dict(q=rows(q_ref, 0, C), k=rows(k_ref, 0, C), b=b, b_last=b_last, S=S, dS=dS)
@@ -96,7 +96,8 @@ def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref,
                       functools.partial(_sub_chunk_grads, *refs, **chunk, scale=scale, cd=cd),
                       extra)
 
-  jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
+  anchors, factored_ok = factors.anchors(b_ref)
+  jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
 
 
 def _sub_chunk_grads(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, do_ref, da_ref, dat_ref, dq_ref,
@@ -209,19 +210,16 @@ def chunk_value_grads(k, b, in_last, ds, a, do, *, scale, block_v, interpret, nu
 
 
 def chunk_key_grads(q, k, v, b, carry_in, in_last, h, ds, do, da, dat, *, scale, block_k, interpret,
-                    num_warps=4, num_stages=3, bounded_rows=SUB):
+                    num_warps=4, num_stages=3):
   """dq, dk (input dtype) and db (fp32, w.r.t. the in-chunk cumulative decay), given the
     start states h, the end-state gradients ds and dA (da, its transpose dat). num_stages
-    software-pipelines the per-sub-chunk loads. bounded_rows: rows per loop step in
-    bounded chunks (default chosen by measurement: docs/kernel_tuning.md, "GLA key
-    gradients")."""
+    software-pipelines the per-sub-chunk loads."""
   B, Tp, H, Dk = q.shape
   Dv = v.shape[-1]
   g = Grid()
   keys = g.chunk(block_k)
   return chunk_call(
-      functools.partial(_key_grads_kernel, scale=scale, cd=compute_dtype(q.dtype),
-                        bounded_rows=bounded_rows),
+      functools.partial(_key_grads_kernel, scale=scale, cd=compute_dtype(q.dtype)),
       (B, H, Tp // C, Dk // block_k),
       [
           keys, keys,

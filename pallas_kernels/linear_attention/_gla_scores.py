@@ -1,8 +1,9 @@
 """The in-chunk GLA scores A (kept for the backward's dv) and their gradient, per chunk.
 
 A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay,
-s <= t in one segment), one program per chunk. A bounded chunk (_chunk_factors) takes
-one [64, D] x [D, 64] matmul. Others are built per 16-token sub-chunk: blocks below the
+s <= t in one segment), one program per chunk. A chunk whose decays factor
+(_chunk_factors) takes one [64, D] x [D, 64] matmul, or one [64, D] x [D, 16] matmul per
+key sub-chunk. Others are built per 16-token sub-chunk: blocks below the
 diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
 <= 1, so one tensor-core matmul per 16x16 block); diagonal blocks factor through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and otherwise form
@@ -62,10 +63,10 @@ def _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, start, cd):
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
-  """The chunk's [C, C] scores: one matmul when the chunk is bounded (_chunk_factors),
-    else one row block per sub-chunk. With `decayed`, also qg = q exp(b) carry_in and
-    kg = k exp(b_last - b) in_last (compute dtype: the operands of the fused forward's
-    products)."""
+  """The chunk's [C, C] scores in the chunk's layout (_chunk_factors): one matmul, one
+    column block per key sub-chunk, or one row block per sub-chunk. With `decayed`, also
+    qg = q exp(b) carry_in and kg = k exp(b_last - b) in_last (compute dtype: the operands
+    of the fused forward's products)."""
   b, r = rows(b_ref, 0, C), r_ref[...]
   if decayed:
     ci_ref, il_ref, a_ref, qg_ref, kg_ref = refs
@@ -75,13 +76,32 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
     kg_ref[...] = kg.astype(kg_ref.dtype)
   else:
     a_ref, = refs
-  m, bounded = factors.midpoint(b)
 
-  def whole_chunk():
-    down, up = factors.factors(b, m)
-    a = diag.f32_mm(rows(q_ref, 0, C) * down, rows(k_ref, 0, C) * up, trans_b=True)
-    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
-    a_ref[...] = jnp.where((s <= t) & (r[:, None] == r[None, :]), a, 0.0)
+  def store(start, a):
+    """Columns [start, start + n) of A from their unmasked products a [C, n]."""
+    n = a.shape[1]
+    t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
+    keep = (s <= t) & (r[:, None] == r_ref[pl.ds(start, n)][None, :])
+    a_ref[:, pl.ds(start, n)] = jnp.where(keep, a, 0.0)
+
+  def factored(anchors):
+    query = rows(q_ref, 0, C) * factors.factors(b, anchors.per_token())[0]
+
+    def whole_chunk():
+      key = rows(k_ref, 0, C) * factors.factors(b, anchors.rows[0])[1]
+      store(0, diag.f32_mm(query, key, trans_b=True))
+
+    def per_sub_chunk():
+
+      def key_block(j, carry):
+        start = pl.multiple_of(j * SUB, SUB)
+        key = rows(k_ref, start, SUB) * anchors.step_factors(rows(b_ref, start, SUB), j)[1]
+        store(start, diag.f32_mm(anchors.bridge(query, j, keys=False), key, trans_b=True))
+        return carry
+
+      jax.lax.fori_loop(0, N_SUB, key_block, 0)
+
+    jax.lax.cond(anchors.uniform, whole_chunk, per_sub_chunk)
 
   def by_sub_chunks():
 
@@ -91,7 +111,8 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
 
     jax.lax.fori_loop(0, N_SUB, row_block, 0)
 
-  jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
+  anchors, factored_ok = factors.anchors(b_ref)
+  jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):

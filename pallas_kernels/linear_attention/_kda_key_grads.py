@@ -4,8 +4,8 @@ part of dbeta, one program per (batch, head, chunk, block of BK key channels).
 Every path into q, k, b is separable over key channels, so a program only needs its
 channel block: [16, BK] row tiles of 16 rows at a time, [BK, BV] state tiles and the
 chunk's [64, 64] score gradients dP (of A_qk) and dA (of A_kk), read from memory. A
-bounded chunk (_chunk_factors) takes each step's score-gradient paths as one matmul
-against the whole chunk; others by sub-chunk blocks as in _kda_scores.
+chunk whose decays factor (_chunk_factors) takes each step's score-gradient paths as one
+matmul against the whole chunk; others by sub-chunk blocks as in _kda_scores.
 Paths (qg = q exp(b) ci, kg = k exp(b_last - b) il, K = k exp(b) ci, S / dS the chunk's
 start state / end-state gradient, dX = T^T dv_new):
   o     += scale qg S            dqg = scale do S^T
@@ -112,27 +112,29 @@ def _diagonal(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, dq, g, dk):
   return diag.choose(b_i, b_r, factored, exact, dq, g, dk)
 
 
-def _chunk_operands(q_ref, k_ref, b_ref, beta_ref, m):
-  """A bounded chunk's decayed operands (_chunk_factors), all 64 rows: keys k exp(m - b)
-    and, as queries, q exp(b - m) and beta k exp(b - m)."""
+def _chunk_operands(q_ref, k_ref, b_ref, beta_ref, anchors):
+  """The decayed operands of all 64 rows, each through its own anchor (_chunk_factors):
+    keys k exp(m - b) and, as queries, q exp(b - m) and beta k exp(b - m)."""
   b, k = rows(b_ref, 0, C), rows(k_ref, 0, C)
-  down, up = factors.factors(b, m)
+  down, up = factors.factors(b, anchors.per_token())
   beta = beta_ref[...].astype(F32)[:, None]
   return k * up, rows(q_ref, 0, C) * down, beta * k * down
 
 
-def _factored_score_grads(b_ref, dp_ref, da_ref, operands, m, s, n):
-  """_score_grads for rows [s, s + n) of a bounded chunk: one fp32-operand matmul per
-    path against the whole chunk."""
+def _factored_score_grads(b_ref, dp_ref, da_ref, operands, anchors, i):
+  """_score_grads for sub-chunk i of a chunk whose decays factor: one fp32-operand matmul
+    per path against the whole chunk, its operands bridged to the sub-chunk's anchor."""
   key, q_down, bk_down = operands
-  down, up = factors.factors(rows(b_ref, s, n), m)
-  dp_rows, da_rows = dp_ref[pl.ds(s, n), :].astype(F32), da_ref[pl.ds(s, n), :].astype(F32)
-  dp_cols, da_cols = dp_ref[:, pl.ds(s, n)].astype(F32), da_ref[:, pl.ds(s, n)].astype(F32)
-  dq = diag.f32_mm(dp_rows, key) * down
-  g = diag.f32_mm(da_rows, key) * down
-  dk = (diag.f32_mm(dp_cols, q_down, trans_a=True) +
-        diag.f32_mm(da_cols, bk_down, trans_a=True)) * up
-  return dq, g, dk
+  s = pl.multiple_of(i * SUB, SUB)
+  down, up = anchors.step_factors(rows(b_ref, s, SUB), i)
+  key = anchors.bridge(key, i, keys=True)
+  dq = diag.f32_mm(dp_ref[pl.ds(s, SUB), :].astype(F32), key) * down
+  g = diag.f32_mm(da_ref[pl.ds(s, SUB), :].astype(F32), key) * down
+  dk = diag.f32_mm(dp_ref[:, pl.ds(s, SUB)].astype(F32), anchors.bridge(q_down, i, keys=False),
+                   trans_a=True)
+  dk += diag.f32_mm(da_ref[:, pl.ds(s, SUB)].astype(F32), anchors.bridge(bk_down, i, keys=False),
+                    trans_a=True)
+  return dq, g, dk * up
 
 
 def _write_rows(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
@@ -165,29 +167,27 @@ def _write_rows(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do
 
 def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
                       dx_ref, dp_ref, da_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *, scale, cd,
-                      block_v, bounded_rows):
-  """One loop step per `bounded_rows` rows of a bounded chunk, per 16-token sub-chunk of
-    others: unrolled, the kernel's code outgrew the instruction cache (the GLA kernels'
+                      block_v):
+  """One loop step per 16-token sub-chunk, factored (_chunk_factors) or by 16x16 blocks:
+    unrolled, the kernel's code outgrew the instruction cache (the GLA kernels'
     'no instruction' stalls, docs/performance.md)."""
   b_last = rows(b_ref, C - 1, 1)
   keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
   # b_last scales the surviving start state and every kg row
   db_last = keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
-  m, bounded = factors.midpoint(rows(b_ref, 0, C))
   refs = (q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref, dx_ref,
           dq_ref, dk_ref, db_ref, dbeta_ref)
   kw = dict(scale=scale, cd=cd, block_v=block_v)
 
-  def whole_chunk():
-    operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, m)
-    n = bounded_rows
+  def factored(anchors):
+    operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, anchors)
 
     def step(i, db_last):
-      s = pl.multiple_of(i * n, n)
-      grads = _factored_score_grads(b_ref, dp_ref, da_ref, operands, m, s, n)
-      return _write_rows(*refs, s, n, grads, db_last, i == C // n - 1, **kw)
+      grads = _factored_score_grads(b_ref, dp_ref, da_ref, operands, anchors, i)
+      return _write_rows(*refs, pl.multiple_of(i * SUB, SUB), SUB, grads, db_last, i == N_SUB - 1,
+                         **kw)
 
-    jax.lax.fori_loop(0, C // n, step, db_last)
+    jax.lax.fori_loop(0, N_SUB, step, db_last)
 
   def by_sub_chunks():
 
@@ -198,21 +198,19 @@ def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_r
 
     jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
 
-  jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
+  anchors, factored_ok = factors.anchors(b_ref)
+  jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
 
 
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale, block_k,
-                    block_v, cd, interpret, bounded_rows=SUB):
-  """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
-    bounded_rows: rows per loop step in bounded chunks (more rows: more live tiles,
-    spills; chosen by measurement: docs/kernel_tuning.md, "KDA key gradients")."""
+                    block_v, cd, interpret):
+  """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H])."""
   B, Tp, H, Dk = q.shape
   Dv = do.shape[-1]
   nk = Dk // block_k
   keys, vals = L.kblock_rows(block_k), L.kblock_values(Dv)
   state, square, flag = L.kblock_state(block_k, Dv), L.kblock_square(), L.kblock_flags()
-  kernel = functools.partial(_key_grads_kernel, scale=scale, cd=cd, block_v=block_v,
-                             bounded_rows=bounded_rows)
+  kernel = functools.partial(_key_grads_kernel, scale=scale, cd=cd, block_v=block_v)
   dq, dk, db, dbeta = L.call(
       kernel,
       (B, H, Tp // C, nk),

@@ -4,8 +4,9 @@ With b the in-chunk cumulative log decay, the chunk's
   A_kk[t, s] = beta_t k_t . (k_s exp(b_t - b_s))   s < t, same run (fp32: the inverse
                                                    T = (I + A_kk)^-1 amplifies rounding)
   A_qk[t, s] = q_t . (k_s exp(b_t - b_s))          s <= t, same run
-and qg = q exp(b) ci and kg = k exp(b_last - b) il (see _kda_intra). A bounded chunk
-(_chunk_factors) takes one fp32-operand matmul for each score matrix. Others go by
+and qg = q exp(b) ci and kg = k exp(b_last - b) il (see _kda_intra). A chunk whose decays
+factor (_chunk_factors) takes one fp32-operand matmul for each score matrix, or one per
+key sub-chunk. Others go by
 16-token sub-chunks: keys of earlier sub-chunks are one block (_score_rows: one
 tensor-core matmul each for A_kk and A_qk); the diagonal block factors through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and is otherwise
@@ -74,25 +75,45 @@ def _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, star
 
 def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, akk_ref,
                    aqk_ref, *, cd):
-  """One chunk: qg, kg, and A_kk, A_qk as two matmuls when the chunk is bounded
-    (_chunk_factors), else one row block per sub-chunk."""
-  q, k, b = rows(q_ref, 0, C), rows(k_ref, 0, C), rows(b_ref, 0, C)
-  qg_ref[...] = (q * jnp.exp(b) * flag_column(ci_ref, 0, C)).astype(qg_ref.dtype)
-  b_last = rows(b_ref, C - 1, 1)
-  kg_ref[...] = (k * masked_exp(b_last - b) * flag_column(il_ref, 0, C)).astype(kg_ref.dtype)
-  m, bounded = factors.midpoint(b)
+  """One chunk: qg, kg, and A_kk, A_qk in the chunk's layout (_chunk_factors): two
+    matmuls, two per key sub-chunk, or one row block per sub-chunk."""
+  b = rows(b_ref, 0, C)
+  qg = rows(q_ref, 0, C) * jnp.exp(b) * flag_column(ci_ref, 0, C)
+  qg_ref[...] = qg.astype(qg_ref.dtype)
+  kg = rows(k_ref, 0, C) * masked_exp(rows(b_ref, C - 1, 1) - b) * flag_column(il_ref, 0, C)
+  kg_ref[...] = kg.astype(kg_ref.dtype)
+  r = r_ref[...]
+  beta = beta_ref[...].astype(F32)[:, None]
 
-  def whole_chunk():
-    down, up = factors.factors(b, m)
-    key = k * up
-    r = r_ref[...]
-    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
-    same = r[:, None] == r[None, :]
-    beta = beta_ref[...].astype(F32)[:, None]
-    a_kk = diag.f32_mm(k * down, key, trans_b=True)
-    akk_ref[...] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
-    a_qk = diag.f32_mm(q * down, key, trans_b=True)
-    aqk_ref[...] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
+  def store(start, a_kk, a_qk):
+    """Columns [start, start + n) of A_kk and A_qk from their unmasked products [C, n]."""
+    n = a_kk.shape[1]
+    t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
+    same = r[:, None] == r_ref[pl.ds(start, n)][None, :]
+    akk_ref[:, pl.ds(start, n)] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
+    aqk_ref[:, pl.ds(start, n)] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
+
+  def factored(anchors):
+    down = factors.factors(b, anchors.per_token())[0]
+
+    def products(start, key, bridge):
+      store(start, diag.f32_mm(bridge(rows(k_ref, 0, C) * down), key, trans_b=True),
+            diag.f32_mm(bridge(rows(q_ref, 0, C) * down), key, trans_b=True))
+
+    def whole_chunk():
+      products(0, rows(k_ref, 0, C) * factors.factors(b, anchors.rows[0])[1], lambda x: x)
+
+    def per_sub_chunk():
+
+      def key_block(j, carry):
+        start = pl.multiple_of(j * SUB, SUB)
+        key = rows(k_ref, start, SUB) * anchors.step_factors(rows(b_ref, start, SUB), j)[1]
+        products(start, key, lambda x: anchors.bridge(x, j, keys=False))
+        return carry
+
+      jax.lax.fori_loop(0, N_SUB, key_block, 0)
+
+    jax.lax.cond(anchors.uniform, whole_chunk, per_sub_chunk)
 
   def by_sub_chunks():
 
@@ -103,7 +124,8 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 
     jax.lax.fori_loop(0, N_SUB, row_block, 0)
 
-  jax.lax.cond(bounded, whole_chunk, by_sub_chunks)
+  anchors, factored_ok = factors.anchors(b_ref)
+  jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4):

@@ -2,8 +2,10 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._inputs import CHUNK
+from pallas_kernels.linear_attention._pallas_common import SUB
 
 
 def make_inputs(seed, B=1, T=80, H=2, Dk=16, Dv=16, dtype=jnp.float32, min_log_decay=-20.0,
@@ -31,13 +33,24 @@ def with_strong_decay(x, tokens, channels=None, log_decay=-20.0):
   return dict(x, g=jnp.where(mask[None, :, None, :], log_decay, x["g"]))
 
 
-def bounded_chunks(g):
-  """[B, n, H]: whether each chunk of g [B, T, H, D] may factor its decays whole
-    (_chunk_factors; T a multiple of the chunk)."""
-  B, T, H, D = g.shape
-  b = jnp.cumsum(g.astype(jnp.float32).reshape(B, T // CHUNK, CHUNK, H, D), axis=2)
-  span = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1)
-  return span <= 2 * diag.FACTOR_LIMIT
+def with_three_layouts(x, seed=0):
+  """x (T = 192) with chunk 0 in WHOLE_CHUNK (g in [-1, 0]); chunk 1 in PER_SUB_CHUNK on the
+    upper half of the channels (g in [-5, -4.7], -12 on the first token of each sub-chunk:
+    each decays by up to 75 of the 80 the layout allows, one anchor for the chunk would
+    need exp(+-175)) and WHOLE_CHUNK on the lower half (mild: a key block of those
+    channels takes it); chunk 2 in SUB_CHUNKS (mild but g = -20 on every third token)."""
+  B, T, H, D = x["g"].shape
+  assert T == 3 * CHUNK
+  u = jax.random.uniform(jax.random.key(seed), x["g"].shape)
+  t = jnp.arange(T)[None, :, None, None]
+  upper = (jnp.arange(D) >= D // 2)[None, None, None, :]
+  # anchors ~86 apart: a bridge exp(m_I - m_J) takes the step factors' shift (Anchors)
+  strong = jnp.where(upper, jnp.where(t % SUB == 0, -12.0, -4.7 - 0.3 * u), -u)
+  g = jnp.where(t < CHUNK, -u, jnp.where(t < 2 * CHUNK, strong, jnp.where(t % 3 == 0, -20.0, -u)))
+  assert factors.chunk_layouts(g)[0, :, 0].tolist() == [
+      factors.WHOLE_CHUNK, factors.PER_SUB_CHUNK, factors.SUB_CHUNKS
+  ]
+  return dict(x, g=g.astype(x["g"].dtype))
 
 
 def rel_rms(ref, x):

@@ -1,11 +1,13 @@
-"""The whole-chunk decay factoring: which chunks may take it, and that it is exact."""
+"""The in-chunk decay factoring: which chunks take which layout, and that it is exact."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
 from pallas_kernels.linear_attention._inputs import CHUNK
+from pallas_kernels.linear_attention._pallas_common import N_SUB, SUB
 
 
 def _chunk_decays(span, seed=0):
@@ -32,3 +34,64 @@ def test_factors_multiply_to_the_decay_between_any_two_tokens():
   exact = jnp.exp(b[:, None, :] - b[None, :, :])
   t, s = np.tril_indices(CHUNK)
   np.testing.assert_allclose(pairs[t, s], exact[t, s], rtol=2e-5, atol=1e-30)
+
+
+def _sub_chunk_anchors(b):
+  rows = tuple(factors.midpoint(b[j * SUB:(j + 1) * SUB])[0] for j in range(N_SUB))
+  return factors.Anchors(rows, jnp.asarray(False))
+
+
+@pytest.mark.parametrize("gap", [None, -12.0])
+def test_per_sub_chunk_anchors_and_bridges_give_the_decay_of_every_causal_pair(gap):
+  # about -5 a token: the chunk decays by ~320 (one anchor would need exp(+-160)), each
+  # sub-chunk by ~77 (its own anchor keeps every factor within exp(+-39)). gap: the first
+  # token of every sub-chunk decays by that much, which puts consecutive anchors ~89
+  # apart: a bridge exp(m_I - m_J) alone would flush to zero pairs that decay by e^-12
+  g = -4.9 - 0.3 * jax.random.uniform(jax.random.key(2), (CHUNK, 8))
+  if gap is not None:
+    g = jnp.where((jnp.arange(CHUNK) % SUB == 0)[:, None], gap, g)
+  b = jnp.cumsum(g, axis=0)
+  anchors = _sub_chunk_anchors(b)
+  down, up = factors.factors(b, anchors.per_token())
+  assert float(jnp.abs(jnp.log(down)).max()) <= FACTOR_LIMIT
+  exact = jnp.exp(b[:, None, :] - b[None, :, :])  # [t, s, d]
+  t, s = np.tril_indices(CHUNK)
+  for i in range(N_SUB):
+    mine = slice(i * SUB, (i + 1) * SUB)
+    down_i, up_i = anchors.step_factors(b[mine], i)
+    assert float(down_i.max()) <= 1.0 and float(up_i.max()) <= 1.0
+    # sub-chunk i's queries against bridged keys, its keys against bridged queries
+    as_query = down_i[:, None, :] * anchors.bridge(up, i, keys=True)[None, :, :]
+    as_key = anchors.bridge(down, i, keys=False)[:, None, :] * up_i[None, :, :]
+    for pairs, rows, cols in ((as_query, t - i * SUB, s), (as_key, t, s - i * SUB)):
+      keep = (rows >= 0) & (rows < SUB) & (cols >= 0) & (cols < SUB)
+      got = pairs[rows[keep], cols[keep]]
+      want = exact[t[keep], s[keep]]
+      # a flushed bridge drops only pairs below exp(FACTOR_LIMIT - 87) ~ 4e-21
+      np.testing.assert_allclose(got, want, rtol=5e-5, atol=1e-20)
+      assert bool(jnp.isfinite(pairs).all())
+
+
+def test_uniform_anchors_leave_the_operands_as_they_are():
+  b = _chunk_decays(2 * FACTOR_LIMIT - 1.0, seed=3)
+  m, _ = factors.midpoint(b)
+  anchors = factors.Anchors((m,) * N_SUB, jnp.asarray(True))
+  x = jax.random.normal(jax.random.key(4), b.shape)
+  for i in range(N_SUB):
+    assert (anchors.bridge(x, i, keys=True) == x).all()
+
+
+def test_layouts_switch_at_twice_the_factor_limit():
+  """WHOLE_CHUNK up to 2 * FACTOR_LIMIT over the chunk, PER_SUB_CHUNK up to that over
+    every sub-chunk, SUB_CHUNKS past it (one channel of one sub-chunk is enough)."""
+  limit = 2 * FACTOR_LIMIT
+
+  def gates(per_token_in_sub_chunk_3):
+    g = jnp.full((1, CHUNK, 1, 4), -limit / CHUNK * 0.9)
+    return g.at[0, 3 * SUB + 1:, 0, 2].set(per_token_in_sub_chunk_3)
+
+  expect = [(-limit / CHUNK * 0.9, factors.WHOLE_CHUNK),
+            ((limit - 0.5) / (SUB - 1), factors.PER_SUB_CHUNK),
+            ((limit + 0.5) / (SUB - 1), factors.SUB_CHUNKS)]
+  for g_3, layout in expect:
+    assert int(factors.chunk_layouts(gates(-abs(g_3)))[0, 0, 0]) == layout, g_3

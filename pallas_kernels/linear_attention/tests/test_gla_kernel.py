@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention.gla import Tiling
-from pallas_kernels.linear_attention.tests._data import (bounded_chunks, fast_jit, loss_fn,
-                                                         make_inputs, rel_rms, with_strong_decay)
+from pallas_kernels.linear_attention.tests._data import (fast_jit, loss_fn, make_inputs, rel_rms,
+                                                         with_strong_decay, with_three_layouts)
 
 
 def _check(x, out_tol, grad_tol, **kernel_kw):
@@ -49,6 +50,14 @@ def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
   _check(_mixed_decay_inputs(9), 1e-4, 1e-4)
 
 
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
+                                                      (jnp.bfloat16, 5e-3, 1e-2)])
+def test_every_chunk_layout_in_one_launch(dtype, out_tol, grad_tol):
+  # key blocks of 16: in chunk 1 one block is WHOLE_CHUNK, the other PER_SUB_CHUNK
+  x = with_three_layouts(make_inputs(seed=15, T=192, Dk=32, Dv=32, dtype=dtype))
+  _check(x, out_tol, grad_tol, tiling=Tiling(block_k=16))
+
+
 def test_fp32_exact_over_key_and_value_blocks():
   # two 16-channel blocks of keys and of values: every parallel kernel's block grid
   _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16,
@@ -57,15 +66,17 @@ def test_fp32_exact_over_key_and_value_blocks():
 
 @pytest.mark.parametrize("min_log_decay, bounded", [(-5.0, False), (-2.0, True)])
 def test_bf16_inputs_within_tolerance(min_log_decay, bounded):
-  # one chunk: sub-chunk blocks (its widest channel decays by 86 > 2 * FACTOR_LIMIT) or
-  # the whole-chunk matmuls (_chunk_factors)
+  # one chunk: one anchor per sub-chunk (its widest channel decays by 86 > 2 *
+  # FACTOR_LIMIT) or the whole-chunk matmuls (_chunk_factors)
   x = make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=min_log_decay)
-  assert bool(bounded_chunks(x["g"]).all()) == bounded
+  assert bool((factors.chunk_layouts(x["g"]) == factors.WHOLE_CHUNK).all()) == bounded
   _check(x, 5e-3, 1e-2)
 
 
 def test_fp32_exact_at_the_widest_key_head():
-  # Dk = 256: chunk 0 bounded (whole-chunk products over all 256 channels), chunk 1 not
+  # Dk = 256: chunk 0 anchored once (whole-chunk products over all 256 channels), chunk 1
+  # once per sub-chunk
   x = _mixed_decay_inputs(12, T=128, Dk=256, Dv=32, H=1)
-  assert bounded_chunks(x["g"])[0, :, 0].tolist() == [True, False]
+  assert factors.chunk_layouts(x["g"])[0, :,
+                                       0].tolist() == [factors.WHOLE_CHUNK, factors.PER_SUB_CHUNK]
   _check(x, 1e-4, 1e-4)

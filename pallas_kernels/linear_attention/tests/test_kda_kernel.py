@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
-from pallas_kernels.linear_attention.tests._data import (bounded_chunks, fast_jit, make_inputs,
-                                                         rel_rms, with_strong_decay)
+from pallas_kernels.linear_attention.tests._data import (fast_jit, make_inputs, rel_rms,
+                                                         with_strong_decay, with_three_layouts)
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -78,13 +79,22 @@ def test_fp32_exact_over_key_blocks_taking_different_diagonal_paths():
   _assert_within(_errors(x, block_k=16), 1e-4, 1e-4)
 
 
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
+                                                      (jnp.bfloat16, 5e-3, 1e-2)])
+def test_every_chunk_layout_in_one_launch(dtype, out_tol, grad_tol):
+  # key blocks of 16: in chunk 1 one block is WHOLE_CHUNK, the other PER_SUB_CHUNK
+  x = with_three_layouts(make_inputs(seed=16, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
+  _assert_within(_errors(x, block_k=16), out_tol, grad_tol)
+
+
 def test_fp32_exact_at_the_widest_key_head():
-  # Dk = 256 (its default value tile, 32): chunk 0 bounded (whole-chunk products over
-  # all 256 channels), chunk 1 not
+  # Dk = 256 (its default value tile, 32): chunk 0 anchored once (whole-chunk products
+  # over all 256 channels), chunk 1 once per sub-chunk
   x = make_inputs(seed=14, T=128, H=1, Dk=256, Dv=32, min_log_decay=-2.0, segment_rate=0.03)
   t = jnp.arange(128)
   x = with_strong_decay(x, (t >= 70) & (t % 5 == 0))
-  assert bounded_chunks(x["g"])[0, :, 0].tolist() == [True, False]
+  assert factors.chunk_layouts(x["g"])[0, :,
+                                       0].tolist() == [factors.WHOLE_CHUNK, factors.PER_SUB_CHUNK]
   _assert_within(_errors(x), 1e-4, 1e-4)
 
 
