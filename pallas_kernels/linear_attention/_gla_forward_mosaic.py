@@ -32,8 +32,8 @@ MAX_DK = 128  # the [Dk, BV] fp32 state stays in warpgroup 0's registers
 
 def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOCK_V, stages=STAGES):
   """(o [B, Tp, H, Dv] in v's dtype, final fp32 state [B, H, Dk, Dv]) from the decayed
-    rows qg, kg [B, Tp, H, Dk] (compute dtype), the in-chunk scores a [B, H, NT, C, C]
-    (fp32), the in-chunk cumulative decay b (for the per-chunk state factor) and h0."""
+    rows qg, kg [B, Tp, H, Dk] and the in-chunk scores a [B, H, NT, C, C] (compute
+    dtype), the in-chunk cumulative decay b (for the per-chunk state factor) and h0."""
   B, Tp, H, Dk = qg.shape
   Dv = v.shape[-1]
   n_chunks = Tp // C
@@ -109,7 +109,7 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOC
       smem((stages, C, bv), cd),  # v (warpgroup 0)
       plgpu.SMEM((stages, Dk), F32),  # per-chunk state factor
       smem((stages, C, Dk), cd, swizzle_row=bv),  # qg (warpgroup 1)
-      plgpu.SMEM((stages, C, C), F32),  # scores (warpgroup 1)
+      plgpu.SMEM((stages, C, C), a.dtype),  # scores (warpgroup 1)
       smem((stages, C, bv), cd),  # v (warpgroup 1)
       smem((Dk, bv), cd),  # the state entering the chunk, published
       smem((C, C), cd, swizzle_row=bv),  # scores in the compute dtype

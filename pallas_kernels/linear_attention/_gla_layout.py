@@ -41,5 +41,5 @@ class Grid:
     return pl.BlockSpec((_sq, _sq, _sq, block, dv), lambda b, h, c, j: (b, h, c, j, 0))
 
 
-def scores_shape(B, H, Tp):
-  return jax.ShapeDtypeStruct((B, H, Tp // C, C, C), F32)
+def scores_shape(B, H, Tp, dtype=F32):
+  return jax.ShapeDtypeStruct((B, H, Tp // C, C, C), dtype)

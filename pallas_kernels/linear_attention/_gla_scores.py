@@ -82,7 +82,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
     n = a.shape[1]
     t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
     keep = (s <= t) & (r[:, None] == r_ref[pl.ds(start, n)][None, :])
-    a_ref[:, pl.ds(start, n)] = jnp.where(keep, a, 0.0)
+    a_ref[:, pl.ds(start, n)] = jnp.where(keep, a, 0.0).astype(a_ref.dtype)
 
   def factored(anchors):
     query = rows(q_ref, 0, C) * factors.factors(b, anchors.per_token())[0]
@@ -125,7 +125,8 @@ def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
 
 
 def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None):
-  """The in-chunk scores A [B, H, NT, C, C] (fp32, unscaled, zero above the diagonal);
+  """The in-chunk scores A [B, H, NT, C, C] (unscaled, zero above the diagonal) in the
+    compute dtype: every use of A is a matmul operand in that dtype (A v, A^T do);
     num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
     decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
     compute dtype (see _scores_kernel)."""
@@ -133,7 +134,7 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
   g = Grid()
   cd = compute_dtype(q.dtype)
   specs, out_specs, outs = [g.chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], \
-      g.scores(), scores_shape(B, H, Tp)
+      g.scores(), scores_shape(B, H, Tp, cd)
   flags = ()
   if decayed_with is not None:
     flags = tuple(decayed_with)

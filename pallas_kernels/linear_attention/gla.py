@@ -5,10 +5,10 @@ _gla_states_mosaic on Hopper: Tiling.state_walk), parallel kernels each chunk's 
 scores A (_gla_scores) and, per block of value channels, its output (_gla_chunks); or,
 with Tiling.forward = "fused", the scores kernel and one Mosaic GPU kernel that walks the
 states and computes the outputs (_gla_forward_mosaic). Backward: the start states are
-recomputed (the inputs and A are the residuals: A costs as much memory as one
-[B, T, H, 64] fp32 tensor), a reverse sequential kernel gives each chunk's end-state
-gradient, parallel kernels the score gradients dA, dv per value block, and dq, dk and
-the decay gradient per block of key channels.
+recomputed (the inputs and A are the residuals: A, in the compute dtype, costs as much
+memory as v), a reverse sequential kernel gives each chunk's end-state gradient,
+parallel kernels the score gradients dA, dv per value block, and dq, dk and the decay
+gradient per block of key channels.
 """
 import functools
 from typing import NamedTuple
