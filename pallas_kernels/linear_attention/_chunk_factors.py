@@ -30,6 +30,7 @@ from pallas_kernels.linear_attention._pallas_common import N_SUB, SUB, iota, row
 
 WHOLE_CHUNK, PER_SUB_CHUNK, SUB_CHUNKS = 0, 1, 2
 C = N_SUB * SUB
+BRIDGE_SHIFT = FACTOR_LIMIT / 2  # see Anchors
 
 
 def midpoint(b):
@@ -60,11 +61,13 @@ class Anchors(NamedTuple):
 
     Per sub-chunk, a loop step over sub-chunk i pairs its own rows, factored by
     `step_factors`, with operands of the whole chunk (every row factored through its own
-    anchor) bridged to m_i. The step's factors carry exp(-FACTOR_LIMIT) and the bridges
-    exp(+FACTOR_LIMIT): every step factor is then <= 1, and a bridge flushes to zero
-    (below exp(-87)) only for pairs whose decay is below exp(FACTOR_LIMIT - 87) ~ 4e-21.
-    Unshifted, a flushed bridge could drop pairs that decay by as little as
-    exp(2 FACTOR_LIMIT - 87) ~ 7e-4 (two 80-wide sub-chunks across a one-token gap)."""
+    anchor) bridged to m_i. The step's factors carry exp(-BRIDGE_SHIFT) and the bridges
+    exp(+BRIDGE_SHIFT), so that a bridge flushes to zero (below exp(-87)) only for pairs
+    whose decay is below exp(2 FACTOR_LIMIT - BRIDGE_SHIFT - 87) ~ 2e-12, where an
+    unshifted one could drop pairs that decay by as little as exp(2 FACTOR_LIMIT - 87) ~
+    7e-4 (two 80-wide sub-chunks across a one-token gap). Bridged operands stay within
+    exp(FACTOR_LIMIT + BRIDGE_SHIFT) times their inputs (finite where a dropped pair
+    multiplies them by zero)."""
   rows: tuple
   uniform: jax.Array
 
@@ -81,8 +84,8 @@ class Anchors(NamedTuple):
 
   def step_factors(self, b_i, i):
     """(exp(b - m_i), exp(m_i - b)) for sub-chunk i's rows b_i [SUB, D], each times
-      exp(-FACTOR_LIMIT) unless uniform (the bridges carry it back)."""
-    shift = FACTOR_LIMIT * (1.0 - self.uniform.astype(jnp.float32))
+      exp(-BRIDGE_SHIFT) unless uniform (the bridges carry it back)."""
+    shift = BRIDGE_SHIFT * (1.0 - self.uniform.astype(jnp.float32))
     rel = b_i - self.of(i)
     return jnp.exp(rel - shift), jnp.exp(-rel - shift)
 
@@ -90,13 +93,13 @@ class Anchors(NamedTuple):
     """x [C, D], every row factored through its own anchor, re-anchored at sub-chunk i's
       m_i for the pairs the causal mask keeps: as keys (rows of sub-chunks J <= i) times
       exp(m_i - m_J), as queries (rows of sub-chunks J >= i) times exp(m_J - m_i); each
-      times exp(FACTOR_LIMIT) (see step_factors). Other rows get exp(FACTOR_LIMIT) alone
+      times exp(BRIDGE_SHIFT) (see step_factors). Other rows get exp(BRIDGE_SHIFT) alone
       (finite; their pairs are dropped). Skipped when uniform."""
     m_i = self.of(i)
 
     def bridged():
       rel = [(m_i - m_j) if keys else (m_j - m_i) for m_j in self.rows]
-      return x * _per_token([jnp.exp(jnp.minimum(r, 0.0) + FACTOR_LIMIT) for r in rel])
+      return x * _per_token([jnp.exp(jnp.minimum(r, 0.0) + BRIDGE_SHIFT) for r in rel])
 
     return jax.lax.cond(self.uniform, lambda: x, bridged)
 
