@@ -69,6 +69,7 @@ LONG_FILES_FIRST = (
     "tests/test_memory.py",
     "tests/test_dry_run.py",
     "tests/test_multihost.py",
+    "tests/test_quantized_training.py",
     "tests/test_notebook.py",
     "tests/test_bench_multi_gpu.py",
     "tests/test_train.py",
