@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
 from pallas_kernels.linear_attention._pallas_common import N_SUB, SUB, iota, rows
@@ -102,6 +103,30 @@ class Anchors(NamedTuple):
       return x * _per_token([jnp.exp(jnp.minimum(r, 0.0) + BRIDGE_SHIFT) for r in rel])
 
     return jax.lax.cond(self.uniform, lambda: x, bridged)
+
+
+def by_key_blocks(anchors, k_ref, b_ref, b, products):
+  """A factored chunk's scores by key columns: products(start, keys, bridge) with keys
+    [n, D] of rows [start, start + n) factored for the queries, and bridge re-anchoring a
+    query-side operand [C, D] (every row through its own anchor) to them; b: the chunk's
+    rows of b_ref, already loaded. One call for
+    all 64 keys when uniform, else one per key sub-chunk (a loop: one copy of the code)."""
+
+  def whole_chunk():
+    keys = rows(k_ref, 0, C) * factors(b, anchors.rows[0])[1]
+    products(0, keys, lambda x: x)
+
+  def per_sub_chunk():
+
+    def key_block(j, carry):
+      start = pl.multiple_of(j * SUB, SUB)
+      keys = rows(k_ref, start, SUB) * anchors.step_factors(rows(b_ref, start, SUB), j)[1]
+      products(start, keys, lambda x: anchors.bridge(x, j, keys=False))
+      return carry
+
+    jax.lax.fori_loop(0, N_SUB, key_block, 0)
+
+  jax.lax.cond(anchors.uniform, whole_chunk, per_sub_chunk)
 
 
 def anchors(b_ref):

@@ -86,22 +86,9 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
 
   def factored(anchors):
     query = rows(q_ref, 0, C) * factors.factors(b, anchors.per_token())[0]
-
-    def whole_chunk():
-      key = rows(k_ref, 0, C) * factors.factors(b, anchors.rows[0])[1]
-      store(0, diag.f32_mm(query, key, trans_b=True))
-
-    def per_sub_chunk():
-
-      def key_block(j, carry):
-        start = pl.multiple_of(j * SUB, SUB)
-        key = rows(k_ref, start, SUB) * anchors.step_factors(rows(b_ref, start, SUB), j)[1]
-        store(start, diag.f32_mm(anchors.bridge(query, j, keys=False), key, trans_b=True))
-        return carry
-
-      jax.lax.fori_loop(0, N_SUB, key_block, 0)
-
-    jax.lax.cond(anchors.uniform, whole_chunk, per_sub_chunk)
+    factors.by_key_blocks(
+        anchors, k_ref, b_ref, b,
+        lambda start, keys, bridge: store(start, diag.f32_mm(bridge(query), keys, trans_b=True)))
 
   def by_sub_chunks():
 

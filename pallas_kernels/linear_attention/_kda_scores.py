@@ -96,24 +96,11 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
   def factored(anchors):
     down = factors.factors(b, anchors.per_token())[0]
 
-    def products(start, key, bridge):
-      store(start, diag.f32_mm(bridge(rows(k_ref, 0, C) * down), key, trans_b=True),
-            diag.f32_mm(bridge(rows(q_ref, 0, C) * down), key, trans_b=True))
+    def products(start, keys, bridge):
+      store(start, diag.f32_mm(bridge(rows(k_ref, 0, C) * down), keys, trans_b=True),
+            diag.f32_mm(bridge(rows(q_ref, 0, C) * down), keys, trans_b=True))
 
-    def whole_chunk():
-      products(0, rows(k_ref, 0, C) * factors.factors(b, anchors.rows[0])[1], lambda x: x)
-
-    def per_sub_chunk():
-
-      def key_block(j, carry):
-        start = pl.multiple_of(j * SUB, SUB)
-        key = rows(k_ref, start, SUB) * anchors.step_factors(rows(b_ref, start, SUB), j)[1]
-        products(start, key, lambda x: anchors.bridge(x, j, keys=False))
-        return carry
-
-      jax.lax.fori_loop(0, N_SUB, key_block, 0)
-
-    jax.lax.cond(anchors.uniform, whole_chunk, per_sub_chunk)
+    factors.by_key_blocks(anchors, k_ref, b_ref, b, products)
 
   def by_sub_chunks():
 
