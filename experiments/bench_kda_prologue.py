@@ -77,8 +77,8 @@ def bench_shape(shape, rounds=15, calls=10):
     return row
   try:
     theirs = fwd_and_fwdbwd(theirs)
-    diff = (mine[0](*x).astype(jnp.float32) - theirs[0](*x).astype(jnp.float32))
     ref = mine[0](*x).astype(jnp.float32)
+    diff = ref - theirs[0](*x).astype(jnp.float32)
     row["rel_rms_vs_jla"] = float(jnp.sqrt(jnp.mean(diff**2) / jnp.mean(ref**2)))
     for i, kind in enumerate(("fwd", "fwdbwd")):
       r = interleaved_ratios({"ours": lambda i=i: mine[i](*x)}, lambda i=i: theirs[i](*x),
