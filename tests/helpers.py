@@ -61,13 +61,21 @@ def fixture_config(family: str) -> dict:
   return json.loads((FIXTURES / family / "config.json").read_text())
 
 
-def tiny_k3_config() -> dict:
+def tiny_k3_config(layers: int | None = None) -> dict:
   """The Kimi Linear fixture's config with Kimi K3's fields: full-rank KDA output gate,
   decay lower bound, low-rank q and output gate in MLA, latent MoE, SiTU-GLU, block
-  attention residuals (two layers per block over five layers)."""
+  attention residuals (two layers per block over five layers). With `layers`, its first
+  layers only: 3 keeps every K3 layer kind (KDA, KDA, gated MLA; a dense FFN, then latent
+  experts) at a third less compile than five."""
   text = fixture_config("kimi_linear")
   text["linear_attn_config"] = dict(text["linear_attn_config"], gate_lower_bound=-5.0,
                                     use_full_rank_gate=True)
+  if layers is not None:
+    kinds = text["layer_types"][:layers]
+    text["linear_attn_config"].update(
+        kda_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "linear_attention"],
+        full_attn_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "full_attention"])
+    text.update(num_hidden_layers=layers, mlp_layer_types=text["mlp_layer_types"][:layers])
   text.pop("layer_types", None)
   text.update(q_lora_rank=24, mla_use_output_gate=True, routed_expert_hidden_size=48,
               hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,

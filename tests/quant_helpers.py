@@ -68,7 +68,7 @@ def hf_config(fmt: str) -> dict | None:
     return hf
   if fmt == "mxfp4":  # Kimi K3: routed experts only, inputs in groups of 32
     from hylora.core.families import published
-    hf = tiny_k3_config()
+    hf = tiny_k3_config(layers=3)
     hf["text_config"].update(
         routed_expert_hidden_size=64,
         quantization_config=published("kimi-k3")["text_config"]["quantization_config"])

@@ -47,14 +47,8 @@ def _hybrid():
 
 
 def _k3_three_layers():
-  """The tiny K3 cut to KDA, KDA, gated MLA (one attention-residual block and a half): every
-  K3 layer kind at a third less compile than five layers."""
-  hf = tiny_k3_config()
-  text = dict(hf["text_config"], num_hidden_layers=3)
-  text["linear_attn_config"] = dict(text["linear_attn_config"], full_attn_layers=[3],
-                                    kda_layers=[1, 2])
-  text["mlp_layer_types"] = text["mlp_layer_types"][:3]
-  return released_config(dict(hf, text_config=text))
+  """The tiny K3 cut to KDA, KDA, gated MLA (one attention-residual block and a half)."""
+  return released_config(tiny_k3_config(layers=3))
 
 
 # Kimi Linear's KDA and MLA are K3's without its decay bound, output gate and latent

@@ -66,6 +66,21 @@ def fast_jit(fn, **kw):
   return jax.jit(fn, compiler_options=FAST_COMPILE, **kw)
 
 
+def outputs_and_grads(fn, *args):
+  """(fn(*args) = (o, final state), the gradients of every argument) in one compiled
+    program: the gradients of the random linear functional sum(o w_o) + sum(s w_s) that
+    loss_fn forms (w_o in o's dtype, as its cast gives it), from the forward's own pullback,
+    so that the kernels are traced and compiled once."""
+
+  def run(*args):
+    (o, s), pullback = jax.vjp(fn, *args)
+    w_o = jax.random.normal(jax.random.key(101), o.shape).astype(o.dtype)
+    w_s = jax.random.normal(jax.random.key(102), s.shape).astype(s.dtype)
+    return (o, s), pullback((w_o, w_s))
+
+  return fast_jit(run)(*args)
+
+
 def loss_fn(fn, segment_ids, **extra):
   """Random linear functional of the output and the final state (fresh, dense cotangents)."""
 

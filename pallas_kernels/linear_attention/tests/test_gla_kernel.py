@@ -7,23 +7,20 @@ import pytest
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention.gla import Tiling
-from pallas_kernels.linear_attention.tests._data import (fast_jit, loss_fn, make_inputs, rel_rms,
+from pallas_kernels.linear_attention.tests._data import (make_inputs, outputs_and_grads, rel_rms,
                                                          with_strong_decay, with_three_layouts)
 
 
 def _check(x, out_tol, grad_tol, **kernel_kw):
-  args = (x["q"], x["k"], x["v"], x["g"])
-  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
-  f32 = [a.astype(jnp.float32) if a.dtype != jnp.float32 else a for a in args]
-  o_ref, s_ref = fast_jit(lambda *a: gla_recurrent(*a, **kw))(*f32)
-  o, s = fast_jit(lambda *a: chunked_gla(*a, **kw, **kernel_kw))(*args)
+  args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"])
+  f32 = [a.astype(jnp.float32) for a in args]
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
+  (o_ref, s_ref), grads_ref = outputs_and_grads(
+      lambda q, k, v, g, h0: gla_recurrent(q, k, v, g, initial_state=h0, **kw), *f32)
+  (o, s), grads = outputs_and_grads(
+      lambda q, k, v, g, h0: chunked_gla(q, k, v, g, initial_state=h0, **kw, **kernel_kw), *args)
   chex.assert_type([o, s], [x["v"].dtype, jnp.float32])
   assert rel_rms(o_ref, o) < out_tol and rel_rms(s_ref, s) < out_tol
-  kernel = lambda *a, **k: chunked_gla(*a, **k, **kernel_kw)
-  grads_ref = fast_jit(jax.grad(loss_fn(gla_recurrent, x["segment_ids"]),
-                                (0, 1, 2, 3, 4)))(*f32, x["initial_state"])
-  grads = fast_jit(jax.grad(loss_fn(kernel, x["segment_ids"]), (0, 1, 2, 3, 4)))(*args,
-                                                                                 x["initial_state"])
   for name, a, b in zip("q k v g h0".split(), grads_ref, grads):
     assert rel_rms(a, b) < grad_tol, name
 
