@@ -55,14 +55,14 @@ def jla_prologue():
 
 
 def fwd_and_fwdbwd(fn):
-  """Jitted forward and forward+backward (gradients of x and w against a fixed random
-    cotangent)."""
+  """Jitted forward and forward+backward: the loss, a random projection of the output, and
+    the gradients of x and w (both, as in bench_linear_attention.fwd_and_fwdbwd)."""
 
   def loss(x, w, segment_ids):
     y = fn(x, w, segment_ids).astype(jnp.float32)
     return jnp.sum(y * jax.random.normal(jax.random.key(1), y.shape))
 
-  return jax.jit(fn), jax.jit(jax.grad(loss, argnums=(0, 1)))
+  return jax.jit(fn), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
 def bench_shape(shape, rounds=15, calls=10):

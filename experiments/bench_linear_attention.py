@@ -5,7 +5,9 @@ peers, all in the same process.
     PYTHONPATH=src:. python3 experiments/bench_linear_attention.py --op kda [--shapes 1,8192,64,128] [--breakdown]
 
 Prints a correctness check against the reference, then per shape forward and
-forward+backward milliseconds of each Pallas setting (`experiments.timing.median_ms`),
+forward+backward milliseconds of each Pallas setting (`experiments.timing.median_ms`;
+forward+backward as training runs it: the output, which the loss reads, and every
+input's gradient, see `fwd_and_fwdbwd`),
 and every comparison as alternating rounds of ours and the other side in this process
 (`experiments.timing.interleaved_ratios`): the plain-JAX reference (`reference_*_ms`,
 `vs_reference_*`) and the peers, jla's Mosaic GPU kernels (`linear_attention(...,
@@ -78,10 +80,14 @@ def inputs(B, T, H, D, seed=0, gates="logsigmoid"):
 
 
 def fwd_and_fwdbwd(fn, inputs=4):
-  """Jitted forward (the output) and forward+backward (gradients of every input)."""
+  """Jitted forward (the output) and forward+backward: the loss, a sum of the output, and
+    the gradients of every input, as a training step needs both. With the gradients alone
+    XLA drops any kernel whose only result is the output (ours: the outputs kernel of the
+    split forward), while a kernel that writes the output beside the backward's residuals
+    (jla's state-and-output kernel) still runs: the two sides would not do the same work."""
   fwd = jax.jit(lambda *a: fn(*a)[0])
   loss = lambda *a: fn(*a)[0].astype(jnp.float32).sum()
-  fwdbwd = jax.jit(jax.grad(loss, argnums=tuple(range(inputs))))
+  fwdbwd = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(inputs))))
   return fwd, fwdbwd
 
 

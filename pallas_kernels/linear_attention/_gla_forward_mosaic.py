@@ -8,6 +8,8 @@ chunks:
     (bf16, shared memory), then S <- keep exp(b_last) S + kg^T v;
   warpgroup 1 computes o = scale (qg S + A v) for chunk n from the published state while
     warpgroup 0 moves on to the next update;
+With `with_states`, warpgroup 0 also sends each published state on to memory through TMA
+(the per-chunk states the backward reads, as the split forward's state kernel writes them).
 qg = q exp(b) carry_in and kg = k exp(b_last - b) in_last come in bf16 from the scores
 kernel (_gla_scores.chunk_scores(decayed_with=...)), so neither warpgroup loads the fp32
 decays: two TMA slots each fit in shared memory (~160 KiB at Dk = 128, BV = 64). Each
@@ -30,17 +32,21 @@ STAGES = 2  # TMA slots per warpgroup (three would pass the 227 KiB of shared me
 MAX_DK = 128  # the [Dk, BV] fp32 state stays in warpgroup 0's registers
 
 
-def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOCK_V, stages=STAGES):
+def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, with_states=False,
+                block_v=BLOCK_V, stages=STAGES):
   """(o [B, Tp, H, Dv] in v's dtype, final fp32 state [B, H, Dk, Dv]) from the decayed
     rows qg, kg [B, Tp, H, Dk] and the in-chunk scores a [B, H, NT, C, C] (compute
-    dtype), the in-chunk cumulative decay b (for the per-chunk state factor) and h0."""
+    dtype), the in-chunk cumulative decay b (for the per-chunk state factor) and h0; with
+    `with_states`, then the state entering every chunk [B, H, NT, Dk, Dv] (compute dtype)."""
   B, Tp, H, Dk = qg.shape
   Dv = v.shape[-1]
   n_chunks = Tp // C
   cd, bv = qg.dtype, block_v
 
-  def body(kg_ref, v_ref, d_ref, qg_ref, a_ref, h0_ref, o_ref, final_ref, kg_s, v0_s, d_s, qg_s,
-           a_s, v1_s, s_s, a16_s, o_s, bars0, bars1, ready, free, done):
+  def body(kg_ref, v_ref, d_ref, qg_ref, a_ref, h0_ref, o_ref, final_ref, *refs):
+    states_ref = refs[0] if with_states else None
+    (kg_s, v0_s, d_s, qg_s, a_s, v1_s, s_s, a16_s, o_s, bars0, bars1, ready, free,
+     done) = refs[with_states:]
     vt, h, bi = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
     vcols = pl.ds(vt * bv, bv)
 
@@ -63,8 +69,12 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOC
         def _():
           plgpu.barrier_wait(free)  # warpgroup 1 has read the previous state
 
-        s_s[...] = S.astype(cd)
-        plgpu.commit_smem()
+        if with_states:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # so has its copy to memory
+          publish(S, s_s, states_ref.at[bi, h, i, :, vcols])
+        else:
+          s_s[...] = S.astype(cd)
+          plgpu.commit_smem()
         plgpu.barrier_arrive(ready)
         decay = per_row(load(d_s.at[slot], ROW), (Dk, bv))
         return matmul(kg_s.at[slot].T, v0_s.at[slot], (Dk, bv), interpret, init=S * decay)
@@ -72,6 +82,7 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOC
       S = lax.fori_loop(0, n_chunks, step, load(h0_ref.at[bi, h, :, vcols]))
       final_ref.at[bi, h, :, vcols][...] = S
       plgpu.barrier_wait(free)  # warpgroup 1's last arrival
+      plgpu.wait_smem_to_gmem(0)
 
     @pl.when(lax.axis_index("wg") == 1)
     def _outputs():
@@ -120,8 +131,9 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, block_v=BLOC
       plgpu.Barrier(num_arrivals=1),  # free
       plgpu.Barrier(num_arrivals=2),  # done
   )
-  fwd = kernel(body, (jax.ShapeDtypeStruct(
-      (B, Tp, H, Dv), v.dtype), jax.ShapeDtypeStruct(
-          (B, H, Dk, Dv), F32)), (Dv // bv, H, B), ("v", "h", "b"), scratch, "gla_forward_mosaic",
+  outs = (jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype), jax.ShapeDtypeStruct((B, H, Dk, Dv), F32))
+  if with_states:
+    outs += (jax.ShapeDtypeStruct((B, H, n_chunks, Dk, Dv), cd),)
+  fwd = kernel(body, outs, (Dv // bv, H, B), ("v", "h", "b"), scratch, "gla_forward_mosaic",
                interpret, num_threads=2, thread_name="wg")
   return fwd(kg, v, state_factors(b, carry_in), qg, a, h0.astype(F32))

@@ -4,10 +4,11 @@ Forward: a thin sequential kernel computes every chunk's start state (_gla_state
 _gla_states_mosaic on Hopper: Tiling.state_walk), parallel kernels each chunk's in-chunk
 scores A (_gla_scores) and, per block of value channels, its output (_gla_chunks); or,
 with Tiling.forward = "fused", the scores kernel and one Mosaic GPU kernel that walks the
-states and computes the outputs (_gla_forward_mosaic). Backward: the start states are
-recomputed (the inputs and A are the residuals: A, in the compute dtype, costs as much
-memory as v), a reverse sequential kernel gives each chunk's end-state gradient,
-parallel kernels the score gradients dA, dv per value block, and dq, dk and the decay
+states and computes the outputs (_gla_forward_mosaic). Backward: the residuals are the
+inputs, A (in the compute dtype, as much memory as v) and the per-chunk start states that
+either forward writes (as much as q and k together at Dv = 128; a remat policy that saves
+neither runs the forward again); a reverse sequential kernel gives each chunk's end-state
+gradient, parallel kernels the score gradients dA, dv per value block, and dq, dk and the decay
 gradient per block of key channels.
 """
 import functools
@@ -48,8 +49,9 @@ class Tiling(NamedTuple):
   # and warpgroup matmuls) or "triton"; "auto" takes "mosaic" where it runs
   # (state_walk_kind)
   state_walk: str = "auto"
-  # "split" or "fused" (_FORWARDS; the fused forward runs on Mosaic GPU, Hopper only).
-  # "split" by default: its state kernel is shared with the backward's recomputation
+  # "split" or "fused" (_FORWARDS; the fused forward runs on Mosaic GPU, Hopper only);
+  # both hand the per-chunk states to the backward. "split" by default (measured:
+  # docs/performance.md, "GLA: the fused forward timed")
   forward: str = "split"
   interpret: bool = False
 
@@ -91,31 +93,34 @@ def _states(k, v, b, masks, h0, t: Tiling):
   return state_walks(t)[0](k, v, b, in_last, carry_in, h0)
 
 
-def _split_forward(q, k, v, b, h0, runs, masks, scale, t):
+def _split_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
+  del with_states  # the outputs kernel reads them: always in memory
   h, ht = _states(k, v, b, masks, h0, t)
   a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
                    num_stages=t.score_stages)
   o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v, interpret=t.interpret,
                     num_warps=t.chunk_warps)
-  return (o, ht), a
+  return (o, ht), a, h
 
 
-def _fused_forward(q, k, v, b, h0, runs, masks, scale, t):
+def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
   a, qg, kg = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
                            num_stages=t.score_stages, decayed_with=masks)
-  out = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
-                                        interpret=t.interpret)
-  return out, a
+  o, ht, *h = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
+                                              interpret=t.interpret, with_states=with_states)
+  return (o, ht), a, (h[0] if with_states else None)
 
 
 # Tiling.forward: "split" (state kernel, then the outputs kernel) or "fused" (the
 # scores kernel also emits the decayed q and k rows; one Mosaic GPU kernel walks the
-# states and computes the outputs, no per-chunk states in memory)
+# states and computes the outputs, writing the per-chunk states only for the backward)
 _FORWARDS = {"split": _split_forward, "fused": _fused_forward}
 
 
-def _forward(q, k, v, b, h0, runs, masks, scale, t):
-  return _FORWARDS[t.forward](q, k, v, b, h0, runs, masks, scale, t)
+def _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=False):
+  """((o, final state), A, the per-chunk states where with_states asks for them or the
+    forward writes them anyway, else None)."""
+  return _FORWARDS[t.forward](q, k, v, b, h0, runs, masks, scale, t, with_states)
 
 
 def check_forward(t: Tiling, dtypes, Dk, Dv):
@@ -139,17 +144,15 @@ def _gla_core(q, k, v, b, h0, runs, masks, scale, t):
 
 
 def _gla_core_fwd(q, k, v, b, h0, runs, masks, scale, t):
-  # per-chunk states are recomputed in the backward; the in-chunk scores are kept
-  out, a = _forward(q, k, v, b, h0, runs, masks, scale, t)
+  out, a, h = _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=True)
   a, = residuals.keep(a)  # kept with the core's output by a remat policy saving "attention"
-  return out, (q, k, v, b, h0, runs, masks, a)
+  return out, (q, k, v, b, h0, runs, masks, a, h)
 
 
 def _gla_core_bwd(scale, t, res, cts):
-  q, k, v, b, h0, runs, masks, a = res
+  q, k, v, b, h0, runs, masks, a, h = res
   do, dht = cts
   do = do.astype(v.dtype)
-  h, _ = _states(k, v, b, masks, h0, t)
   ds, dh0 = state_walks(t)[1](q, b, masks[0], do, dht, scale=scale)
   dv = chunk_value_grads(k, b, masks[1], ds, a, do, scale=scale, block_v=t.grad_block_v,
                          interpret=t.interpret, num_warps=t.grad_warps)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.linear_attention import _chunk_prep, _gla_states, _gla_states_mosaic
+from pallas_kernels.linear_attention import _chunk_prep, _gla_states, _gla_states_mosaic, gla
 from pallas_kernels.linear_attention._mosaic_common import require_mosaic
 from pallas_kernels.linear_attention.gla import Tiling, chunked_gla
 from pallas_kernels.linear_attention.tests._data import make_inputs, rel_rms
@@ -57,14 +57,28 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
 
 def test_fused_forward_matches_the_split_forward():
   # the fused forward (scores kernel with qg, kg + one two-warpgroup Mosaic GPU kernel)
-  # against the split one on the same inputs: 4 chunks, resets, an initial state
+  # against the split one on the same inputs: 4 chunks, resets, an initial state; with
+  # the states it writes for the backward, as the split forward's state kernel does
   x = make_inputs(seed=24, T=200, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
                   segment_rate=0.02)
-  args = (x["q"], x["k"], x["v"], x["g"])
-  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
-  o_ref, s_ref = chunked_gla(*args, **kw, tiling=Tiling(state_walk="mosaic"))
-  o, s = chunked_gla(*args, **kw, tiling=Tiling(state_walk="mosaic", forward="fused"))
-  assert o.dtype == o_ref.dtype and rel_rms(o_ref, o) < 1e-4 and rel_rms(s_ref, s) < 1e-5
+  B, T = x["segment_ids"].shape
+  q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
+  masks = _chunk_prep.segment_masks(runs)
+  split = Tiling(state_walk="mosaic", interpret=True)
+  fused = split._replace(forward="fused")
+  (o_ref, s_ref), a_ref, h_ref = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3,
+                                              split)
+  for with_states in (False, True):
+    (o, s), a, h = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3, fused,
+                                with_states=with_states)
+    assert o.dtype == o_ref.dtype and rel_rms(o_ref, o) < 1e-4 and rel_rms(s_ref, s) < 1e-5
+    assert rel_rms(a_ref, a) == 0.0
+    if with_states:
+      chex.assert_type(h, h_ref.dtype)
+      # the walk's 64-row tiles and the fused kernel's whole-Dk tile: same bf16 states
+      assert rel_rms(h_ref, h) < 1e-5
+    else:
+      assert h is None
 
 
 def test_chunked_gla_with_the_fused_forward_matches_the_oracle():
