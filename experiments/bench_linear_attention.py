@@ -250,7 +250,8 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
 def kda_kernel_breakdown(shape, gates="logsigmoid"):
   """Milliseconds of each KDA kernel alone (forward: intra = scores + solve, states,
     output; backward adds the recomputed intra with the inverse, dv_local, state_grads,
-    wy_grads, key_grads); the state kernels in every implementation that runs here."""
+    wy_grads, key_grads); the state kernels in every implementation that runs here, and
+    where Mosaic GPU runs the fused forward's kernel (states and outputs)."""
   from pallas_kernels.linear_attention import _chunk_prep
   from pallas_kernels.linear_attention._kda_intra import chunk_intra
   from pallas_kernels.linear_attention._kda_scores import chunk_scores
@@ -290,6 +291,12 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   key = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
       q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), **kw))
   walk_ms = {}
+  if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
+    from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
+    fused = jax.jit(lambda w, u0, kg, qg, aqk, b:
+                    kda_forward(w, u0, kg, qg, aqk, b, ci, h0, scale=scale, block_v=kw["block_v"],
+                                out_dtype=vp.dtype, interpret=interp, with_states=True))
+    walk_ms["fused_states_outputs"] = round(median_ms(fused, w, u0, kg, qg, aqk, b), 3)
   for name, (walk_states, walk_grads) in walks.items():
     walk_ms[f"states_{name}"] = round(
         median_ms(jax.jit(lambda w, u0, kg, b: walk_states(w, u0, kg, b, ci, h0, **kw)), w, u0, kg,
@@ -359,7 +366,7 @@ def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
 
 
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
-              walks=STATE_WALKS):
+              walks=STATE_WALKS, forwards=("split",)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
   from pallas_kernels.linear_attention import chunked_kda, kda_chunked
@@ -391,7 +398,10 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
     x = kda_inputs(shape, gates=regime)
     row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
     impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
-             for walk in walks]
+             for walk in walks
+             if "split" in forwards]
+    if "fused" in forwards:  # its backward's walk: "auto"
+      impls.append(("pallas[forward=fused]", functools.partial(chunked_kda, forward="fused")))
     bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
     del x
 
@@ -424,13 +434,17 @@ def main():
       "log_sigmoid of N(0, 1) or of N(-3, 1), or as fla's KDA layer initialises them")
   ap.add_argument("--state-walks", nargs="+", choices=STATE_WALKS, default=list(STATE_WALKS),
                   help="--op kda: the state walks to time (auto: mosaic where it runs)")
+  ap.add_argument(
+      "--kda-forwards", nargs="+", choices=("split", "fused"), default=["split"],
+      help="--op kda: the forwards to time: split (with each of --state-walks) "
+      "and fused (walk and outputs in one Mosaic GPU kernel, Hopper)")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
   print(jax.devices(), flush=True)
   if args.op == "kda":
     return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
-                     args.state_walks)
+                     args.state_walks, args.kda_forwards)
   correctness(args.tiling)
   if args.breakdown:
     for (_, tiling), regime in itertools.product(args.tiling, args.gates):

@@ -25,7 +25,8 @@ from pallas_kernels.linear_attention._chunk_prep import state_factors
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._mosaic_common import (F32, ROW, kernel, load, matmul, per_row,
                                                             smem)
-from pallas_kernels.linear_attention._mosaic_walk import next_slot, prefetch, publish
+from pallas_kernels.linear_attention._mosaic_walk import (OutputSide, StateSide, publish,
+                                                          publish_or_share, walk_and_outputs)
 
 BLOCK_V = 64
 STAGES = 2  # TMA slots per warpgroup (three would pass the 227 KiB of shared memory)
@@ -50,70 +51,41 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, with_states=
     vt, h, bi = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
     vcols = pl.ds(vt * bv, bv)
 
-    @pl.when(lax.axis_index("wg") == 0)
-    def _state():
+    def fetch_state(i, slot):
+      tok, bar = pl.ds(i * C, C), bars0.at[slot]
+      plgpu.copy_gmem_to_smem(kg_ref.at[bi, tok, h], kg_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v0_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(d_ref.at[bi, i, h], d_s.at[slot], bar)
 
-      def fetch(i, slot):
-        tok, bar = pl.ds(i * C, C), bars0.at[slot]
-        plgpu.copy_gmem_to_smem(kg_ref.at[bi, tok, h], kg_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v0_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(d_ref.at[bi, i, h], d_s.at[slot], bar)
+    def share(i, slot, S):
+      publish_or_share(S, s_s, states_ref.at[bi, h, i, :, vcols] if with_states else None)
 
-      prefetch(fetch, stages, n_chunks)
+    def update(i, slot, S):
+      decay = per_row(load(d_s.at[slot], ROW), (Dk, bv))
+      return matmul(kg_s.at[slot].T, v0_s.at[slot], (Dk, bv), interpret, init=S * decay)
 
-      def step(i, S):
-        slot = next_slot(fetch, i, stages, n_chunks)
-        plgpu.barrier_wait(bars0.at[slot])
+    def fetch_outputs(i, slot):
+      tok, bar = pl.ds(i * C, C), bars1.at[slot]
+      plgpu.copy_gmem_to_smem(qg_ref.at[bi, tok, h], qg_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(a_ref.at[bi, h, i], a_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v1_s.at[slot], bar)
 
-        @pl.when(i >= 1)
-        def _():
-          plgpu.barrier_wait(free)  # warpgroup 1 has read the previous state
+    def prepare(i, slot):
+      a16_s[...] = load(a_s.at[slot]).astype(cd)
+      plgpu.commit_smem()
 
-        if with_states:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # so has its copy to memory
-          publish(S, s_s, states_ref.at[bi, h, i, :, vcols])
-        else:
-          s_s[...] = S.astype(cd)
-          plgpu.commit_smem()
-        plgpu.barrier_arrive(ready)
-        decay = per_row(load(d_s.at[slot], ROW), (Dk, bv))
-        return matmul(kg_s.at[slot].T, v0_s.at[slot], (Dk, bv), interpret, init=S * decay)
+    def write(i, slot, o):
+      o = matmul(a16_s, v1_s.at[slot], (C, bv), interpret, init=o)
+      publish(scale * o, o_s, o_ref.at[bi, pl.ds(i * C, C), h, vcols])
 
-      S = lax.fori_loop(0, n_chunks, step, load(h0_ref.at[bi, h, :, vcols]))
+    def finish(S):
       final_ref.at[bi, h, :, vcols][...] = S
-      plgpu.barrier_wait(free)  # warpgroup 1's last arrival
-      plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(lax.axis_index("wg") == 1)
-    def _outputs():
-
-      def fetch(i, slot):
-        tok, bar = pl.ds(i * C, C), bars1.at[slot]
-        plgpu.copy_gmem_to_smem(qg_ref.at[bi, tok, h], qg_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(a_ref.at[bi, h, i], a_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v1_s.at[slot], bar)
-
-      prefetch(fetch, stages, n_chunks)
-
-      def step(i, carry):
-        slot = next_slot(fetch, i, stages, n_chunks)
-        plgpu.barrier_wait(bars1.at[slot])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last output is out
-        a16_s[...] = load(a_s.at[slot]).astype(cd)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(ready)
-        o = matmul(qg_s.at[slot], s_s, (C, bv), interpret)
-        plgpu.barrier_arrive(free)
-        o = matmul(a16_s, v1_s.at[slot], (C, bv), interpret, init=o)
-        publish(scale * o, o_s, o_ref.at[bi, pl.ds(i * C, C), h, vcols])
-        return carry
-
-      lax.fori_loop(0, n_chunks, step, None)
-      plgpu.wait_smem_to_gmem(0)
-
-    # neither warpgroup leaves while the other still issues warpgroup matmuls
-    plgpu.barrier_arrive(done)
-    plgpu.barrier_wait(done)
+    walk_and_outputs(
+        n_chunks, stages, (bars0, bars1), ready, free, done,
+        StateSide(fetch_state, share, update, lambda: load(h0_ref.at[bi, h, :, vcols]), finish),
+        OutputSide(fetch_outputs, prepare, lambda i, slot: matmul(qg_s.at[slot], s_s,
+                                                                  (C, bv), interpret), write))
 
   scratch = (
       smem((stages, C, Dk), cd, swizzle_row=bv),  # kg (warpgroup 0)

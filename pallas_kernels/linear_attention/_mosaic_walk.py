@@ -9,7 +9,11 @@ the next tile. Input kinds (what one chunk's slot holds):
   "values"      its C rows, the tile's value columns      ([B, Tp, H, Dv])
   "chunk_keys"  the chunk's one row, the tile's key columns ([B, NT, H, Dk], fp32)
   "flags"       its C per-token values                     ([B, Tp], int32)
+The fused forwards (_gla_forward_mosaic, _kda_forward_mosaic) run such a walk on one
+warpgroup beside a second one that computes each chunk's outputs: walk_and_outputs.
 """
+from typing import NamedTuple
+
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
@@ -32,16 +36,100 @@ def prefetch(fetch, stages, n_chunks):
     fetch(i, i)
 
 
-def next_slot(fetch, i, stages, n_chunks):
-  """The slot of chunk i (its loads still to be waited for); starts the loads of chunk
-    i + stages - 1 into the slot chunk i - 1 has freed."""
+def next_slot(fetch, i, stages, n_chunks, barriers):
+  """The slot of chunk i, once its loads (on `barriers`) have arrived; first starts the
+    loads of chunk i + stages - 1 into the slot chunk i - 1 has freed."""
   plgpu.commit_smem()  # this warpgroup is done reading the slot refilled next
 
   @pl.when(i + stages - 1 < n_chunks)
   def _():
     fetch(i + stages - 1, lax.rem(i + stages - 1, stages))
 
-  return lax.rem(i, stages)
+  slot = lax.rem(i, stages)
+  plgpu.barrier_wait(barriers.at[slot])
+  return slot
+
+
+def publish_or_share(value, buf, dst):
+  """value -> buf (shared memory, for the other warpgroup), and on through TMA to dst
+    unless dst is None."""
+  if dst is not None:
+    publish(value, buf, dst)
+  else:
+    buf[...] = value.astype(buf.dtype)
+    plgpu.commit_smem()
+
+
+class StateSide(NamedTuple):
+  """Warpgroup 0 of `walk_and_outputs`: fetch(i, slot) starts chunk i's TMA loads;
+    share(i, slot, S) publishes what the outputs need of the state S entering chunk i;
+    update(i, slot, S) -> the state after it; init() -> the first state; finish(S)
+    stores the last."""
+  fetch: object
+  share: object
+  update: object
+  init: object
+  finish: object
+
+
+class OutputSide(NamedTuple):
+  """Warpgroup 1 of `walk_and_outputs`: fetch(i, slot); prepare(i, slot) its own work
+    before chunk i's state is shared; read(i, slot) -> what it computes from what is
+    shared (no other step may read it); write(i, slot, value) the rest, output included."""
+  fetch: object
+  prepare: object
+  read: object
+  write: object
+
+
+def walk_and_outputs(n_chunks, stages, slot_barriers, ready, free, done, state, outputs):
+  """The chunk loops of a kernel of two warpgroups: warpgroup 0 walks the state (`state`,
+    a StateSide), sharing what chunk i needs with warpgroup 1 (`outputs`, an OutputSide),
+    which computes chunk i's outputs while warpgroup 0 moves on. Each warpgroup keeps its
+    own TMA slots (slot_barriers: one barrier array each). Barriers: `ready` (chunk i's
+    share is published) and `free` (warpgroup 1 has read it: warpgroup 0 may overwrite
+    it); `done`: neither leaves while the other still issues warpgroup matmuls."""
+
+  @pl.when(lax.axis_index("wg") == 0)
+  def _state():
+    prefetch(state.fetch, stages, n_chunks)
+
+    def step(i, S):
+      slot = next_slot(state.fetch, i, stages, n_chunks, slot_barriers[0])
+
+      @pl.when(i >= 1)
+      def _():
+        plgpu.barrier_wait(free)
+
+      # what went to memory from the shared buffers last chunk has left them too
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      state.share(i, slot, S)
+      plgpu.barrier_arrive(ready)
+      return state.update(i, slot, S)
+
+    state.finish(lax.fori_loop(0, n_chunks, step, state.init()))
+    plgpu.barrier_wait(free)  # warpgroup 1's last arrival
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(lax.axis_index("wg") == 1)
+  def _outputs():
+    prefetch(outputs.fetch, stages, n_chunks)
+
+    def step(i, carry):
+      slot = next_slot(outputs.fetch, i, stages, n_chunks, slot_barriers[1])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last output is out
+      outputs.prepare(i, slot)
+      plgpu.barrier_wait(ready)
+      value = outputs.read(i, slot)
+      plgpu.barrier_arrive(free)
+      outputs.write(i, slot, value)
+      return carry
+
+    lax.fori_loop(0, n_chunks, step, None)
+    plgpu.wait_smem_to_gmem(0)
+
+  plgpu.barrier_arrive(done)
+  plgpu.barrier_wait(done)
 
 
 def _slot_buffer(kind, arr, stages, bk, bv):
@@ -91,8 +179,7 @@ def chunk_walk(inputs, h0, out_types, step, *, block_k, block_v, stages, reverse
     prefetch(fetch, stages, n_chunks)
 
     def chunk_step(i, S):
-      slot = next_slot(fetch, i, stages, n_chunks)
-      plgpu.barrier_wait(bars.at[slot])
+      slot = next_slot(fetch, i, stages, n_chunks, bars)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # last chunk's stores are out
       return step([s.at[slot] for s in slots], work, outs, (bi, h, kcols, vcols), chunk_at(i), S)
 

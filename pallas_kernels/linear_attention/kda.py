@@ -7,7 +7,8 @@ Forward, per 64-token chunk (see _kda_intra for the chunk form):
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
                (_kda_states, or _kda_states_mosaic on Hopper)
   kda_output   (parallel)   o = scale (qg S + A_qk v_new)
-Backward: the forward's in-chunk quantities and chunk states are its residuals, then
+or, with forward = "fused", the state walk and the outputs in one Mosaic GPU kernel of two
+warpgroups (_kda_forward_mosaic; no per-chunk states read back). Backward: the forward's in-chunk quantities and chunk states are its residuals, then
   kda_dv_local (parallel)   dv_local = scale A_qk^T do, dP = scale do v_new^T
   kda_state_grads (sequential, reverse) end-state gradients and dv_new
   kda_wy_grads (parallel)   dv, dX = T^T dv_new, dA, part of dbeta
@@ -20,14 +21,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import _chunk_prep, _kda_states, _kda_states_mosaic
+from pallas_kernels.linear_attention import (_chunk_prep, _kda_forward_mosaic, _kda_states,
+                                             _kda_states_mosaic)
 from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
                                                      l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
 from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
                                                              chunk_wy_grads)
-from pallas_kernels.linear_attention._mosaic_common import choose_walk, on_hopper, sixteen_bit
+from pallas_kernels.linear_attention._mosaic_common import (choose_walk, on_hopper, require_mosaic,
+                                                            sixteen_bit)
 from pallas_kernels.linear_attention._pallas_common import compute_dtype, interpret_mode
 
 # (chunk_states, chunk_state_grads) per state-walk implementation
@@ -40,11 +43,12 @@ _STATE_WALKS = {
 class Tiling(NamedTuple):
   """Static launch settings: value-channel block (all kernels), key-channel block
     (kda_key_grads), the forward and backward state kernels' implementations (keys of
-    _STATE_WALKS) and interpret mode."""
+    _STATE_WALKS), the forward's form (keys of _FORWARDS) and interpret mode."""
   block_v: int
   block_k: int
   state_walks: tuple[str, str]
   interpret: bool
+  forward: str = "split"
 
 
 def available_state_walks(interpret):
@@ -59,36 +63,69 @@ def state_walk_kinds(choice, dtypes, Dk, block_v, interpret):
     in one 16-bit dtype, Dk of 64 or 128 and 32-multiple value blocks. "auto" takes it for
     both walks where it fits, the choice that measured best end to end although the
     forward walk alone is not the faster one (docs/kernel_tuning.md, "KDA state walks")."""
-  fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _kda_states_mosaic.MAX_DK and
-          block_v % 32 == 0)
-  kind = choose_walk(
-      choice, _STATE_WALKS, fits, interpret,
-      f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and a value block that "
-      f"is a multiple of 32; got {[str(d) for d in dtypes]}, Dk = {Dk}, "
-      f"block_v = {block_v}")
+  kind = choose_walk(choice, _STATE_WALKS, mosaic_fits(dtypes, Dk, block_v), interpret,
+                     mosaic_requirement(dtypes, Dk, block_v))
   return kind, kind
 
 
-def _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, for_backward):
-  cd = compute_dtype(q.dtype)
-  intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=cd, emit_inverse=for_backward,
-                      interpret=t.interpret)
+def mosaic_fits(dtypes, Dk, block_v):
+  """Whether the Mosaic GPU kernels (state walks, fused forward) take these inputs: the whole
+    [Dk, BV] fp32 state in one warpgroup's registers."""
+  return (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _kda_states_mosaic.MAX_DK and
+          block_v % 32 == 0)
+
+
+def mosaic_requirement(dtypes, Dk, block_v):
+  return (f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and a value block that "
+          f"is a multiple of 32; got {[str(d) for d in dtypes]}, Dk = {Dk}, "
+          f"block_v = {block_v}")
+
+
+def _split_forward(v, b, h0, masks, intra, scale, t, with_states):
+  del with_states  # the outputs kernel reads them: always in memory
   qg, kg, w, u0, aqk = intra[:5]
+  cd = w.dtype
   h, vn, ht = _STATE_WALKS[t.state_walks[0]][0](w, u0, kg, b, masks[0], h0, block_v=t.block_v,
                                                 cd=cd, interpret=t.interpret)
-  return intra, h, vn, ht
+  o = chunk_output(qg, aqk, h, vn, scale=scale, out_dtype=v.dtype, block_v=t.block_v, cd=cd,
+                   interpret=t.interpret)
+  return (o, ht), h, vn
 
 
-def _output(q, v, intra, h, vn, scale, t):
-  qg, _, _, _, aqk = intra[:5]
-  return chunk_output(qg, aqk, h, vn, scale=scale, out_dtype=v.dtype, block_v=t.block_v,
-                      cd=compute_dtype(q.dtype), interpret=t.interpret)
+def _fused_forward(v, b, h0, masks, intra, scale, t, with_states):
+  qg, kg, w, u0, aqk = intra[:5]
+  o, ht, *states = _kda_forward_mosaic.kda_forward(w, u0, kg, qg, aqk, b, masks[0], h0, scale=scale,
+                                                   block_v=t.block_v, out_dtype=v.dtype,
+                                                   interpret=t.interpret, with_states=with_states)
+  return (o, ht), *(states if with_states else (None, None))
+
+
+# Tiling.forward: "split" (state kernel, then the outputs kernel) or "fused" (one Mosaic
+# GPU kernel walks the states and computes the outputs, writing the per-chunk states and
+# v_new only for the backward)
+_FORWARDS = {"split": _split_forward, "fused": _fused_forward}
+
+
+def check_forward(forward, fits, interpret, requirement):
+  """The forward's form: "fused" runs where the Mosaic GPU state walk does."""
+  if forward not in _FORWARDS:
+    raise ValueError(f"forward = {forward!r}: expected one of {sorted(_FORWARDS)}")
+  if forward == "fused":
+    require_mosaic("forward = 'fused'", fits, interpret, requirement)
+  return forward
+
+
+def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
+  """(the in-chunk quantities, (o, final state), per-chunk states, v_new): the last two
+    None where the fused forward is not asked for them (not for_backward)."""
+  intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
+                      emit_inverse=for_backward, interpret=t.interpret)
+  return intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
-  intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, False)
-  return _output(q, v, intra, h, vn, scale, t), ht
+  return _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, False)[1]
 
 
 def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
@@ -96,8 +133,7 @@ def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
   # in-chunk results as residuals"), so its results are kept for the backward
   # (bf16, 1.8 KB per token and head at D = 128 with the chunk states) instead of
   # recomputed; tagged so that a remat policy keeping "attention" keeps them too.
-  intra, h, vn, ht = _chunk_quantities(q, k, v, b, beta, h0, runs, masks, t, True)
-  out = _output(q, v, intra, h, vn, scale, t), ht
+  intra, out, h, vn = _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, True)
   qg, kg, w, _, aqk, inverse = intra
   qg, kg, w, aqk, inverse, h, vn = residuals.keep(qg, kg, w, aqk, inverse, h, vn)
   return out, (q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn)
@@ -123,13 +159,15 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, block_v=None, block_k=None,
-                state_walk="auto"):
+                state_walk="auto", forward="split"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0). Returns
     (o [B, T, H, Dv] in v's dtype, fp32 final state [B, H, Dk, Dv] or None). block_v /
     block_k: the value-channel tile of every kernel / the key-channel tile of the
     key-gradient kernel (defaults by Dk, Dv). state_walk: the sequential kernels'
-    implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds)."""
+    implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds). forward:
+    "split" (state kernel, then outputs kernel) or "fused" (both in one Mosaic GPU kernel:
+    Hopper, or interpreted; where the Mosaic GPU walk fits)."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -145,7 +183,10 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   bv = check_tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
   bk = check_tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
   interpret = interpret_mode()
-  walks = state_walk_kinds(state_walk, (q.dtype, k.dtype, v.dtype), Dk, bv, interpret)
-  t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret)
+  dtypes = (q.dtype, k.dtype, v.dtype)
+  walks = state_walk_kinds(state_walk, dtypes, Dk, bv, interpret)
+  forward = check_forward(forward, mosaic_fits(dtypes, Dk, bv), interpret,
+                          mosaic_requirement(dtypes, Dk, bv))
+  t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

@@ -1,14 +1,17 @@
-"""The Mosaic GPU KDA state walks (_kda_states_mosaic) on CPU, under JAX's Mosaic GPU
-interpreter: against the Triton walks on the same inputs (two value blocks, segment
-resets inside and at a chunk's first token, an initial state), and chunked_kda through
+"""The Mosaic GPU KDA kernels on CPU, under JAX's Mosaic GPU interpreter: the state walks
+(_kda_states_mosaic) against the Triton walks on the same inputs (two value blocks,
+segment resets inside and at a chunk's first token, an initial state), the fused forward
+(_kda_forward_mosaic) against the walk and the outputs kernel, and chunked_kda through
 them against the token-by-token oracle."""
 import chex
 import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.linear_attention import _chunk_prep, _kda_states, _kda_states_mosaic
+from pallas_kernels.linear_attention import (_chunk_prep, _kda_forward_mosaic, _kda_states,
+                                             _kda_states_mosaic)
 from pallas_kernels.linear_attention import chunked_kda
+from pallas_kernels.linear_attention._kda_value_side import chunk_output
 from pallas_kernels.linear_attention.tests._data import make_inputs, rel_rms
 from pallas_kernels.linear_attention.tests.test_kda_kernel import _assert_within, _errors
 
@@ -43,6 +46,36 @@ def test_walks_match_the_triton_walks():
     assert rel_rms(r, o) < 1e-3, name
 
 
+def test_fused_forward_matches_the_walk_and_the_outputs_kernel():
+  # the same in-chunk quantities through the Mosaic walk + the Triton outputs kernel and
+  # through the fused kernel: 4 chunks, resets, an initial state, two value blocks
+  B, T, H, Dk, Dv = 1, 256, 2, 64, 128
+  ks = jax.random.split(jax.random.key(34), 6)
+  x = make_inputs(seed=34, T=T, H=H, Dk=Dk, Dv=Dv, min_log_decay=-8.0, segment_rate=0.02)
+  w, kg, qg = (_rows(k, (B, T, H, Dk), 0.1) for k in ks[:3])
+  u0 = _rows(ks[3], (B, T, H, Dv))
+  aqk = jnp.tril(_rows(ks[4], (B, H, T // 64, 64, 64), 0.1))
+  b, runs = _chunk_prep.prepare(w, kg, u0, x["g"], x["segment_ids"], B, T)[3:]
+  carry_in, _ = _chunk_prep.segment_masks(runs)
+  kw = dict(block_v=64, interpret=True)
+  h, vn, final = _kda_states_mosaic.chunk_states(w, u0, kg, b, carry_in, x["initial_state"],
+                                                 cd=jnp.bfloat16, **kw)
+  o = chunk_output(qg, aqk, h, vn, scale=0.3, out_dtype=jnp.bfloat16, cd=jnp.bfloat16, **kw)
+  for with_states in (False, True):
+    out = _kda_forward_mosaic.kda_forward(w, u0, kg, qg, aqk, b, carry_in, x["initial_state"],
+                                          scale=0.3, out_dtype=jnp.bfloat16,
+                                          with_states=with_states, **kw)
+    want = (o, final, h, vn) if with_states else (o, final)
+    chex.assert_trees_all_equal_shapes_and_dtypes(out, want)
+    for name, r, got in zip(("o", "final", "states", "v_new"), want, out):
+      assert rel_rms(r, got) < 1e-3, name
+
+
+def test_chunked_kda_through_the_fused_forward_matches_the_oracle():
+  x = make_inputs(seed=35, T=100, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16, min_log_decay=-5.0)
+  _assert_within(_errors(x, state_walk="mosaic", forward="fused"), 5e-3, 1e-2)
+
+
 def test_chunked_kda_through_the_mosaic_walks_matches_the_oracle():
   x = make_inputs(seed=32, T=100, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16, min_log_decay=-5.0)
   _assert_within(_errors(x, state_walk="mosaic"), 5e-3, 1e-2)
@@ -55,3 +88,7 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
     chunked_kda(*args, state_walk="mosaic")
   with pytest.raises(ValueError, match="state_walk = 'cuda': expected"):
     chunked_kda(*args, state_walk="cuda")
+  with pytest.raises(ValueError, match="forward = 'fused' needs q, k, v in one 16-bit dtype"):
+    chunked_kda(*args, forward="fused")
+  with pytest.raises(ValueError, match="forward = 'whole': expected one of"):
+    chunked_kda(*args, forward="whole")
