@@ -74,6 +74,9 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, with_states=
       a16_s[...] = load(a_s.at[slot]).astype(cd)
       plgpu.commit_smem()
 
+    def read(i, slot):
+      return matmul(qg_s.at[slot], s_s, (C, bv), interpret)
+
     def write(i, slot, o):
       o = matmul(a16_s, v1_s.at[slot], (C, bv), interpret, init=o)
       publish(scale * o, o_s, o_ref.at[bi, pl.ds(i * C, C), h, vcols])
@@ -84,8 +87,7 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, with_states=
     walk_and_outputs(
         n_chunks, stages, (bars0, bars1), ready, free, done,
         StateSide(fetch_state, share, update, lambda: load(h0_ref.at[bi, h, :, vcols]), finish),
-        OutputSide(fetch_outputs, prepare, lambda i, slot: matmul(qg_s.at[slot], s_s,
-                                                                  (C, bv), interpret), write))
+        OutputSide(fetch_outputs, prepare, read, write))
 
   scratch = (
       smem((stages, C, Dk), cd, swizzle_row=bv),  # kg (warpgroup 0)
