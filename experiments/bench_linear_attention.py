@@ -366,7 +366,7 @@ def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
 
 
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
-              walks=STATE_WALKS, forwards=("split",)):
+              walks=STATE_WALKS, forwards=("split",), correctness_shape=(1, 4096, 4, 128)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
   from pallas_kernels.linear_attention import chunked_kda, kda_chunked
@@ -375,22 +375,35 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
     beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
     return (*inputs(*shape, seed=seed, gates=gates), beta)
 
-  x = kda_inputs((1, 4096, 4, 128), seed=1)
+  x = kda_inputs(correctness_shape, seed=1)
   f32 = [a.astype(jnp.float32) for a in x]
   loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
-  o_ref, o = jax.jit(lambda *a: kda_chunked(*a)[0])(*f32), jax.jit(lambda *a: chunked_kda(*a)[0])(
-      *x)
+  o_ref = jax.jit(lambda *a: kda_chunked(*a)[0])(*f32)
   g_ref = jax.jit(jax.grad(loss(kda_chunked), range(5)))(*f32)
-  g_pal = jax.jit(jax.grad(loss(chunked_kda), range(5)))(*x)
-  errs = {
-      "o": rel_rms(o_ref, o)
-  } | {
-      f"d{n}": rel_rms(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta"), g_ref, g_pal)
-  }
-  print(json.dumps({
-      "kda_correctness_vs_fp32_reference": [1, 4096, 4, 128],
-      "rel_rms": errs
-  }), flush=True)
+  for forward in forwards:  # each forward's output and gradients against the fp32 reference
+    kernel = functools.partial(chunked_kda, forward=forward)
+    try:
+      o = jax.jit(lambda *a: kernel(*a)[0])(*x)
+      g_pal = jax.jit(jax.grad(loss(kernel), range(5)))(*x)
+    except Exception as e:  # e.g. the fused forward off Hopper: the other rows still run
+      print(
+          json.dumps({
+              "kda_correctness_vs_fp32_reference": list(correctness_shape),
+              "forward": forward,
+              "failed": failed(e)
+          }), flush=True)
+      continue
+    errs = {
+        "o": rel_rms(o_ref, o)
+    } | {
+        f"d{n}": rel_rms(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta"), g_ref, g_pal)
+    }
+    print(
+        json.dumps({
+            "kda_correctness_vs_fp32_reference": list(correctness_shape),
+            "forward": forward,
+            "rel_rms": errs
+        }), flush=True)
   if breakdown:
     for regime in gates:
       print(json.dumps(kda_kernel_breakdown(shapes[0], regime)), flush=True)

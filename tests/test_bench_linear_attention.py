@@ -1,7 +1,7 @@
 """experiments/bench_linear_attention.py at a tiny shape on CPU (kernels interpreted): the
 per-kernel breakdown calls every GLA kernel, the fused forward's included, and the
-correctness check reports each setting, so the benchmark keeps up with the kernels'
-signatures. Each kernel runs once here (the GPU run repeats them)."""
+correctness checks report each GLA setting and each KDA forward, so the benchmark keeps
+up with the kernels' signatures. Each kernel runs once here (the GPU run repeats them)."""
 import json
 import time
 
@@ -33,6 +33,14 @@ def test_correctness_reports_each_setting(capsys):
   for r in rows:
     assert set(r["rel_rms"]) == {"o", "dq", "dk", "dv", "dg"}
     assert all(e < 1e-2 for e in r["rel_rms"].values()), r
+
+
+def test_kda_correctness_reports_each_forward(capsys):
+  bench.bench_kda([], skip_reference=True, forwards=("fused",), correctness_shape=(1, 64, 1, 64))
+  rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r["forward"] for r in rows] == ["fused"]
+  assert set(rows[0]["rel_rms"]) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
+  assert all(e < 1e-2 for e in rows[0]["rel_rms"].values()), rows[0]
 
 
 def test_kda_init_gates_put_some_chunks_past_one_anchor():
