@@ -8,7 +8,8 @@ Forward, per 64-token chunk (see _kda_intra for the chunk form):
                (_kda_states, or _kda_states_mosaic on Hopper)
   kda_output   (parallel)   o = scale (qg S + A_qk v_new)
 or, with forward = "fused", the state walk and the outputs in one Mosaic GPU kernel of two
-warpgroups (_kda_forward_mosaic; no per-chunk states read back). Backward: the forward's in-chunk quantities and chunk states are its residuals, then
+warpgroups (_kda_forward_mosaic; no per-chunk states read back).
+Backward: the forward's in-chunk quantities and chunk states are its residuals, then
   kda_dv_local (parallel)   dv_local = scale A_qk^T do, dP = scale do v_new^T
   kda_state_grads (sequential, reverse) end-state gradients and dv_new
   kda_wy_grads (parallel)   dv, dX = T^T dv_new, dA, part of dbeta
@@ -76,6 +77,7 @@ def mosaic_fits(dtypes, Dk, block_v):
 
 
 def mosaic_requirement(dtypes, Dk, block_v):
+  """What mosaic_fits asks of the inputs, and what they are: the refusal's message."""
   return (f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and a value block that "
           f"is a multiple of 32; got {[str(d) for d in dtypes]}, Dk = {Dk}, "
           f"block_v = {block_v}")
