@@ -241,6 +241,8 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
     try:
       a_d, qg, kg = decayed(qp, kp, b)
       kernel_ms["fused.scores_with_decayed_rows"] = round(median_ms(decayed, qp, kp, b), 3)
+      xla_rows = jax.jit(lambda q, k, b: _chunk_prep.decayed_rows(q, k, b, ci, il, q.dtype))
+      kernel_ms["fused.decayed_rows_xla"] = round(median_ms(xla_rows, qp, kp, b), 3)
       kernel_ms["fused.state_outputs"] = round(median_ms(fused, qg, kg, vp, a_d, b), 3)
     except Exception as e:  # reported, so that the other figures still print
       kernel_ms["fused"] = f"failed: {type(e).__name__}: {str(e)[:300]}"

@@ -22,7 +22,8 @@ def test_breakdown_runs_every_kernel(monkeypatch):
   monkeypatch.setattr(bench, "median_ms", _once)
   ms = bench.kernel_breakdown((1, 128, 2, 64), Tiling())["kernel_ms"]
   for name in ("prepare", "states", "scores", "outputs", "state_grads", "score_grads",
-               "value_grads", "key_grads", "fused.scores_with_decayed_rows", "fused.state_outputs"):
+               "value_grads", "key_grads", "fused.scores_with_decayed_rows",
+               "fused.decayed_rows_xla", "fused.state_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 

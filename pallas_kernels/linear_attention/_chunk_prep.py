@@ -37,3 +37,16 @@ def state_factors(b, carry_in):
     across each chunk (0 when a segment starts inside it)."""
   keep = carry_in[:, CHUNK - 1::CHUNK].astype(jnp.float32)
   return keep[:, :, None, None] * jnp.exp(b[:, CHUNK - 1::CHUNK])
+
+
+def decayed_rows(q, k, b, carry_in, in_last, dtype):
+  """(qg, kg) [B, Tp, H, Dk] in dtype: qg = q exp(b) carry_in, kg = k exp(b_last - b) in_last,
+    the rows the fused GLA forward's products take (as _gla_scores writes them with
+    decayed_with), here as one XLA fusion over q, k and b."""
+  B, Tp, H, Dk = q.shape
+  chunks = lambda x: x.reshape(B, Tp // CHUNK, CHUNK, *x.shape[2:])
+  flag = lambda f: chunks(f).astype(jnp.float32)[..., None, None]
+  bc = chunks(b)
+  qg = chunks(q).astype(jnp.float32) * jnp.exp(bc) * flag(carry_in)
+  kg = chunks(k).astype(jnp.float32) * jnp.exp(jnp.minimum(bc[:, :, -1:] - bc, 0.0)) * flag(in_last)
+  return qg.astype(dtype).reshape(q.shape), kg.astype(dtype).reshape(k.shape)

@@ -53,6 +53,9 @@ class Tiling(NamedTuple):
   # both hand the per-chunk states to the backward. "split" by default (measured:
   # docs/performance.md, "GLA: the fused forward timed")
   forward: str = "split"
+  # the fused forward's decayed rows qg, kg: written by the scores kernel ("scores") or by
+  # one XLA fusion beside it ("xla"); to be chosen by measurement (docs/kernel_tuning.md)
+  decayed_rows: str = "scores"
   interpret: bool = False
 
 
@@ -104,8 +107,12 @@ def _split_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
 
 
 def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
-  a, qg, kg = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
-                           num_stages=t.score_stages, decayed_with=masks)
+  kw = dict(interpret=t.interpret, num_warps=t.score_warps, num_stages=t.score_stages)
+  if t.decayed_rows == "scores":
+    a, qg, kg = chunk_scores(q, k, b, runs, decayed_with=masks, **kw)
+  else:
+    a = chunk_scores(q, k, b, runs, **kw)
+    qg, kg = _chunk_prep.decayed_rows(q, k, b, *masks, a.dtype)
   o, ht, *h = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
                                               interpret=t.interpret, with_states=with_states)
   return (o, ht), a, (h[0] if with_states else None)
@@ -115,6 +122,7 @@ def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
 # scores kernel also emits the decayed q and k rows; one Mosaic GPU kernel walks the
 # states and computes the outputs, writing the per-chunk states only for the backward)
 _FORWARDS = {"split": _split_forward, "fused": _fused_forward}
+_DECAYED_ROWS = ("scores", "xla")
 
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=False):
@@ -127,6 +135,9 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
   """Tiling.forward names a forward that can run here."""
   if t.forward not in _FORWARDS:
     raise ValueError(f"Tiling.forward = {t.forward!r}: expected one of {sorted(_FORWARDS)}")
+  if t.decayed_rows not in _DECAYED_ROWS:
+    raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
+                     f"{sorted(_DECAYED_ROWS)}")
   if t.forward == "fused":
     fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
             Dv % _gla_forward_mosaic.BLOCK_V == 0)

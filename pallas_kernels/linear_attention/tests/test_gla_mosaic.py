@@ -54,25 +54,28 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(state_walk="cuda"))
   with pytest.raises(ValueError, match="forward = 'fused' needs"):
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(forward="fused"))
+  with pytest.raises(ValueError, match="decayed_rows = 'triton': expected one of"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(decayed_rows="triton"))
   # compiled (not interpreted) anywhere but on Hopper: here, the CPU
   with pytest.raises(ValueError, match="runs on a Hopper GPU"):
     require_mosaic("state_walk = 'mosaic'", True, False, "")
 
 
 def test_fused_forward_matches_the_split_forward():
-  # the fused forward (scores kernel with qg, kg + one two-warpgroup Mosaic GPU kernel)
-  # against the split one on the same inputs: 4 chunks, resets, an initial state; with
-  # the states it writes for the backward, as the split forward's state kernel does
+  # the fused forward (qg, kg from the scores kernel or from XLA + one two-warpgroup Mosaic
+  # GPU kernel) against the split one on the same inputs: 4 chunks, resets, an initial
+  # state; with the states it writes for the backward, as the split forward's state
+  # kernel does
   x = make_inputs(seed=24, T=200, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
                   segment_rate=0.02)
   B, T = x["segment_ids"].shape
   q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
   masks = _chunk_prep.segment_masks(runs)
   split = Tiling(state_walk="mosaic", interpret=True)
-  fused = split._replace(forward="fused")
   (o_ref, s_ref), a_ref, h_ref = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3,
                                               split)
-  for with_states in (False, True):
+  for decayed_rows, with_states in [("scores", False), ("scores", True), ("xla", True)]:
+    fused = split._replace(forward="fused", decayed_rows=decayed_rows)
     (o, s), a, h = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3, fused,
                                 with_states=with_states)
     assert o.dtype == o_ref.dtype and rel_rms(o_ref, o) < 1e-4 and rel_rms(s_ref, s) < 1e-5
