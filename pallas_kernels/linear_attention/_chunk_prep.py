@@ -1,4 +1,5 @@
-"""Preparation around the kernels: padding, in-chunk cumulative decay, segment masks."""
+"""Preparation around the kernels: padding, in-chunk cumulative decay, segment masks,
+per-chunk state factors and decayed rows."""
 import jax.numpy as jnp
 
 from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum

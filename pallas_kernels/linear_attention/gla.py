@@ -119,8 +119,9 @@ def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
 
 
 # Tiling.forward: "split" (state kernel, then the outputs kernel) or "fused" (the
-# scores kernel also emits the decayed q and k rows; one Mosaic GPU kernel walks the
-# states and computes the outputs, writing the per-chunk states only for the backward)
+# decayed q and k rows from the scores kernel or XLA, Tiling.decayed_rows; one Mosaic GPU
+# kernel walks the states and computes the outputs, writing the per-chunk states only for
+# the backward)
 _FORWARDS = {"split": _split_forward, "fused": _fused_forward}
 _DECAYED_ROWS = ("scores", "xla")
 
