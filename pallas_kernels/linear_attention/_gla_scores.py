@@ -21,8 +21,8 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_call,
-                                                            compute_dtype, flag_column, iota,
-                                                            masked_exp, mm, rows)
+                                                            compute_dtype, iota, masked_exp, mm,
+                                                            rows, store_decayed_rows)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -70,10 +70,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
   b, r = rows(b_ref, 0, C), r_ref[...]
   if decayed:
     ci_ref, il_ref, a_ref, qg_ref, kg_ref = refs
-    qg = rows(q_ref, 0, C) * jnp.exp(b) * flag_column(ci_ref, 0, C)
-    qg_ref[...] = qg.astype(qg_ref.dtype)
-    kg = rows(k_ref, 0, C) * masked_exp(rows(b_ref, C - 1, 1) - b) * flag_column(il_ref, 0, C)
-    kg_ref[...] = kg.astype(kg_ref.dtype)
+    store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   else:
     a_ref, = refs
 

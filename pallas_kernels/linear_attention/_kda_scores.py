@@ -22,8 +22,8 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C
-from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota,
-                                                            masked_exp, rows)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, iota, masked_exp, rows,
+                                                            store_decayed_rows)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -78,10 +78,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
   """One chunk: qg, kg, and A_kk, A_qk in the chunk's layout (_chunk_factors): two
     matmuls, two per key sub-chunk, or one row block per sub-chunk."""
   b = rows(b_ref, 0, C)
-  qg = rows(q_ref, 0, C) * jnp.exp(b) * flag_column(ci_ref, 0, C)
-  qg_ref[...] = qg.astype(qg_ref.dtype)
-  kg = rows(k_ref, 0, C) * masked_exp(rows(b_ref, C - 1, 1) - b) * flag_column(il_ref, 0, C)
-  kg_ref[...] = kg.astype(kg_ref.dtype)
+  store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   r = r_ref[...]
   beta = beta_ref[...].astype(F32)[:, None]
 

@@ -53,6 +53,12 @@ def with_three_layouts(x, seed=0):
   return dict(x, g=g.astype(x["g"].dtype))
 
 
+def mosaic_three_layouts(seed):
+  """bf16 inputs with one 64-token chunk in each in-chunk layout (with_three_layouts), at
+    the smallest head sizes the Mosaic GPU kernels take (64)."""
+  return with_three_layouts(make_inputs(seed=seed, T=192, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16))
+
+
 def rel_rms(ref, x):
   ref, x = jnp.asarray(ref, jnp.float32), jnp.asarray(x, jnp.float32)
   return float(jnp.sqrt(jnp.mean((ref - x)**2) / jnp.mean(ref**2)))

@@ -12,7 +12,7 @@ import pytest
 from pallas_kernels.linear_attention import _chunk_prep, _gla_states, _gla_states_mosaic, gla
 from pallas_kernels.linear_attention._mosaic_common import require_mosaic
 from pallas_kernels.linear_attention.gla import Tiling, chunked_gla
-from pallas_kernels.linear_attention.tests._data import make_inputs, rel_rms, with_three_layouts
+from pallas_kernels.linear_attention.tests._data import make_inputs, mosaic_three_layouts, rel_rms
 from pallas_kernels.linear_attention.tests.test_gla_kernel import _check
 
 D = 2 * _gla_states_mosaic.BLOCK
@@ -37,13 +37,8 @@ def test_walks_match_the_triton_walks():
   assert rel_rms(ds_ref, ds) < 3e-3 and rel_rms(dh0_ref, dh0) < 3e-3
 
 
-def _three_layouts(seed):
-  """One chunk in each in-chunk layout (_data.with_three_layouts): strong decays too."""
-  return with_three_layouts(make_inputs(seed=seed, T=192, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16))
-
-
 def test_chunked_gla_through_the_mosaic_walks_matches_the_oracle():
-  _check(_three_layouts(22), 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic"))
+  _check(mosaic_three_layouts(22), 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic"))
 
 
 def test_mosaic_walk_refuses_what_it_cannot_take():
@@ -89,4 +84,4 @@ def test_fused_forward_matches_the_split_forward():
 
 
 def test_chunked_gla_with_the_fused_forward_matches_the_oracle():
-  _check(_three_layouts(25), 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic", forward="fused"))
+  _check(mosaic_three_layouts(25), 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic", forward="fused"))

@@ -12,7 +12,7 @@ from pallas_kernels.linear_attention import (_chunk_prep, _kda_forward_mosaic, _
                                              _kda_states_mosaic)
 from pallas_kernels.linear_attention import chunked_kda
 from pallas_kernels.linear_attention._kda_value_side import chunk_output
-from pallas_kernels.linear_attention.tests._data import make_inputs, rel_rms, with_three_layouts
+from pallas_kernels.linear_attention.tests._data import make_inputs, mosaic_three_layouts, rel_rms
 from pallas_kernels.linear_attention.tests.test_kda_kernel import _assert_within, _errors
 
 
@@ -71,17 +71,13 @@ def test_fused_forward_matches_the_walk_and_the_outputs_kernel():
       assert rel_rms(r, got) < 1e-3, name
 
 
-def _three_layouts(seed):
-  """One chunk in each in-chunk layout (_data.with_three_layouts): strong decays too."""
-  return with_three_layouts(make_inputs(seed=seed, T=192, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16))
-
-
 def test_chunked_kda_through_the_fused_forward_matches_the_oracle():
-  _assert_within(_errors(_three_layouts(35), state_walk="mosaic", forward="fused"), 5e-3, 1e-2)
+  _assert_within(_errors(mosaic_three_layouts(35), state_walk="mosaic", forward="fused"), 5e-3,
+                 1e-2)
 
 
 def test_chunked_kda_through_the_mosaic_walks_matches_the_oracle():
-  _assert_within(_errors(_three_layouts(32), state_walk="mosaic"), 5e-3, 1e-2)
+  _assert_within(_errors(mosaic_three_layouts(32), state_walk="mosaic"), 5e-3, 1e-2)
 
 
 def test_mosaic_walk_refuses_what_it_cannot_take():
