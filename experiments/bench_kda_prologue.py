@@ -1,16 +1,17 @@
-"""GPU benchmark: the KDA q / k prologue as the model runs it against jla's fused kernel.
+"""GPU benchmark: the KDA q / k prologue in XLA, in our fused kernel and in jla's.
 
     PYTHONPATH=src:. python3 experiments/bench_kda_prologue.py [--shapes 1,32768,32,128 ...]
 
 The prologue of q and of k: a short causal depthwise convolution (4 taps, documents kept
-apart by segment ids), SiLU and the per-head L2 norm. Ours is what the KDA layer and
-`chunked_kda(normalize_qk=True)` run: `hylora.model.short_conv.causal_depthwise_conv`,
-SiLU and a bf16 round in XLA, then the L2 norm in plain JAX (autodiff), back to bf16.
-jla's `short_conv_l2norm` does all of it in one Mosaic GPU kernel, forward and backward.
-Each shape prints one JSON row: forward and forward+backward (gradients of x and the conv
-weight) milliseconds of both in alternating rounds (`experiments.timing.
-interleaved_ratios`, ratio = jla / ours: > 1, ours faster) and the two outputs' relative
-RMS difference. jla missing or failing is reported, and the row still has ours.
+apart by segment ids), SiLU and the per-head L2 norm. The baseline is the XLA path,
+`pallas_kernels.short_conv.short_conv_silu_reference(normalize=True)` (the convolution
+and SiLU in one fusion, rounded to bf16, the norm in plain JAX); against it, in the same
+alternating rounds, `short_conv_silu` (one Pallas pass each way) and jla's
+`short_conv_l2norm` (one Mosaic GPU kernel each way). Each shape prints one JSON row:
+forward and forward+backward (the gradients of x and the conv weight) milliseconds,
+ratios to the XLA path and fused against jla (medians of per-round ratios, > 1: the
+first named is slower), and each output's relative RMS difference from the XLA path's.
+jla missing or failing is reported, and the row still has the rest.
 """
 import argparse
 import json
@@ -18,9 +19,8 @@ import json
 import jax
 import jax.numpy as jnp
 
-from experiments.timing import failed, interleaved_ratios, median_ms, peer
-from hylora.model.short_conv import causal_depthwise_conv
-from pallas_kernels.linear_attention._inputs import l2_normalize
+from experiments.timing import failed, interleaved_ratios, median_ratio, peer
+from pallas_kernels.short_conv import short_conv_silu, short_conv_silu_reference
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128)]
 TAPS = 4
@@ -38,8 +38,11 @@ def inputs(B, T, H, D, seed=0):
 
 
 def ours(x, w, segment_ids):
-  y = jax.nn.silu(causal_depthwise_conv(x, w, segment_ids)).astype(x.dtype)
-  return l2_normalize(y).astype(x.dtype)
+  return short_conv_silu_reference(x, w, segment_ids, normalize=True)
+
+
+def fused(x, w, segment_ids):
+  return short_conv_silu(x, w, segment_ids, normalize=True)
 
 
 def jla_prologue():
@@ -66,27 +69,34 @@ def fwd_and_fwdbwd(fn):
 
 
 def bench_shape(shape, rounds=15, calls=10):
+  """One shape: the fused kernel and jla's against the XLA path, in the same rounds."""
   x = inputs(*shape)
   row = {"shape": list(shape), "taps": TAPS, "documents_per_row": DOCUMENTS}
-  mine = fwd_and_fwdbwd(ours)
-  row["ours_fwd_ms"] = round(median_ms(mine[0], *x), 3)
-  row["ours_fwdbwd_ms"] = round(median_ms(mine[1], *x), 3)
+  sides = {"fused": fwd_and_fwdbwd(fused)}
   theirs, missing = peer(jla_prologue)
   if missing:
     row["jla"] = missing
-    return row
-  try:
-    theirs = fwd_and_fwdbwd(theirs)
-    ref = mine[0](*x).astype(jnp.float32)
-    diff = ref - theirs[0](*x).astype(jnp.float32)
-    row["rel_rms_vs_jla"] = float(jnp.sqrt(jnp.mean(diff**2) / jnp.mean(ref**2)))
-    for i, kind in enumerate(("fwd", "fwdbwd")):
-      r = interleaved_ratios({"ours": lambda i=i: mine[i](*x)}, lambda i=i: theirs[i](*x),
-                             rounds=rounds, calls=calls)
-      row[f"jla_{kind}_ms"] = r["baseline_ms"]
-      row[f"vs_jla_{kind}"] = r["ours"]
-  except Exception as e:  # a failing peer does not hide our figures
-    row["jla"] = failed(e)
+  else:
+    sides["jla"] = fwd_and_fwdbwd(theirs)
+  xla = fwd_and_fwdbwd(ours)
+  ref = xla[0](*x).astype(jnp.float32)
+  for name, fns in list(sides.items()):
+    try:
+      diff = ref - fns[0](*x).astype(jnp.float32)
+      row[f"rel_rms_{name}_vs_xla"] = float(jnp.sqrt(jnp.mean(diff**2) / jnp.mean(ref**2)))
+    except Exception as e:  # a failing side does not hide the others' figures
+      row[name] = failed(e)
+      del sides[name]
+  for i, kind in enumerate(("fwd", "fwdbwd")):
+    r = interleaved_ratios({
+        name: lambda f=fns[i]: f(*x) for name, fns in sides.items()
+    }, lambda: xla[i](*x), rounds=rounds, calls=calls)
+    row[f"xla_{kind}_ms"] = r["baseline_ms"]
+    for name in sides:
+      row[f"{name}_{kind}_ms"] = r[name]["ms"]
+      row[f"{name}_vs_xla_{kind}"] = r[name]["median"]
+    if "jla" in sides and "fused" in sides:
+      row[f"fused_vs_jla_{kind}"] = median_ratio(r, "jla", "fused")
   return row
 
 

@@ -247,6 +247,21 @@ RESIDUAL_MIX = OpCheck(
     description="learned mix of the stream and earlier "
     "layers' outputs (docs/day_one.md)")
 
+
+def _short_conv_inputs(key, size: str):
+  b, t, h, d, taps = _pick(size, (2, 128, 2, 32, 4), (1, 32768, 32, 128, 4))
+  ks = jax.random.split(key, 3)
+  w = taps**-0.5 * jax.random.normal(ks[1], (h, d, taps), F32)
+  return (_normal(ks[0], (b, t, h, d)), w), {
+      "segment_ids": _segments(ks[2], b, t, every=40),
+      "normalize": True
+  }
+
+
+SHORT_CONV = OpCheck(
+    _short_conv_inputs, grad_argnums=(0, 1), fwd_rtol=1e-2, bwd_rtol=2e-2,
+    description="the delta rule's q / k prologue: short causal conv, SiLU, per-head L2 norm")
+
 CHECKS = {
     "linear_attention.gla": GLA,
     "linear_attention.kda": KDA,
@@ -260,5 +275,6 @@ CHECKS = {
     "cross_entropy": CROSS_ENTROPY,
     "rms_norm": RMS_NORM,
     "residual_mix": RESIDUAL_MIX,
+    "short_conv": SHORT_CONV,
 }
 """The check of every op defined in the catalog, by op name."""

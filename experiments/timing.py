@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-RESERVED = ("baseline_ms", "rounds", "calls")
+RESERVED = ("baseline_ms", "baseline_round_ms", "rounds", "calls")
 
 
 def block(out):
@@ -74,7 +74,8 @@ def interleaved_ratios(candidates, baseline, *args, rounds=15, calls=10, warmup=
     goes first in even rounds and last in odd ones. Returns
 
         {"rounds": rounds, "calls": calls, "baseline_ms": median ms per call,
-         name: {"ms": median ms per call, "median": r, "min": r, "max": r}, ...}
+         "baseline_round_ms": [ms per call in each round],
+         name: {"ms": ..., "median": r, "min": r, "max": r, "round_ms": [...]}, ...}
 
     with r over the rounds of baseline time / candidate time (> 1: the candidate is
     faster than the baseline)."""
@@ -95,16 +96,31 @@ def interleaved_ratios(candidates, baseline, *args, rounds=15, calls=10, warmup=
       block([fn(*args) for _ in range(calls)])
       times[name].append(time.perf_counter() - start)
   per_call_ms = lambda ts: round(statistics.median(ts) / calls * 1e3, 4)
-  out = {"rounds": rounds, "calls": calls, "baseline_ms": per_call_ms(times[None])}
+  round_ms = lambda ts: [round(t / calls * 1e3, 4) for t in ts]
+  out = {
+      "rounds": rounds,
+      "calls": calls,
+      "baseline_ms": per_call_ms(times[None]),
+      "baseline_round_ms": round_ms(times[None])
+  }
   for name in candidates:
     ratios = [b / c for b, c in zip(times[None], times[name])]
     out[name] = {
         "ms": per_call_ms(times[name]),
         "median": round(statistics.median(ratios), 3),
         "min": round(min(ratios), 3),
-        "max": round(max(ratios), 3)
+        "max": round(max(ratios), 3),
+        "round_ms": round_ms(times[name])
     }
   return out
+
+
+def median_ratio(report, slower, faster):
+  """From one interleaved_ratios report: the median over its rounds of the time of
+    `slower` / the time of `faster` (candidate names, or None for the baseline); > 1
+    where `faster` is faster."""
+  ms = lambda name: report["baseline_round_ms"] if name is None else report[name]["round_ms"]
+  return round(statistics.median(a / b for a, b in zip(ms(slower), ms(faster))), 3)
 
 
 def peer(make):

@@ -64,6 +64,17 @@ def sequence_split(x):
   return mesh, spec[0], spec[1]
 
 
+def _warn_gathered(fn, batch: int, mesh):
+  """Once per kernel: the sequence is split, so XLA runs the kernel on gathered operands."""
+  name = getattr(fn, "__name__", repr(fn))
+  if name not in _warned:
+    _warned.add(name)
+    warnings.warn(
+        f"{name}: the activation rules split the sequence ({batch} sequences "
+        f"on {mesh.size} devices), so XLA runs this kernel on gathered "
+        f"operands", stacklevel=3)
+
+
 def split_over_batch(fn):
   """fn(*arrays [B, T, ...], **kwargs) applied per device to its batch rows (see module doc).
   Arguments that are not [B, ...] arrays (scales, sizes, None) pass through unchanged."""
@@ -77,13 +88,7 @@ def split_over_batch(fn):
     mesh, spec = found
     batch, seq = first.shape[:2]
     if spec[0] is None or spec[1] is not None:
-      name = getattr(fn, "__name__", repr(fn))
-      if name not in _warned:
-        _warned.add(name)
-        warnings.warn(
-            f"{name}: the activation rules split the sequence ({batch} sequences "
-            f"on {mesh.size} devices), so XLA runs this kernel on gathered "
-            f"operands", stacklevel=2)
+      _warn_gathered(fn, batch, mesh)
       return fn(*args, **kwargs)
     rows = P(spec[0])
     leaves, tree = jax.tree.flatten((args, kwargs))
@@ -99,6 +104,34 @@ def split_over_batch(fn):
     # check_vma off: kernel outputs carry no varying-axes type for the checker to compare
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(rows for _ in split), out_specs=rows,
                          check_vma=False)(*(leaves[i] for i in split))
+
+  return per_shard
+
+
+def split_rows_whole_weight(fn):
+  """fn(x [B, T, ...], weight, segment_ids [B, T] | None, **options) applied per device to
+  its batch rows of x and segment_ids, the weight whole on every device (a weight whose
+  first dimension happens to equal the batch is not split, as split_over_batch would).
+  Where the rules split the sequence too, XLA runs it on gathered operands, as there."""
+
+  @functools.wraps(fn)
+  def per_shard(x, weight, segment_ids=None, **options):
+    found = _activation_spec(x)
+    if found is None:
+      return fn(x, weight, segment_ids, **options)
+    mesh, spec = found
+    if spec[0] is None or spec[1] is not None:
+      _warn_gathered(fn, x.shape[0], mesh)
+      return fn(x, weight, segment_ids, **options)
+    rows = P(spec[0])
+    if segment_ids is None:
+      body = lambda x, w: fn(x, w, None, **options)
+      return jax.shard_map(body, mesh=mesh, in_specs=(rows, P()), out_specs=rows,
+                           check_vma=False)(x, weight)
+    body = lambda x, w, seg: fn(x, w, seg, **options)
+    # check_vma off: a custom call's outputs carry no varying-axes type to compare
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, P(), rows), out_specs=rows,
+                         check_vma=False)(x, weight, segment_ids)
 
   return per_shard
 

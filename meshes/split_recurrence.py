@@ -108,9 +108,10 @@ def split_recurrence_over_devices(fn):
 
   @functools.wraps(fn)
   def wrapped(q, k, v, g, *rest, scale=None, initial_state=None, segment_ids=None,
-              output_final_state=False):
+              output_final_state=False, **options):
+    # options: the kernel's own (KDA's normalize_qk), passed on unchanged
     kwargs = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
-                  output_final_state=output_final_state)
+                  output_final_state=output_final_state, **options)
     split = sequence_split(q)
     if split is None:
       return by_rows(q, k, v, g, *rest, **kwargs)
@@ -127,7 +128,7 @@ def split_recurrence_over_devices(fn):
     def body(q, k, v, g, segment_ids, initial_state, *rest):
       # a linear index over seq_axes in the order PartitionSpec splits the sequence
       here = jax.lax.axis_index(seq_axes)
-      common = dict(scale=scale, segment_ids=segment_ids, output_final_state=True)
+      common = dict(scale=scale, segment_ids=segment_ids, output_final_state=True, **options)
       m, l = transition_and_own_state(fn, q, k, v, g, rest, common)
       initial = initial_state.astype(jnp.float32)
       previous_last = _from_previous(segment_ids[:, -1], seq_axes, n)

@@ -36,6 +36,9 @@ def test_interleaved_ratios_reports_both_sides_and_per_round_ratios():
   assert r["baseline_ms"] > r["fast"]["ms"] > 0
   assert r["fast"]["min"] <= r["fast"]["median"] <= r["fast"]["max"]
   assert r["fast"]["median"] > 1.2  # baseline / candidate: > 1 when the candidate is faster
+  assert len(r["baseline_round_ms"]) == len(r["fast"]["round_ms"]) == 5
+  assert timing.median_ratio(r, None, "fast") == r["fast"]["median"]
+  assert timing.median_ratio(r, "fast", None) < 1
   with pytest.raises(ValueError, match="taken"):
     timing.interleaved_ratios({"baseline_ms": fast}, slow, rounds=1, calls=1)
 

@@ -9,11 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hylora.core.config import KDAConfig, LoRAConfig, ModelConfig
+from hylora.core.config import KDAConfig, KernelConfig, LoRAConfig, MeshConfig, ModelConfig
 from hylora.model import ForwardContext, LoRAParam
 from hylora.model.init import ParamInit
 from hylora.model.mixers import MIXERS
+from hylora.model.execution import Execution
 from hylora.model.mixers.kda import KimiDeltaAttention
+from meshes.mesh import build_mesh
+from meshes.rules import activation_mesh
 
 D, H, HD, K = 32, 2, 16, 4
 KIMI_LINEAR = KDAConfig(heads=H, head_dim=HD, conv_size=K, gate_rank=8, output_gate_rank=8)
@@ -223,6 +226,31 @@ def test_packed_documents_equal_each_document_alone():
   for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
     # Rounding differs with the chunk position; a leak across documents would be O(0.1).
     np.testing.assert_allclose(y[0, lo:hi], y[i + 1, :hi - lo], atol=2e-5, rtol=0)
+
+
+def test_the_fused_prologue_gives_the_layer_the_reference_path_s_outputs_and_gradients():
+  """short_conv="pallas" (interpreted here), each device running it on its rows: the same
+  outputs and input gradients as the plain-JAX prologue."""
+  mixer = _mixer(K3, seed=4)
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, D)).astype(np.float32))
+  seg = np.ones((B, T), np.int32)
+  seg[1, 33:], seg[2, 48:] = 2, 3  # a boundary one token after a block, one on a block edge
+  mesh = build_mesh(MeshConfig(fsdp=2, expert=1), jax.devices()[:2])
+
+  def run(kernels):
+    ctx = _context(seg).replace(execution=Execution(kernels=kernels))
+
+    @jax.jit
+    def value_and_grad(x):
+      with activation_mesh(mesh):
+        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(mixer(x, ctx)[0])))(x)
+
+    return value_and_grad(x)
+
+  fused, plain = run(KernelConfig(short_conv="pallas")), run(KernelConfig())
+  for a, b in zip(fused, plain):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4,
+                               atol=2e-4 * np.abs(np.asarray(b)).max())
 
 
 def test_lora_adapter_gradients_flow():

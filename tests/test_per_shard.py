@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hylora.core.config import MeshConfig
 from hylora.ops import catalog
 from meshes.mesh import build_mesh
-from meshes.per_shard import sequence_split, split_over_batch, tokens_in_device_order
+from meshes.per_shard import (sequence_split, split_over_batch, split_rows_whole_weight,
+                              tokens_in_device_order)
 from meshes.rules import activation_mesh
 
 
@@ -44,6 +45,30 @@ def test_each_device_sees_its_rows_and_the_result_is_unchanged(mesh):
   assert seen == [((1, 4, 3), (1, 4, 5), 2.0, None)]
   assert none is None
   np.testing.assert_allclose(np.asarray(out), x * 2.0 + y.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_a_weight_arrives_whole_even_when_its_first_dimension_is_the_batch(mesh):
+  """8 rows and a weight [8, 3]: split_over_batch would split both; the weight must not."""
+  seen = []
+
+  def kernel(x, w, segment_ids, *, shift):
+    seen.append((x.shape, w.shape, segment_ids.shape, shift))
+    return x * w.sum(0) + segment_ids[..., None] + shift
+
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(8, 4, 3)).astype(np.float32)
+  w = rng.normal(size=(8, 3)).astype(np.float32)
+  seg = rng.integers(0, 3, size=(8, 4)).astype(np.int32)
+  wrapped = split_rows_whole_weight(kernel)
+
+  @jax.jit
+  def run(x, w, seg):
+    with activation_mesh(mesh):
+      return wrapped(x, w, seg, shift=1.0)
+
+  out = run(_rows(mesh, x), w, _rows(mesh, seg))
+  assert seen == [((1, 4, 3), (8, 3), (1, 4), 1.0)]
+  np.testing.assert_allclose(np.asarray(out), x * w.sum(0) + seg[..., None] + 1.0, rtol=1e-6)
 
 
 def test_without_a_mesh_or_with_the_sequence_split_the_kernel_sees_everything(mesh):

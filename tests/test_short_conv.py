@@ -1,4 +1,4 @@
-"""hylora.model.short_conv: the causal depthwise convolution never reads across a
+"""pallas_kernels.short_conv.reference: the causal depthwise convolution never reads across a
 document boundary, and on a sequence split over devices XLA exchanges only a
 (K-1)-token halo between neighbours (no gather of the whole sequence)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hylora.core.config import MeshConfig
-from hylora.model.short_conv import causal_depthwise_conv
+from pallas_kernels.short_conv.reference import causal_depthwise_conv
 from meshes.mesh import build_mesh
 from meshes.rules import activation_mesh, constrain
 from pallas_kernels.linear_attention._inputs import run_ids

@@ -404,7 +404,7 @@ MIXER_BLOCKS: dict[str, Block] = {
             _linear("mixer/g_b_proj/kernel", "attention"),
             _linear("mixer/g_proj/kernel", "attention"),
             Tensor("mixer/o_norm", "norms"),
-        ), _kda_work, lambda cfg: ("linear_attention.kda",)),
+        ), _kda_work, lambda cfg: ("short_conv", "linear_attention.kda")),
     # Multi-head latent attention (Kimi Linear, DeepSeek-V3.2, K3), with DeepSeek-V3.2's
     # sparse-attention indexer and K3's output gate where configured.
     "mla":

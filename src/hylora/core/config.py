@@ -250,6 +250,7 @@ class KernelConfig:
   grouped_matmul: str = "auto"
   cross_entropy: str = "auto"
   residual_mix: str = "auto"
+  short_conv: str = "auto"  # the KDA layer's short convolutions, SiLU and q / k L2 norm
   causal_attention: str = "auto"  # full attention (MLA layers without an indexer)
   quantized_matmul: str = "auto"  # products with packed frozen weights (hylora.quant)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from hylora.core.config import KernelConfig
-from hylora.ops.registry import AUTO, OpRegistry
+from hylora.ops.registry import AUTO, REFERENCE, OpRegistry
 
 _LA = "pallas_kernels.linear_attention"
 _SA = "pallas_kernels.sparse_attention"
@@ -18,6 +18,7 @@ _CE = "pallas_kernels.cross_entropy"
 _RM = "pallas_kernels.residual_mix"
 _CA = "pallas_kernels.causal_attention"
 _QMM = "pallas_kernels.quantized_matmul"
+_SC = "pallas_kernels.short_conv"
 
 PER_DEVICE_REFERENCE = "reference_per_device"
 _PER_DEVICE_REFERENCES = {
@@ -46,6 +47,7 @@ def catalog() -> OpRegistry:
   registry.define("cross_entropy", f"{_CE}.reference:cross_entropy_reference")
   registry.define("rms_norm", "hylora.model.norms:rms_norm")
   registry.define("residual_mix", f"{_RM}.reference:residual_mix_reference")  # docs/day_one.md
+  registry.define("short_conv", f"{_SC}.reference:short_conv_silu_reference")
 
   # Fast paths. "auto" takes the highest priority registered for the backend; an impl
   # below the reference's priority (-1) runs only when named in KernelConfig. The
@@ -106,6 +108,10 @@ def catalog() -> OpRegistry:
                     backends=("cpu", "gpu", "tpu"))
   # Named only until timed on the H200 (`python -m experiments.check_ops --ops residual_mix`).
   registry.register("residual_mix", "pallas", f"{_RM}:residual_mix", backends=("gpu",), priority=-2)
+  # The KDA layer's prologue (q, k: with the L2 norm) in one pass each way; named only
+  # until timed (`experiments/bench_kda_prologue.py`).
+  registry.register("short_conv", "pallas", f"{_SC}:short_conv_silu", backends=("gpu",),
+                    priority=-2, per_shard="rows_whole_weight")
   return registry
 
 
@@ -123,6 +129,7 @@ STAND_INS = {
     ("sparse_attention.attend", "pallas"): PER_DEVICE_REFERENCE,
     ("sparse_attention.attend", "by_density"): PER_DEVICE_REFERENCE,
     ("attention.causal", "cudnn"): PER_DEVICE_REFERENCE,
+    ("short_conv", "pallas"): REFERENCE,
 }
 
 # Which KernelConfig field chooses the implementation of each op.
@@ -135,6 +142,7 @@ KERNEL_CHOICE_FIELDS = {
     "grouped_lora": "grouped_matmul",
     "cross_entropy": "cross_entropy",
     "residual_mix": "residual_mix",
+    "short_conv": "short_conv",
     "attention.causal": "causal_attention",
     "quantized_matmul": "quantized_matmul",
     "quantized_grouped_matmul": "quantized_matmul",

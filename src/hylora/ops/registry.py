@@ -20,7 +20,8 @@ import jax
 AUTO = "auto"
 REFERENCE = "reference"
 
-PER_SHARD_MODES = ("rows", "linear_recurrence", "sparse_attention", "indexer", "tokens")
+PER_SHARD_MODES = ("rows", "rows_whole_weight", "linear_recurrence", "sparse_attention", "indexer",
+                   "tokens")
 
 
 def per_shard_mode(per_shard: bool | str) -> str | None:
@@ -34,10 +35,12 @@ def per_shard_mode(per_shard: bool | str) -> str | None:
 
 
 def _per_shard_wrappers() -> dict[str, Callable]:
-  from meshes.per_shard import split_over_batch, split_tokens_whole_weights
+  from meshes.per_shard import (split_over_batch, split_rows_whole_weight,
+                                split_tokens_whole_weights)
   from meshes import gathered_keys, split_recurrence
   return {
       "rows": split_over_batch,
+      "rows_whole_weight": split_rows_whole_weight,
       "linear_recurrence": split_recurrence.split_recurrence_over_devices,
       "sparse_attention": gathered_keys.sparse_attention_over_devices,
       "indexer": gathered_keys.indexer_over_devices,
@@ -54,7 +57,8 @@ class Impl:
   backends: tuple[str, ...]  # where "auto" may pick it: subset of {"cpu", "gpu", "tpu"}
   priority: int = 0  # among auto candidates, the highest wins
   # A kernel XLA cannot partition (one custom call) runs per device under a mesh:
-  # "rows" (or True) acts on each batch row alone (meshes.per_shard.split_over_batch);
+  # "rows" (or True) acts on each batch row alone (meshes.per_shard.split_over_batch),
+  # "rows_whole_weight" too, with its second argument (a weight) whole on every device;
   # where the sequence is split over devices too (meshes.split_recurrence,
   # meshes.gathered_keys),
   # "linear_recurrence" passes its state between the devices' token ranges and

@@ -1,6 +1,7 @@
 """Kimi Delta Attention as the released Kimi Linear and Kimi K3 checkpoints define it.
 
-q, k and v each pass a short causal depthwise convolution and SiLU; a per-channel decay
+q, k and v each pass a short causal depthwise convolution and SiLU (the registered op
+"short_conv", which also L2-normalises q and k); a per-channel decay
 g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (K3 with a lower bound L < 0:
 g = L * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))) and beta = sigmoid(b_proj x) drive
 the gated delta rule (q, k L2-normalised, scale head_dim^-0.5); the result is RMS-normed
@@ -25,7 +26,6 @@ from hylora.core.config import LoRAConfig, ModelConfig
 from hylora.model.context import ForwardContext
 from hylora.model.lora import Linear
 from hylora.model.norms import rms_norm
-from hylora.model.short_conv import causal_depthwise_conv
 from meshes.rules import constrain
 
 # The released models' decay init (FLA): A = uniform(1, 16), dt = log-uniform(1e-3, 1e-1)
@@ -94,19 +94,21 @@ class KimiDeltaAttention(nnx.Module):
     key = ctx.dropout_key
     names = (ax.BATCH, ax.SEQ, ax.HEADS, ax.HEAD_DIM)
 
-    def mixed(projection, conv_weight):
-      # The projection is the save point: conv and SiLU are cheap to recompute from it.
-      p = constrain(save_points.tag(projection(x, key), save_points.QKV), names)
-      y = jax.nn.silu(causal_depthwise_conv(p, conv_weight[...], ctx.segment_ids))
-      return constrain(y.astype(x.dtype), names)
+    prologue = ops.resolve("short_conv", ctx.execution.kernels)
 
-    q = mixed(self.q_proj, self.q_conv)
-    k = mixed(self.k_proj, self.k_conv)
-    v = mixed(self.v_proj, self.v_conv)
+    def mixed(projection, conv_weight, normalize):
+      # The projection is the save point: conv, SiLU and the norm are cheap to recompute.
+      p = constrain(save_points.tag(projection(x, key), save_points.QKV), names)
+      return constrain(prologue(p, conv_weight[...], ctx.segment_ids, normalize=normalize), names)
+
+    q = mixed(self.q_proj, self.q_conv, True)
+    k = mixed(self.k_proj, self.k_conv, True)
+    v = mixed(self.v_proj, self.v_conv, False)
     g = constrain(save_points.tag(self._decay(x), save_points.GATES), names)
     beta = save_points.tag(jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), save_points.GATES)
     kda = ops.resolve("linear_attention.kda", ctx.execution.kernels)
-    o, _ = kda(q, k, v, g, beta, segment_ids=ctx.segment_ids)
+    # q and k leave the prologue L2-normalised
+    o, _ = kda(q, k, v, g, beta, segment_ids=ctx.segment_ids, normalize_qk=False)
     o = save_points.tag(o, save_points.ATTENTION)
     gate = constrain(save_points.tag(self._output_gate(x), save_points.GATES), names)
     # Gated RMSNorm entirely in fp32: the norm, its weight and the sigmoid gate.

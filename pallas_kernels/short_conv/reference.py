@@ -1,10 +1,13 @@
-"""Short causal depthwise convolution over time that never reads across a packed document
-boundary: each document sees zeros before its first token, as if it started the row."""
+"""The short causal depthwise convolution over time, in plain JAX: it never reads across a
+packed document boundary (each document sees zeros before its first token, as if it
+started the row); with SiLU and the per-head L2 norm, the reference of the fused kernel."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.linear_attention._inputs import l2_normalize
 
 
 def causal_depthwise_conv(x: jax.Array, weight: jax.Array,
@@ -38,3 +41,12 @@ def causal_depthwise_conv(x: jax.Array, weight: jax.Array,
       past = jnp.where(same.reshape(batch, length, *(1,) * channel_dims), past, 0.0)
     y = y + past * w[..., taps - 1 - s]
   return y
+
+
+def short_conv_silu_reference(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None,
+                              *, normalize: bool = False) -> jax.Array:
+  """SiLU of the causal depthwise convolution, rounded to x's dtype; with normalize, then
+  the L2 norm over the last axis (one head's channels), rounded again. x: [B, T, H, D];
+  weight: [H, D, K]. The delta rule's q / k prologue (normalize) and its v's (not)."""
+  y = jax.nn.silu(causal_depthwise_conv(x, weight, segment_ids)).astype(x.dtype)
+  return l2_normalize(y).astype(x.dtype) if normalize else y

@@ -1,0 +1,249 @@
+"""The short causal depthwise convolution, SiLU and (optionally) the per-head L2 norm as one
+Pallas pass, forward and backward: x is read once and the result written once, where XLA
+writes the convolution's output and reads it back for the norm.
+
+One program per (row, block of tokens, head) holds a [BT, D] block. The shift of the
+block by s tokens is a product with a 0/1 matrix on the matrix units, its entry for
+(token t, token t - s) zeroed where t - s lies in another document: the K - 1 earlier
+tokens of the block's first rows come from a 16-token halo (the preceding 16 tokens),
+the backward's later ones (the transposed shift) from the following 16. Each token's
+reach, how many earlier tokens of its own document the taps may read (at most K - 1),
+is counted once in XLA from the segment ids. The backward recomputes the forward from x,
+takes the norm's and SiLU's derivatives in fp32, and writes dx and a per-block partial
+of the weight's gradient that XLA sums. fp32 operands of the shifts split into two bf16
+halves (the shift moves values, so the result is exact to 2^-16).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.short_conv.reference import short_conv_silu_reference
+
+F32 = jnp.float32
+HALO = 16  # tokens next to a block that a shift may read: the smallest matmul side
+NUM_WARPS = 8
+BLOCK_TOKENS = (32, HALO)  # the largest dividing the length
+EPS = 1e-6  # that of the reference's l2_normalize
+_sq = pl.squeezed
+
+
+def token_reach(segment_ids, batch: int, length: int, taps: int) -> jax.Array:
+  """[B, T] int32: how many of the K - 1 preceding tokens lie in each token's document
+    (a run of equal ids; a repeated id after a different one starts a new document)."""
+  t = jnp.arange(length, dtype=jnp.int32)[None, :]
+  if segment_ids is None:
+    return jnp.broadcast_to(jnp.minimum(t, taps - 1), (batch, length))
+  seg = segment_ids.astype(jnp.int32)
+  joined = jnp.pad(seg[:, 1:] == seg[:, :-1], ((0, 0), (1, 0)))
+  reach = jnp.zeros((batch, length), jnp.int32)
+  same = jnp.ones((batch, length), bool)
+  for s in range(1, taps):  # tap s needs the s tokens up to t all joined
+    same = same & jnp.pad(joined[:, :length - s + 1], ((0, 0), (s - 1, 0)))
+    reach = reach + same
+  return reach
+
+
+def _shift(rows: int, cols: int, s: int, offset: int, reach, along_rows: bool):
+  """The 0/1 matrix that moves token (i - s) to token i: entry [i, j] is 1 where token i
+    (row i, or column i if not along_rows) is s tokens after token j + offset and its
+    reach covers s. reach: [rows, 1] (along rows) or [1, cols]."""
+  r = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0)
+  c = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+  later, earlier = (r, c) if along_rows else (c, r)
+  return (later + offset - earlier == s) & (reach >= s)
+
+
+def _apply(matrix, x_hi, x_lo):
+  """matrix (bool) @ x, x given as bf16 halves (x_lo None: x is x_hi exactly)."""
+  m = jnp.where(matrix, 1.0, 0.0).astype(x_hi.dtype)
+  out = jnp.dot(m, x_hi, preferred_element_type=F32)
+  if x_lo is not None:
+    out = out + jnp.dot(m, x_lo, preferred_element_type=F32)
+  return out
+
+
+def _halves(x):
+  """x as matmul operands: bf16 / f16 as is; fp32 as a bf16 high and low half."""
+  if x.dtype in (jnp.bfloat16, jnp.float16):
+    return x, None
+  x = x.astype(F32)
+  hi = x.astype(jnp.bfloat16)
+  return hi, (x - hi.astype(F32)).astype(jnp.bfloat16)
+
+
+def _tap(w_ref, k):
+  """Tap k of the block's weights, [1, D] fp32."""
+  return w_ref[pl.ds(k, 1), :]
+
+
+def _past(x, halo, reach, s):
+  """Each token's input s tokens earlier where its document reaches that far, else 0
+    (fp32 [BT, D])."""
+  if s == 0:
+    return x.astype(F32)
+  bt = x.shape[0]
+  return (_apply(_shift(bt, bt, s, 0, reach[:, None], True), *_halves(x)) +
+          _apply(_shift(bt, HALO, s, HALO, reach[:, None], True), *_halves(halo)))
+
+
+def _conv(x, halo, reach, w_ref, taps):
+  """The block's convolution output, fp32 [BT, D]."""
+  y = _past(x, halo, reach, 0) * _tap(w_ref, taps - 1)
+  for s in range(1, taps):
+    y = y + _past(x, halo, reach, s) * _tap(w_ref, taps - 1 - s)
+  return y
+
+
+def _activate(y, dtype, normalize):
+  """SiLU, the round to the output dtype, and the norm: (output fp32, u, 1/|u|)."""
+  u = (y * jax.nn.sigmoid(y)).astype(dtype).astype(F32)
+  if not normalize:
+    return u, u, None
+  inv = jax.lax.rsqrt(jnp.sum(u * u, axis=1, keepdims=True) + EPS)
+  return u * inv, u, inv
+
+
+def _pre_activation_grad(y, dout, dtype, normalize):
+  """d loss / d (convolution output), given d loss / d output (fp32)."""
+  n, _, inv = _activate(y, dtype, normalize)
+  du = inv * (dout - n * jnp.sum(dout * n, axis=1, keepdims=True)) if normalize else dout
+  sig = jax.nn.sigmoid(y)
+  return du * sig * (1.0 + y * (1.0 - sig))
+
+
+def _forward_kernel(x_ref, halo_ref, reach_ref, w_ref, out_ref, *, taps, normalize):
+  y = _conv(x_ref[...], halo_ref[...], reach_ref[...], w_ref, taps)
+  out_ref[...] = _activate(y, out_ref.dtype, normalize)[0].astype(out_ref.dtype)
+
+
+def _backward_kernel(x_ref, halo_ref, next_ref, reach_ref, reach_next_ref, w_ref, dout_ref,
+                     dout_next_ref, dx_ref, dw_ref, *, taps, normalize, blocks):
+  x, halo, reach = x_ref[...], halo_ref[...], reach_ref[...]
+  dtype = dx_ref.dtype
+  bt = x.shape[0]
+  y = _conv(x, halo, reach, w_ref, taps)
+  dy = _pre_activation_grad(y, dout_ref[...].astype(F32), dtype, normalize)
+  # The next 16 tokens' convolution gradient: their taps reach back into this block.
+  x_next, reach_next = next_ref[...], reach_next_ref[...]
+  y_next = _conv(x_next, x_ref[pl.ds(bt - HALO, HALO), :], reach_next, w_ref, taps)
+  has_next = pl.program_id(1) < blocks - 1
+  dy_next = jnp.where(
+      has_next, _pre_activation_grad(y_next, dout_next_ref[...].astype(F32), dtype, normalize), 0.0)
+  dx = dy * _tap(w_ref, taps - 1)
+  rows = jax.lax.broadcasted_iota(jnp.int32, (dw_ref.shape[0], 1), 0)
+  dw = jnp.where(rows == taps - 1, jnp.sum(dy * x.astype(F32), axis=0)[None, :], 0.0)
+  for s in range(1, taps):
+    tap = _tap(w_ref, taps - 1 - s)
+    dx = dx + _apply(_shift(bt, bt, s, 0, reach[None, :], False), *_halves(dy * tap))
+    dx = dx + _apply(_shift(bt, HALO, s, bt, reach_next[None, :], False), *_halves(dy_next * tap))
+    # the shifted input again rather than held from the forward's recomputation: registers
+    past = jnp.sum(dy * _past(x, halo, reach, s), axis=0)
+    dw = dw + jnp.where(rows == taps - 1 - s, past[None, :], 0.0)
+  dx_ref[...] = dx.astype(dtype)
+  dw_ref[...] = dw
+
+
+def _block_tokens(length: int) -> int:
+  for bt in BLOCK_TOKENS:
+    if length % bt == 0:
+      return bt
+  raise AssertionError(length)
+
+
+def _taps_padded(taps: int) -> int:
+  return max(2, 1 << (taps - 1).bit_length())
+
+
+def _specs(B, T, H, D, bt):
+  step = bt // HALO
+  last = T // HALO - 1
+  block = pl.BlockSpec((_sq, bt, _sq, D), lambda b, c, h: (b, c, h, 0))
+  before = pl.BlockSpec((_sq, HALO, _sq, D), lambda b, c, h:
+                        (b, jnp.maximum(c * step - 1, 0), h, 0))
+  after = pl.BlockSpec((_sq, HALO, _sq, D), lambda b, c, h: (b, jnp.minimum(
+      (c + 1) * step, last), h, 0))
+  reach = pl.BlockSpec((_sq, bt), lambda b, c, h: (b, c))
+  reach_after = pl.BlockSpec((_sq, HALO), lambda b, c, h: (b, jnp.minimum((c + 1) * step, last)))
+  return block, before, after, reach, reach_after
+
+
+def _forward(x, w_taps, reach, taps, normalize, interpret):
+  B, T, H, D = x.shape
+  bt = _block_tokens(T)
+  block, before, _, reach_spec, _ = _specs(B, T, H, D, bt)
+  weights = pl.BlockSpec((_sq, w_taps.shape[1], D), lambda b, c, h: (h, 0, 0))
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, taps=taps, normalize=normalize),
+      grid=(B, T // bt, H),
+      in_specs=[block, before, reach_spec, weights],
+      out_specs=block,
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret,
+      name="short_conv_silu",
+  )(x, x, reach, w_taps)
+
+
+def _backward(x, w_taps, reach, dout, taps, normalize, interpret):
+  B, T, H, D = x.shape
+  bt = _block_tokens(T)
+  block, before, after, reach_spec, reach_after = _specs(B, T, H, D, bt)
+  kp = w_taps.shape[1]
+  weights = pl.BlockSpec((_sq, kp, D), lambda b, c, h: (h, 0, 0))
+  partial = pl.BlockSpec((_sq, _sq, _sq, kp, D), lambda b, c, h: (b, c, h, 0, 0))
+  dx, dw = pl.pallas_call(
+      functools.partial(_backward_kernel, taps=taps, normalize=normalize, blocks=T // bt),
+      grid=(B, T // bt, H),
+      in_specs=[block, before, after, reach_spec, reach_after, weights, block, after],
+      out_specs=[block, partial],
+      out_shape=[
+          jax.ShapeDtypeStruct(x.shape, x.dtype),
+          jax.ShapeDtypeStruct((B, T // bt, H, kp, D), F32)
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret,
+      name="short_conv_silu_bwd",
+  )(x, x, x, reach, reach, w_taps, dout, dout)
+  return dx, jnp.sum(dw, axis=(0, 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(x, w_taps, reach, taps, normalize, interpret):
+  return _forward(x, w_taps, reach, taps, normalize, interpret)
+
+
+def _fused_fwd(x, w_taps, reach, taps, normalize, interpret):
+  return _forward(x, w_taps, reach, taps, normalize, interpret), (x, w_taps, reach)
+
+
+def _fused_bwd(taps, normalize, interpret, residuals, dout):
+  x, w_taps, reach = residuals
+  dx, dw = _backward(x, w_taps, reach, dout, taps, normalize, interpret)
+  return dx, dw, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None, *,
+                    normalize: bool = False) -> jax.Array:
+  """short_conv_silu_reference's result in one Pallas pass (interpreted on CPU). x: [B, T,
+    H, D]; weight: [H, D, K] with tap K-1 on the current token, K <= 17; segment_ids:
+    [B, T] or None. Lengths that are not a multiple of 16 run the reference."""
+  B, T, H, D = x.shape
+  taps = weight.shape[-1]
+  if weight.shape[:2] != (H, D):
+    raise ValueError(f"short_conv_silu: weight {weight.shape} does not match x's heads and "
+                     f"channels {(H, D)}")
+  if T % HALO or taps - 1 > HALO:
+    return short_conv_silu_reference(x, weight, segment_ids, normalize=normalize)
+  kp = _taps_padded(taps)
+  w_taps = jnp.pad(jnp.moveaxis(weight.astype(F32), -1, 1), ((0, 0), (0, kp - taps), (0, 0)))
+  reach = token_reach(segment_ids, B, T, taps)
+  return _fused(x, w_taps, reach, taps, normalize, jax.default_backend() == "cpu")
