@@ -14,6 +14,7 @@ first named is slower), and each output's relative RMS difference from the XLA p
 jla missing or failing is reported, and the row still has the rest.
 """
 import argparse
+import functools
 import json
 
 import jax
@@ -41,8 +42,13 @@ def ours(x, w, segment_ids):
   return short_conv_silu_reference(x, w, segment_ids, normalize=True)
 
 
-def fused(x, w, segment_ids):
-  return short_conv_silu(x, w, segment_ids, normalize=True)
+def fused(x, w, segment_ids, block_tokens=(None, None)):
+  return short_conv_silu(x, w, segment_ids, normalize=True, block_tokens=block_tokens)
+
+
+# the kernel's default blocks, and a forward of 64-token blocks (fewer halo reads, one
+# program per SM: experiments/kernel_resources.py)
+FUSED = {"fused": (None, None), "fused_fwd64": (64, None)}
 
 
 def jla_prologue():
@@ -72,7 +78,10 @@ def bench_shape(shape, rounds=15, calls=10):
   """One shape: the fused kernel and jla's against the XLA path, in the same rounds."""
   x = inputs(*shape)
   row = {"shape": list(shape), "taps": TAPS, "documents_per_row": DOCUMENTS}
-  sides = {"fused": fwd_and_fwdbwd(fused)}
+  sides = {
+      name: fwd_and_fwdbwd(functools.partial(fused, block_tokens=blocks))
+      for name, blocks in FUSED.items()
+  }
   theirs, missing = peer(jla_prologue)
   if missing:
     row["jla"] = missing
@@ -84,6 +93,7 @@ def bench_shape(shape, rounds=15, calls=10):
     try:
       diff = ref - fns[0](*x).astype(jnp.float32)
       row[f"rel_rms_{name}_vs_xla"] = float(jnp.sqrt(jnp.mean(diff**2) / jnp.mean(ref**2)))
+      jax.block_until_ready(fns[1](*x))  # the backward compiles and runs too
     except Exception as e:  # a failing side does not hide the others' figures
       row[name] = failed(e)
       del sides[name]
@@ -95,8 +105,9 @@ def bench_shape(shape, rounds=15, calls=10):
     for name in sides:
       row[f"{name}_{kind}_ms"] = r[name]["ms"]
       row[f"{name}_vs_xla_{kind}"] = r[name]["median"]
-    if "jla" in sides and "fused" in sides:
-      row[f"fused_vs_jla_{kind}"] = median_ratio(r, "jla", "fused")
+    if "jla" in sides:
+      for name in set(FUSED) & set(sides):
+        row[f"{name}_vs_jla_{kind}"] = median_ratio(r, "jla", name)
   return row
 
 

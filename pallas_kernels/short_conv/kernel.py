@@ -149,11 +149,15 @@ def _backward_kernel(x_ref, halo_ref, next_ref, reach_ref, reach_next_ref, w_ref
   dw_ref[...] = dw
 
 
-def _block_tokens(length: int) -> int:
-  for bt in BLOCK_TOKENS:
-    if length % bt == 0:
-      return bt
-  raise AssertionError(length)
+def _block_tokens(length: int, asked: int | None) -> int:
+  """The tokens of a program's block: `asked` (a power of two >= 16 dividing the length),
+    or the largest of BLOCK_TOKENS dividing it."""
+  if asked is not None:
+    if asked < HALO or asked & (asked - 1) or length % asked:
+      raise ValueError(f"short_conv_silu: block_tokens={asked}: must be a power of two "
+                       f">= {HALO} that divides the length {length}")
+    return asked
+  return next(bt for bt in BLOCK_TOKENS if length % bt == 0)
 
 
 def _taps_padded(taps: int) -> int:
@@ -173,9 +177,8 @@ def _specs(B, T, H, D, bt):
   return block, before, after, reach, reach_after
 
 
-def _forward(x, w_taps, reach, taps, normalize, interpret):
+def _forward(x, w_taps, reach, taps, normalize, interpret, bt):
   B, T, H, D = x.shape
-  bt = _block_tokens(T)
   block, before, _, reach_spec, _ = _specs(B, T, H, D, bt)
   weights = pl.BlockSpec((_sq, w_taps.shape[1], D), lambda b, c, h: (h, 0, 0))
   return pl.pallas_call(
@@ -190,9 +193,8 @@ def _forward(x, w_taps, reach, taps, normalize, interpret):
   )(x, x, reach, w_taps)
 
 
-def _backward(x, w_taps, reach, dout, taps, normalize, interpret):
+def _backward(x, w_taps, reach, dout, taps, normalize, interpret, bt):
   B, T, H, D = x.shape
-  bt = _block_tokens(T)
   block, before, after, reach_spec, reach_after = _specs(B, T, H, D, bt)
   kp = w_taps.shape[1]
   weights = pl.BlockSpec((_sq, kp, D), lambda b, c, h: (h, 0, 0))
@@ -213,29 +215,33 @@ def _backward(x, w_taps, reach, dout, taps, normalize, interpret):
   return dx, jnp.sum(dw, axis=(0, 1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(x, w_taps, reach, taps, normalize, interpret):
-  return _forward(x, w_taps, reach, taps, normalize, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(x, w_taps, reach, taps, normalize, interpret, blocks):
+  return _forward(x, w_taps, reach, taps, normalize, interpret, blocks[0])
 
 
-def _fused_fwd(x, w_taps, reach, taps, normalize, interpret):
-  return _forward(x, w_taps, reach, taps, normalize, interpret), (x, w_taps, reach)
+def _fused_fwd(x, w_taps, reach, taps, normalize, interpret, blocks):
+  return _forward(x, w_taps, reach, taps, normalize, interpret, blocks[0]), (x, w_taps, reach)
 
 
-def _fused_bwd(taps, normalize, interpret, residuals, dout):
+def _fused_bwd(taps, normalize, interpret, blocks, residuals, dout):
   x, w_taps, reach = residuals
-  dx, dw = _backward(x, w_taps, reach, dout, taps, normalize, interpret)
+  dx, dw = _backward(x, w_taps, reach, dout, taps, normalize, interpret, blocks[1])
   return dx, dw, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None, *,
-                    normalize: bool = False) -> jax.Array:
+def short_conv_silu(
+    x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None, *,
+    normalize: bool = False, block_tokens: tuple[int | None,
+                                                 int | None] = (None, None)) -> jax.Array:
   """short_conv_silu_reference's result in one Pallas pass (interpreted on CPU). x: [B, T,
     H, D]; weight: [H, D, K] with tap K-1 on the current token, K <= 17; segment_ids:
-    [B, T] or None. Lengths that are not a multiple of 16 run the reference."""
+    [B, T] or None. block_tokens: the forward's and the backward's tokens per program
+    (None: the largest of BLOCK_TOKENS dividing T). Lengths that are not a multiple of 16
+    run the reference."""
   B, T, H, D = x.shape
   taps = weight.shape[-1]
   if weight.shape[:2] != (H, D):
@@ -243,7 +249,8 @@ def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | No
                      f"channels {(H, D)}")
   if T % HALO or taps - 1 > HALO:
     return short_conv_silu_reference(x, weight, segment_ids, normalize=normalize)
+  blocks = tuple(_block_tokens(T, asked) for asked in block_tokens)
   kp = _taps_padded(taps)
   w_taps = jnp.pad(jnp.moveaxis(weight.astype(F32), -1, 1), ((0, 0), (0, kp - taps), (0, 0)))
   reach = token_reach(segment_ids, B, T, taps)
-  return _fused(x, w_taps, reach, taps, normalize, jax.default_backend() == "cpu")
+  return _fused(x, w_taps, reach, taps, normalize, jax.default_backend() == "cpu", blocks)

@@ -3,6 +3,8 @@ and backward, on fresh random inputs: documents that start on a block boundary, 
 after it, one token long, an id repeated after a different one; several blocks, so that
 the halos on both sides are read."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,10 +36,13 @@ def _rel(a, b):
   return np.sqrt(np.mean((a - b)**2) / np.mean(b**2))
 
 
-@pytest.mark.parametrize("T,taps,normalize", [(192, 4, True), (48, 3, False), (128, 2, True)])
-def test_fp32_matches_the_reference_forward_and_backward(T, taps, normalize):
+@pytest.mark.parametrize("T,taps,normalize,blocks", [(192, 4, True, (None, None)),
+                                                     (48, 3, False, (None, None)),
+                                                     (128, 2, True, (64, 16))])
+def test_fp32_matches_the_reference_forward_and_backward(T, taps, normalize, blocks):
   x, w, seg, probe = _inputs(2, T, 2, 32, taps, jnp.float32, seed=T + taps)
-  got = _value_and_grads(short_conv_silu, x, w, seg, probe, normalize)
+  fused = functools.partial(short_conv_silu, block_tokens=blocks)
+  got = _value_and_grads(fused, x, w, seg, probe, normalize)
   want = _value_and_grads(short_conv_silu_reference, x, w, seg, probe, normalize)
   for name, a, b in zip(("out", "dx", "dw"), got, want):
     assert _rel(a, b) < 2e-5, name
@@ -66,3 +71,5 @@ def test_lengths_off_the_block_run_the_reference_and_bad_weights_are_named():
   np.testing.assert_array_equal(short_conv_silu(x, w, seg), short_conv_silu_reference(x, w, seg))
   with pytest.raises(ValueError, match="does not match"):
     short_conv_silu(x, w[:, :8], seg)
+  with pytest.raises(ValueError, match="block_tokens=24"):
+    short_conv_silu(x[:, :32], w, seg[:, :32], block_tokens=(24, None))
