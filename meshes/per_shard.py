@@ -124,14 +124,11 @@ def split_rows_whole_weight(fn):
       _warn_gathered(fn, x.shape[0], mesh)
       return fn(x, weight, segment_ids, **options)
     rows = P(spec[0])
-    if segment_ids is None:
-      body = lambda x, w: fn(x, w, None, **options)
-      return jax.shard_map(body, mesh=mesh, in_specs=(rows, P()), out_specs=rows,
-                           check_vma=False)(x, weight)
-    body = lambda x, w, seg: fn(x, w, seg, **options)
+    arrays = (x, weight) + (() if segment_ids is None else (segment_ids,))
+    body = lambda x, w, *seg: fn(x, w, *(seg or (None,)), **options)
     # check_vma off: a custom call's outputs carry no varying-axes type to compare
-    return jax.shard_map(body, mesh=mesh, in_specs=(rows, P(), rows), out_specs=rows,
-                         check_vma=False)(x, weight, segment_ids)
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, P(), rows)[:len(arrays)], out_specs=rows,
+                         check_vma=False)(*arrays)
 
   return per_shard
 

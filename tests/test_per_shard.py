@@ -47,6 +47,11 @@ def test_each_device_sees_its_rows_and_the_result_is_unchanged(mesh):
   np.testing.assert_allclose(np.asarray(out), x * 2.0 + y.sum(-1, keepdims=True), rtol=1e-6)
 
 
+def _with_mesh(mesh, fn, *args, **kwargs):
+  with activation_mesh(mesh):
+    return fn(*args, **kwargs)
+
+
 def test_a_weight_arrives_whole_even_when_its_first_dimension_is_the_batch(mesh):
   """8 rows and a weight [8, 3]: split_over_batch would split both; the weight must not."""
   seen = []
@@ -69,6 +74,13 @@ def test_a_weight_arrives_whole_even_when_its_first_dimension_is_the_batch(mesh)
   out = run(_rows(mesh, x), w, _rows(mesh, seg))
   assert seen == [((1, 4, 3), (8, 3), (1, 4), 1.0)]
   np.testing.assert_allclose(np.asarray(out), x * w.sum(0) + seg[..., None] + 1.0, rtol=1e-6)
+  # without segment ids the kernel gets None on every device
+  no_ids = split_rows_whole_weight(
+      lambda x, w, segment_ids, *, shift: seen.append(segment_ids) or x * w.sum(0) + shift)
+  seen.clear()
+  out = jax.jit(lambda x, w: _with_mesh(mesh, no_ids, x, w, None, shift=0.0))(_rows(mesh, x), w)
+  np.testing.assert_allclose(np.asarray(out), x * w.sum(0), rtol=1e-6)
+  assert seen == [None]
 
 
 def test_without_a_mesh_or_with_the_sequence_split_the_kernel_sees_everything(mesh):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.short_conv.reference import short_conv_silu_reference
+from pallas_kernels.short_conv.reference import short_conv_silu_reference, token_reach
 
 F32 = jnp.float32
 HALO = 16  # tokens next to a block that a shift may read: the smallest matmul side
@@ -31,22 +31,6 @@ NUM_WARPS = 8
 BLOCK_TOKENS = (32, HALO)  # the largest dividing the length
 EPS = 1e-6  # that of the reference's l2_normalize
 _sq = pl.squeezed
-
-
-def token_reach(segment_ids, batch: int, length: int, taps: int) -> jax.Array:
-  """[B, T] int32: how many of the K - 1 preceding tokens lie in each token's document
-    (a run of equal ids; a repeated id after a different one starts a new document)."""
-  t = jnp.arange(length, dtype=jnp.int32)[None, :]
-  if segment_ids is None:
-    return jnp.broadcast_to(jnp.minimum(t, taps - 1), (batch, length))
-  seg = segment_ids.astype(jnp.int32)
-  joined = jnp.pad(seg[:, 1:] == seg[:, :-1], ((0, 0), (1, 0)))
-  reach = jnp.zeros((batch, length), jnp.int32)
-  same = jnp.ones((batch, length), bool)
-  for s in range(1, taps):  # tap s needs the s tokens up to t all joined
-    same = same & jnp.pad(joined[:, :length - s + 1], ((0, 0), (s - 1, 0)))
-    reach = reach + same
-  return reach
 
 
 def _shift(rows: int, cols: int, s: int, offset: int, reach, along_rows: bool):
@@ -101,17 +85,17 @@ def _conv(x, halo, reach, w_ref, taps):
 
 
 def _activate(y, dtype, normalize):
-  """SiLU, the round to the output dtype, and the norm: (output fp32, u, 1/|u|)."""
+  """SiLU, the round to the output dtype, and the norm: (output fp32, 1/|u| or None)."""
   u = (y * jax.nn.sigmoid(y)).astype(dtype).astype(F32)
   if not normalize:
-    return u, u, None
+    return u, None
   inv = jax.lax.rsqrt(jnp.sum(u * u, axis=1, keepdims=True) + EPS)
-  return u * inv, u, inv
+  return u * inv, inv
 
 
 def _pre_activation_grad(y, dout, dtype, normalize):
   """d loss / d (convolution output), given d loss / d output (fp32)."""
-  n, _, inv = _activate(y, dtype, normalize)
+  n, inv = _activate(y, dtype, normalize)
   du = inv * (dout - n * jnp.sum(dout * n, axis=1, keepdims=True)) if normalize else dout
   sig = jax.nn.sigmoid(y)
   return du * sig * (1.0 + y * (1.0 - sig))

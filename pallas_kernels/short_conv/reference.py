@@ -24,23 +24,34 @@ def causal_depthwise_conv(x: jax.Array, weight: jax.Array,
   channel_dims = x.ndim - 2
   xf = x.astype(jnp.float32)
   w = weight.astype(jnp.float32)
-  later = lambda a, s, fill: jnp.pad(a[:, :length - s], ((0, 0), (s, 0)) + ((0, 0),) *
-                                     (a.ndim - 2), constant_values=fill)  # a[t - s] at t
-  # joined[t]: token t continues token t-1's document (a repeated id after a different one
-  # is a new document, as the recurrence's kernels count them). Tap s reads token t-s where
-  # the s tokens up to t are all joined: local shifts only, so that on a sequence split over
-  # devices XLA exchanges a (K-1)-token halo (a cumulative run index would gather the
-  # whole sequence's ids onto every device).
-  joined = None if segment_ids is None else later(segment_ids, 1, 0) == segment_ids
-  same = None
+  reach = None if segment_ids is None else token_reach(segment_ids, batch, length, taps)
   y = xf * w[..., taps - 1]
   for s in range(1, min(taps, length)):
-    past = later(xf, s, 0.0)
-    if joined is not None:
-      same = joined if same is None else same & later(joined, s - 1, False)
-      past = jnp.where(same.reshape(batch, length, *(1,) * channel_dims), past, 0.0)
+    past = jnp.pad(xf[:, :length - s], ((0, 0), (s, 0)) + ((0, 0),) * channel_dims)  # x[t-s]
+    if reach is not None:
+      past = jnp.where((reach >= s).reshape(batch, length, *(1,) * channel_dims), past, 0.0)
     y = y + past * w[..., taps - 1 - s]
   return y
+
+
+def token_reach(segment_ids, batch: int, length: int, taps: int) -> jax.Array:
+  """[B, T] int32: how many of the K - 1 preceding tokens lie in each token's document
+  (a run of equal ids; a repeated id after a different one starts a new document, as the
+  recurrence's kernels count them). Tap s may read token t - s where the reach covers s.
+  Local shifts only, so that on a sequence split over devices XLA exchanges a
+  (K-1)-token halo (a cumulative run index would gather the whole sequence's ids onto
+  every device)."""
+  t = jnp.arange(length, dtype=jnp.int32)[None, :]
+  if segment_ids is None:
+    return jnp.broadcast_to(jnp.minimum(t, taps - 1), (batch, length))
+  seg = segment_ids.astype(jnp.int32)
+  joined = jnp.pad(seg[:, 1:] == seg[:, :-1], ((0, 0), (1, 0)))  # t continues t - 1's
+  reach = jnp.zeros((batch, length), jnp.int32)
+  same = jnp.ones((batch, length), bool)
+  for s in range(1, taps):  # tap s needs the s tokens up to t all joined
+    same = same & jnp.pad(joined, ((0, 0), (s - 1, 0)))[:, :length]  # joined[t - s + 1]
+    reach = reach + same
+  return reach
 
 
 def short_conv_silu_reference(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None,

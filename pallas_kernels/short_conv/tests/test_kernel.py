@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.short_conv import short_conv_silu, short_conv_silu_reference
-from pallas_kernels.short_conv.kernel import token_reach
+from pallas_kernels.short_conv.reference import token_reach
 
 
 def _inputs(B, T, H, D, taps, dtype, seed):
