@@ -95,22 +95,23 @@ def interleaved_ratios(candidates, baseline, *args, rounds=15, calls=10, warmup=
       start = time.perf_counter()
       block([fn(*args) for _ in range(calls)])
       times[name].append(time.perf_counter() - start)
-  per_call_ms = lambda ts: round(statistics.median(ts) / calls * 1e3, 4)
-  round_ms = lambda ts: [round(t / calls * 1e3, 4) for t in ts]
+  # The ratios come from the reported per-round times, so that median_ratio over a
+  # report agrees with the report's own medians to the last digit.
+  round_ms = {name: [round(t / calls * 1e3, 4) for t in ts] for name, ts in times.items()}
   out = {
       "rounds": rounds,
       "calls": calls,
-      "baseline_ms": per_call_ms(times[None]),
-      "baseline_round_ms": round_ms(times[None])
+      "baseline_ms": round(statistics.median(round_ms[None]), 4),
+      "baseline_round_ms": round_ms[None]
   }
   for name in candidates:
-    ratios = [b / c for b, c in zip(times[None], times[name])]
+    ratios = [b / c for b, c in zip(round_ms[None], round_ms[name])]
     out[name] = {
-        "ms": per_call_ms(times[name]),
+        "ms": round(statistics.median(round_ms[name]), 4),
         "median": round(statistics.median(ratios), 3),
         "min": round(min(ratios), 3),
         "max": round(max(ratios), 3),
-        "round_ms": round_ms(times[name])
+        "round_ms": round_ms[name]
     }
   return out
 
