@@ -12,6 +12,12 @@ forward and forward+backward (the gradients of x and the conv weight) millisecon
 ratios to the XLA path and fused against jla (medians of per-round ratios, > 1: the
 first named is slower), and each output's relative RMS difference from the XLA path's.
 jla missing or failing is reported, and the row still has the rest.
+
+The row's `gate_*` entries time the decay the same way: the XLA path computes g from the
+gate projection f in one fusion (DecayGate, Kimi Linear's form), writes it in fp32 and
+the in-chunk cumulative sum kernel reads it back; `decay_cumsum` computes g inside that
+kernel (forward+backward: the gradients of f, a_log and dt_bias). jla computes its gate
+in XLA too, so it has no side here.
 """
 import argparse
 import functools
@@ -21,6 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from experiments.timing import failed, interleaved_ratios, median_ratio, peer
+from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum, decay_cumsum
+from pallas_kernels.linear_attention.decay_gate import DecayGate
 from pallas_kernels.short_conv import short_conv_silu, short_conv_silu_reference
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128)]
@@ -74,6 +82,51 @@ def fwd_and_fwdbwd(fn):
   return jax.jit(fn), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
+def gate_inputs(B, T, H, D, seed=1):
+  """(f [B, T, H, D] bf16, a_log [H], dt_bias [H, D]): the released initialisation."""
+  kf, kp = jax.random.split(jax.random.key(seed))
+  gate = DecayGate.drawn(kp, H, D)
+  return jax.random.normal(kf, (B, T, H, D), jnp.bfloat16), gate.a_log, gate.dt_bias
+
+
+def gate_xla(f, a_log, dt_bias):
+  return chunk_cumsum(DecayGate(a_log, dt_bias)(f))
+
+
+def gate_fused(f, a_log, dt_bias):
+  return decay_cumsum(f, DecayGate(a_log, dt_bias), f.shape[1])
+
+
+def gate_fwd_and_fwdbwd(fn):
+  """Jitted forward and forward+backward (a random projection of b; the gradients of f,
+    a_log and dt_bias)."""
+
+  def loss(*a):
+    b = fn(*a)
+    return jnp.sum(b * jax.random.normal(jax.random.key(2), b.shape))
+
+  return jax.jit(fn), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def bench_gate(shape, rounds=15, calls=10):
+  """The decay gate and its in-chunk sum: `decay_cumsum` against the XLA path."""
+  x, row = gate_inputs(*shape), {}
+  xla, fused = gate_fwd_and_fwdbwd(gate_xla), gate_fwd_and_fwdbwd(gate_fused)
+  try:
+    ref = xla[0](*x)
+    row["gate_rel_rms_fused_vs_xla"] = float(
+        jnp.sqrt(jnp.mean((ref - fused[0](*x))**2) / jnp.mean(ref**2)))
+    jax.block_until_ready(fused[1](*x))
+  except Exception as e:
+    return {"gate_fused": failed(e)}
+  for i, kind in enumerate(("fwd", "fwdbwd")):
+    r = interleaved_ratios({"fused": lambda: fused[i](*x)}, lambda: xla[i](*x), rounds=rounds,
+                           calls=calls)
+    row[f"gate_xla_{kind}_ms"], row[f"gate_fused_{kind}_ms"] = r["baseline_ms"], r["fused"]["ms"]
+    row[f"gate_fused_vs_xla_{kind}"] = r["fused"]["median"]
+  return row
+
+
 def bench_shape(shape, rounds=15, calls=10):
   """One shape: the fused kernel and jla's against the XLA path, in the same rounds."""
   x = inputs(*shape)
@@ -118,7 +171,7 @@ def main():
   args = ap.parse_args()
   print(jax.devices(), flush=True)
   for shape in args.shapes:
-    print(json.dumps(bench_shape(shape)), flush=True)
+    print(json.dumps(bench_shape(shape) | bench_gate(shape)), flush=True)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,9 @@ def kda_init_gates(key, B, T, H, D):
     x a small projection (0.1 N(0, 1)): down to about -1.6 to -2.5 per token, so heads with a
     large A hold channels that decay by more than one anchor per chunk allows
     (2 * FACTOR_LIMIT)."""
-  ka, kd, kx = jax.random.split(key, 3)
-  a = jax.random.uniform(ka, (H, 1), jnp.float32, 1.0, 16.0)
-  dt = jnp.exp(jax.random.uniform(kd, (H, D), jnp.float32, jnp.log(1e-3), jnp.log(0.1)))
-  dt_bias = dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1
-  x = 0.1 * jax.random.normal(kx, (B, T, H, D), jnp.float32)
-  return -a * jax.nn.softplus(x + dt_bias)
+  from pallas_kernels.linear_attention.decay_gate import DecayGate
+  kp, kx = jax.random.split(key)
+  return DecayGate.drawn(kp, H, D)(0.1 * jax.random.normal(kx, (B, T, H, D), jnp.float32))
 
 
 def layout_shares(g):

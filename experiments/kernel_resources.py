@@ -98,7 +98,11 @@ def _input_shapes(check, size):
 
   def build(key):
     args, kwargs = check.make_inputs(key, size)
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    # arrays and pytrees of them (a DecayGate) are traced; the rest is static
+    arrays = {
+        k: v for k, v in kwargs.items() if any(
+            isinstance(x, jax.Array) for x in jax.tree.leaves(v))
+    }
     static.update({k: v for k, v in kwargs.items() if k not in arrays})
     return args, arrays
 

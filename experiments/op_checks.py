@@ -86,16 +86,27 @@ def _linear_attention_inputs(key, size: str, delta_rule: bool):
   kwargs = {"segment_ids": _segments(ks[4], b, t, every=48)}
   if delta_rule:
     beta = jax.nn.sigmoid(jax.random.normal(ks[5], (b, t, h)))
-    return (q, k, v, g, beta), kwargs
+    # the KDA layers pass the gate projection and the decay's parameters (the released
+    # initialisation, A in [1, 16]; f ~ N(0, 1): a tail of decays to about -12 a token)
+    f, decay = _decay_gate(ks[3], b, t, h, d)
+    return (q, k, v, f, beta), kwargs | {"decay": decay}
   return (q, k, v, g), kwargs
+
+
+def _decay_gate(key, b, t, h, d):
+  from pallas_kernels.linear_attention.decay_gate import DecayGate
+  kf, kp = jax.random.split(key)
+  return _normal(kf, (b, t, h, d)), DecayGate.drawn(kp, h, d)
 
 
 GLA = OpCheck(lambda key, size: _linear_attention_inputs(key, size, False),
               grad_argnums=(0, 1, 2, 3), fwd_rtol=1e-2, bwd_rtol=2e-2,
               description="chunked GLA: bf16 q/k/v, fp32 log-decay gates, packed segments")
-KDA = OpCheck(lambda key, size: _linear_attention_inputs(key, size, True),
-              grad_argnums=(0, 1, 2, 3, 4), fwd_rtol=1e-2, bwd_rtol=2e-2,
-              description="chunked KDA (delta rule): as GLA plus fp32 beta")
+KDA = OpCheck(
+    lambda key, size: _linear_attention_inputs(key, size, True), grad_argnums=(0, 1, 2, 3, 4),
+    fwd_rtol=1e-2, bwd_rtol=2e-2,
+    description="chunked KDA (delta rule): as GLA plus fp32 beta, the decay from "
+    "a bf16 gate projection in the kernels (DecayGate)")
 
 # ---- sparse attention ---------------------------------------------------------------
 

@@ -5,7 +5,9 @@ custom call: given batch-sharded operands it gathers them and runs the whole glo
 batch on every device. Attention kernels act on each sequence independently, so under
 an active mesh (`meshes.rules.activation_mesh`) `split_over_batch(fn)` runs `fn` inside
 `shard_map`, every array argument and result split along its leading (batch) dimension
-over the axes the activation rules give the batch.
+over the axes the activation rules give the batch; an argument that says
+`whole_on_every_device` (a kernel's small parameters, whose leading size may equal the
+batch's by chance) goes to every device whole.
 
 Where the rules also split the sequence (fewer sequences than devices), a sequence's
 tokens live on several devices and a per-row kernel cannot run on one shard; the call
@@ -35,6 +37,11 @@ _warned: set[str] = set()
 
 def _is_row_array(x, batch: int) -> bool:
   return isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] == batch
+
+
+def _whole(x) -> bool:
+  """An argument handed whole to every device (see the module doc)."""
+  return getattr(x, "whole_on_every_device", False) is True
 
 
 def _activation_spec(first):
@@ -81,7 +88,9 @@ def split_over_batch(fn):
 
   @functools.wraps(fn)
   def per_shard(*args, **kwargs):
-    first = next((x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)), None)
+    first = next(
+        (x for x in jax.tree.leaves((args, kwargs), is_leaf=_whole) if isinstance(x, jax.Array)),
+        None)
     found = _activation_spec(first)
     if found is None:
       return fn(*args, **kwargs)
@@ -91,7 +100,7 @@ def split_over_batch(fn):
       _warn_gathered(fn, batch, mesh)
       return fn(*args, **kwargs)
     rows = P(spec[0])
-    leaves, tree = jax.tree.flatten((args, kwargs))
+    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=_whole)
     split = [i for i, x in enumerate(leaves) if _is_row_array(x, batch)]
 
     def body(*shards):

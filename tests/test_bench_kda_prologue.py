@@ -1,5 +1,6 @@
-"""The KDA prologue benchmark: what it times as the XLA path is the layer's prologue, and
-a row without jla still carries the XLA path's and the fused kernel's figures."""
+"""The KDA prologue benchmark: what it times as the XLA path is the layer's prologue, a
+row without jla still carries the XLA path's and the fused kernel's figures, and the decay
+gate's rows time both of its sides."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,3 +28,10 @@ def test_a_row_without_jla_still_has_the_xla_path_and_the_fused_kernel():
     assert row[f"{side}_fwd_ms"] > 0 and row[f"{side}_fwdbwd_ms"] > 0
   assert row["fused_vs_xla_fwd"] > 0 and row["rel_rms_fused_vs_xla"] < 1e-2
   assert "jla" in row or "fused_vs_jla_fwd" in row
+
+
+def test_the_gate_rows_time_the_fused_decay_against_the_xla_path():
+  row = bench.bench_gate((1, 128, 2, 16), rounds=1, calls=1)
+  for side in ("xla", "fused"):
+    assert row[f"gate_{side}_fwd_ms"] > 0 and row[f"gate_{side}_fwdbwd_ms"] > 0
+  assert row["gate_fused_vs_xla_fwdbwd"] > 0 and row["gate_rel_rms_fused_vs_xla"] < 1e-5

@@ -2,6 +2,9 @@
 equals the recurrence on the whole sequence, outputs, final state and gradients; the
 state passes by a logarithmic scan of `ppermute`s, never an all-gather."""
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,3 +202,39 @@ def test_whole_sequences_per_device_take_the_row_path():
 def test_unknown_per_shard_mode_is_refused():
   with pytest.raises(ValueError, match="per_shard"):
     catalog().register("linear_attention.gla", "other", gla_chunked, per_shard="columns")
+
+
+@pytest.mark.parametrize("mesh_shape, batch", [((2, 4), 1), ((2, 1), H)])
+def test_the_decay_gate_goes_whole_to_every_device(mesh_shape, batch):
+  """KDA given the gate projection and its DecayGate: on a sequence split over 2 x 4
+  devices, and on rows split over 2 devices where the batch equals the heads (a_log's
+  length), the outputs and the gradients of f, a_log and dt_bias are the whole sequence's."""
+  from pallas_kernels.linear_attention.decay_gate import DecayGate
+  mesh = build_mesh(MeshConfig(fsdp=mesh_shape[0], expert=mesh_shape[1]),
+                    jax.devices()[:math.prod(mesh_shape)])
+  (q, k, v, _, beta), h0, seg = _inputs(batch, PER_DEVICE * 8 // batch, True, seed=3)
+  keys = jax.random.split(jax.random.key(11), 4)
+  f = 3.0 * jax.random.normal(keys[0], q.shape)
+  a_log = jnp.log(jax.random.uniform(keys[1], (H,), minval=1.0, maxval=16.0))
+  dt_bias = jax.random.uniform(keys[2], (H, D), minval=-7.0, maxval=-2.0)
+  wrapped = split_recurrence_over_devices(kda_chunked)
+
+  def loss(f, a_log, dt_bias, under_mesh):
+    decay = DecayGate(a_log, dt_bias, -5.0)
+    run = lambda: wrapped(q, k, v, f, beta, initial_state=h0, segment_ids=seg, decay=decay,
+                          output_final_state=True)
+    if under_mesh:
+      with activation_mesh(mesh):
+        o, final = run()
+    else:
+      o, final = run()
+    return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.sin(final))
+
+  grads = lambda under_mesh: jax.jit(
+      jax.value_and_grad(functools.partial(loss, under_mesh=under_mesh),
+                         (0, 1, 2)))(f, a_log, dt_bias)
+  (want, want_grads), (got, got_grads) = grads(False), grads(True)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for name, a, b in zip(("f", "a_log", "dt_bias"), got_grads, want_grads):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                               atol=1e-5 * float(jnp.abs(b).max()), err_msg=name)

@@ -2,7 +2,7 @@
 per-chunk state factors and decayed rows."""
 import jax.numpy as jnp
 
-from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum
+from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum, decay_cumsum
 from pallas_kernels.linear_attention._inputs import CHUNK, pad_time, run_ids
 
 
@@ -24,12 +24,13 @@ def segment_masks(runs):
   return carry_in.reshape(B, Tp).astype(jnp.int32), in_last.reshape(B, Tp).astype(jnp.int32)
 
 
-def prepare(q, k, v, g, segment_ids, B, T):
-  """Pads to a multiple of the chunk (zero tokens: no contribution, no decay)."""
+def prepare(q, k, v, g, segment_ids, B, T, decay=None):
+  """Pads to a multiple of the chunk (zero tokens: no contribution, no decay). With a
+    decay_gate.DecayGate, g is the gate projection and the decay its function."""
   Tp = padded_length(T)
   runs = pad_time(run_ids(segment_ids, B, T), Tp, "edge")
   q, k, v = (pad_time(x, Tp) for x in (q, k, v))
-  b = chunk_cumsum(pad_time(g, Tp))
+  b = chunk_cumsum(pad_time(g, Tp)) if decay is None else decay_cumsum(pad_time(g, Tp), decay, T)
   return q, k, v, b, runs
 
 

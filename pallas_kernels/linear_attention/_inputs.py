@@ -8,8 +8,9 @@ def _shape_error(name, arr, expected):
   raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {expected}")
 
 
-def validate(q, k, v, g, beta=None, initial_state=None, segment_ids=None):
-  """Checks the documented layouts; returns (B, T, H, Dk, Dv)."""
+def validate(q, k, v, g, beta=None, initial_state=None, segment_ids=None, decay=None):
+  """Checks the documented layouts (and a decay_gate.DecayGate's against g); returns
+    (B, T, H, Dk, Dv)."""
   for name, arr in (("q", q), ("k", k), ("v", v), ("g", g)):
     if getattr(arr, "ndim", None) != 4:
       raise ValueError(f"{name} must be 4-D [B, T, H, D], got shape {getattr(arr, 'shape', None)}")
@@ -32,6 +33,8 @@ def validate(q, k, v, g, beta=None, initial_state=None, segment_ids=None):
       _shape_error("segment_ids", segment_ids, (B, T))
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
       raise ValueError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
+  if decay is not None:
+    decay.check(g)
   return B, T, H, Dk, Dv
 
 

@@ -160,23 +160,25 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-                output_final_state=False, normalize_qk=True, block_v=None, block_k=None,
+                output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
                 state_walk="auto", forward="split"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
-    [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0). Returns
+    [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
+    decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
+    in-chunk cumulative sum's kernel. Returns
     (o [B, T, H, Dv] in v's dtype, fp32 final state [B, H, Dk, Dv] or None). block_v /
     block_k: the value-channel tile of every kernel / the key-channel tile of the
     key-gradient kernel (defaults by Dk, Dv). state_walk: the sequential kernels'
     implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds). forward:
     "split" (state kernel, then outputs kernel) or "fused" (both in one Mosaic GPU kernel:
     Hopper, or interpreted; where the Mosaic GPU walk fits)."""
-  B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids)
+  B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
   if normalize_qk:  # plain JAX (autodiff) outside the kernels, back to the input dtype
     q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
   # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)
-  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
+  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T, decay)
   beta = pad_time(beta.astype(jnp.float32), qp.shape[1])
   masks = _chunk_prep.segment_masks(runs)
   h0 = (jnp.zeros(

@@ -59,9 +59,12 @@ def gla_recurrent(q, k, v, g, *, scale=None, initial_state=None, segment_ids=Non
 
 
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-                  output_final_state=False, normalize_qk=True):
-  """Token-by-token KDA (gated delta rule, per-channel decay) oracle."""
-  validate(q, k, v, g, beta, initial_state, segment_ids)
+                  output_final_state=False, normalize_qk=True, decay=None):
+  """Token-by-token KDA (gated delta rule, per-channel decay) oracle; with decay (a
+    decay_gate.DecayGate), g is the gate projection and the log decay decay(g)."""
+  validate(q, k, v, g, beta, initial_state, segment_ids, decay)
+  if decay is not None:
+    g = decay(g)
   if normalize_qk:
     q, k = l2_normalize(q), l2_normalize(k)
   return _recurrent(q, k, v, g, beta, scale, initial_state, segment_ids, output_final_state)
@@ -177,11 +180,14 @@ def gla_chunked(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-                output_final_state=False, normalize_qk=True):
+                output_final_state=False, normalize_qk=True, decay=None):
   """Chunked KDA in plain JAX: per-chunk UT transform (unit lower-triangular solve).
 
     q and k are L2-normalised chunk by chunk inside the scan, so no full-length fp32 copy
-    of them (or of their gradients) is kept."""
-  validate(q, k, v, g, beta, initial_state, segment_ids)
+    of them (or of their gradients) is kept. With decay (a decay_gate.DecayGate), g is the
+    gate projection and the log decay decay(g)."""
+  validate(q, k, v, g, beta, initial_state, segment_ids, decay)
+  if decay is not None:
+    g = decay(g)
   return _chunked(q, k, v, g, beta, scale, initial_state, segment_ids, output_final_state,
                   normalize_qk)

@@ -4,7 +4,8 @@ q, k and v each pass a short causal depthwise convolution and SiLU (the register
 "short_conv", which also L2-normalises q and k); a per-channel decay
 g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (K3 with a lower bound L < 0:
 g = L * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))) and beta = sigmoid(b_proj x) drive
-the gated delta rule (q, k L2-normalised, scale head_dim^-0.5); the result is RMS-normed
+the gated delta rule (q, k L2-normalised, scale head_dim^-0.5; the op computes g from
+f_b(f_a(x)) in its in-chunk cumulative sum, DecayGate); the result is RMS-normed
 per head in fp32 and gated by sigmoid(g_b(g_a(x))) (K3: one full-rank g_proj) before
 o_proj. Parameter names follow the checkpoints.
 """
@@ -27,11 +28,7 @@ from hylora.model.context import ForwardContext
 from hylora.model.lora import Linear
 from hylora.model.norms import rms_norm
 from meshes.rules import constrain
-
-# The released models' decay init (FLA): A = uniform(1, 16), dt = log-uniform(1e-3, 1e-1)
-# with dt_bias = softplus^-1(dt).
-_A_RANGE = (1.0, 16.0)
-_DT_RANGE = (1e-3, 1e-1)
+from pallas_kernels.linear_attention.decay_gate import A_RANGE, DT_RANGE, DecayGate, dt_bias_for
 
 
 def _uniform(init: ParamInit, shape, low: float, high: float) -> jax.Array:
@@ -64,9 +61,10 @@ class KimiDeltaAttention(nnx.Module):
     self.f_a_proj = proj("f_a_proj", (d,), (c.gate_rank,), (ax.EMBED,), (ax.LOW_RANK,), None)
     self.f_b_proj = proj("f_b_proj", (c.gate_rank,), (h, hd), (ax.LOW_RANK,),
                          (ax.HEADS, ax.HEAD_DIM), None)
-    self.A_log = nnx.Param(jnp.log(_uniform(init, (h,), *_A_RANGE)), **logical(ax.HEADS))
-    dt = jnp.exp(_uniform(init, (h, hd), *map(math.log, _DT_RANGE)))
-    self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), **logical(ax.HEADS, ax.HEAD_DIM))
+    # the released models' decay initialisation, from the counter-based draws
+    self.A_log = nnx.Param(jnp.log(_uniform(init, (h,), *A_RANGE)), **logical(ax.HEADS))
+    dt = jnp.exp(_uniform(init, (h, hd), *map(math.log, DT_RANGE)))
+    self.dt_bias = nnx.Param(dt_bias_for(dt), **logical(ax.HEADS, ax.HEAD_DIM))
     self.b_proj = proj("b_proj", (d,), (h,), (ax.EMBED,), (ax.HEADS,), None)
     if c.output_gate_rank > 0:
       self.g_a_proj = proj("g_a_proj", (d,), (c.output_gate_rank,), (ax.EMBED,), (ax.LOW_RANK,),
@@ -77,13 +75,9 @@ class KimiDeltaAttention(nnx.Module):
       self.g_proj = proj("g_proj", (d,), (h, hd), (ax.EMBED,), (ax.HEADS, ax.HEAD_DIM), None)
     self.o_norm = nnx.Param(jnp.ones((hd,), jnp.float32), **logical(ax.HEAD_DIM))
 
-  def _decay(self, x: jax.Array) -> jax.Array:
-    """Per-channel log decay g <= 0, fp32 [B, T, H, hd]."""
-    f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
-    rate = jnp.exp(self.A_log[...].astype(jnp.float32))[:, None]
-    if self.cfg.gate_lower_bound < 0:
-      return self.cfg.gate_lower_bound * jax.nn.sigmoid(rate * f)
-    return -rate * jax.nn.softplus(f)
+  def decay_gate(self) -> DecayGate:
+    """The per-channel log decay g <= 0 as a function of the gate projection f_b(f_a(x))."""
+    return DecayGate(self.A_log[...], self.dt_bias[...], self.cfg.gate_lower_bound)
 
   def _output_gate(self, x: jax.Array) -> jax.Array:
     if self.cfg.output_gate_rank > 0:
@@ -104,11 +98,12 @@ class KimiDeltaAttention(nnx.Module):
     q = mixed(self.q_proj, self.q_conv, True)
     k = mixed(self.k_proj, self.k_conv, True)
     v = mixed(self.v_proj, self.v_conv, False)
-    g = constrain(save_points.tag(self._decay(x), save_points.GATES), names)
+    f = constrain(save_points.tag(self.f_b_proj(self.f_a_proj(x)), save_points.GATES), names)
     beta = save_points.tag(jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), save_points.GATES)
     kda = ops.resolve("linear_attention.kda", ctx.execution.kernels)
     # q and k leave the prologue L2-normalised
-    o, _ = kda(q, k, v, g, beta, segment_ids=ctx.segment_ids, normalize_qk=False)
+    o, _ = kda(q, k, v, f, beta, segment_ids=ctx.segment_ids, normalize_qk=False,
+               decay=self.decay_gate())
     o = save_points.tag(o, save_points.ATTENTION)
     gate = constrain(save_points.tag(self._output_gate(x), save_points.GATES), names)
     # Gated RMSNorm entirely in fp32: the norm, its weight and the sigmoid gate.
