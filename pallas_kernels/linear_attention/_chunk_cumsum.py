@@ -160,7 +160,6 @@ def _decay_fwd(f, rate, bias, lower_bound, valid):
 
 
 def _decay_bwd(lower_bound, valid, residuals, db):
-  f, rate, bias = residuals
   df, dbias, drate = _gate_scan_grad(db, *residuals, lower_bound, valid)
   return df, drate.sum(axis=(0, 1)), dbias.sum(axis=(0, 1))
 

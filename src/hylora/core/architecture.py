@@ -301,8 +301,9 @@ def _kda_work(cfg: Config, n: int) -> list[Work]:
   gate_rank = kda.output_gate_rank
   gates = 2.0 * n * (d * kda.gate_rank + kda.gate_rank * hd + d * kda.heads)
   gates += 2.0 * n * (d * gate_rank + gate_rank * hd if gate_rank else d * hd)
-  # kept: the fp32 decay and beta, the output gate before its sigmoid (bf16)
-  work.append(Work(sp.GATES, n * hd * (4 + 2) + n * kda.heads * 4, gates + conv, gates + conv))
+  # kept: the decay's gate projection (bf16; the op computes the decay from it), the
+  # output gate before its sigmoid (bf16) and beta (fp32)
+  work.append(Work(sp.GATES, n * hd * (2 + 2) + n * kda.heads * 4, gates + conv, gates + conv))
   c, h = kda.chunk_size, kda.head_dim
   core = float(n) * kda.heads * (5 * c * h + 6 * h * h)  # as the "linear" block's delta rule
   kept = 2 * (4 * h + 2 * c + h * h // c)
