@@ -466,7 +466,7 @@ def main():
       print(json.dumps(kernel_breakdown(args.shapes[0], tiling, regime)), flush=True)
   for shape, regime in itertools.product(args.shapes, args.gates):
     x = inputs(*shape, gates=regime)
-    row = {"shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
+    row = {"op": "gla", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
     impls = [(f"pallas{name}", lambda *a, t=tiling: chunked_gla(*a, tiling=t))
              for name, tiling in args.tiling]
     bench_shape(row, "gla", impls, gla_chunked, x, shape, args.skip_reference, args.peers)
