@@ -38,6 +38,7 @@ REFERENCE_SKIP = {
 # chunks decay past the whole-chunk limit), and the KDA layer's formula at initialisation.
 GATES = ("logsigmoid", "logsigmoid_strong", "kda_init")
 STATE_WALKS = ("auto", "triton", "mosaic")
+KDA_SCORES = ("by_layout", "one_kernel")  # pallas_kernels.linear_attention.kda.SCORES
 
 
 def kda_init_gates(key, B, T, H, D):
@@ -277,6 +278,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
       static_argnames="e")
   qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
   scores = jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp))
+  scores_one_kernel = jax.jit(
+      lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, by_layout=False))
   walks = available_state_walks(interp)
   chunk_states, chunk_state_grads = walks["triton"]
   states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
@@ -322,6 +325,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
               "of_which_scores":
                   round(median_ms(scores, qp, kp, b, beta), 3),
+              "scores_in_one_kernel":
+                  round(median_ms(scores_one_kernel, qp, kp, b, beta), 3),
               "output":
                   round(median_ms(output, qg, aqk, h, vn), 3),
               "dv_local":
@@ -368,7 +373,8 @@ def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
 
 
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
-              walks=STATE_WALKS, forwards=("split",), correctness_shape=(1, 4096, 4, 128)):
+              walks=STATE_WALKS, forwards=("split",), correctness_shape=(1, 4096, 4, 128),
+              scores=("by_layout",)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
   from pallas_kernels.linear_attention import chunked_kda, kda_chunked
@@ -412,11 +418,16 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
   for shape, regime in itertools.product(shapes, gates):
     x = kda_inputs(shape, gates=regime)
     row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
-    impls = [(f"pallas[state_walk={walk}]", functools.partial(chunked_kda, state_walk=walk))
-             for walk in walks
-             if "split" in forwards]
-    if "fused" in forwards:  # its backward's walk: "auto"
-      impls.append(("pallas[forward=fused]", functools.partial(chunked_kda, forward="fused")))
+    impls = []
+    for kind in scores:  # the default scores kernels unnamed
+      named = "" if kind == "by_layout" else f",scores={kind}"
+      impls += [(f"pallas[state_walk={walk}{named}]",
+                 functools.partial(chunked_kda, state_walk=walk, scores=kind))
+                for walk in walks
+                if "split" in forwards]
+      if "fused" in forwards:  # its backward's walk: "auto"
+        impls.append((f"pallas[forward=fused{named}]",
+                      functools.partial(chunked_kda, forward="fused", scores=kind)))
     bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
     del x
 
@@ -450,6 +461,10 @@ def main():
   ap.add_argument("--state-walks", nargs="+", choices=STATE_WALKS, default=list(STATE_WALKS),
                   help="--op kda: the state walks to time (auto: mosaic where it runs)")
   ap.add_argument(
+      "--kda-scores", nargs="+", choices=KDA_SCORES, default=list(KDA_SCORES),
+      help="--op kda: the in-chunk scores' kernels to time: the factored chunks' and then "
+      "the others' (by_layout, the default), or one kernel branching per chunk")
+  ap.add_argument(
       "--kda-forwards", nargs="+", choices=("split", "fused"), default=["split"],
       help="--op kda: the forwards to time: split (with each of --state-walks) "
       "and fused (walk and outputs in one Mosaic GPU kernel, Hopper)")
@@ -459,7 +474,7 @@ def main():
   print(jax.devices(), flush=True)
   if args.op == "kda":
     return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
-                     args.state_walks, args.kda_forwards)
+                     args.state_walks, args.kda_forwards, scores=args.kda_scores)
   correctness(args.tiling)
   if args.breakdown:
     for (_, tiling), regime in itertools.product(args.tiling, args.gates):

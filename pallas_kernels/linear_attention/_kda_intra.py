@@ -87,14 +87,15 @@ def _solve_kernel(akk_ref, k_ref, v_ref, b_ref, beta_ref, ci_ref, w_ref, u0_ref,
         inv_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk.astype(inv_ref.dtype)
 
 
-def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret):
+def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
+                scores_by_layout=True):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd."""
   B, Tp, H, Dk = k.shape
   Dv = v.shape[-1]
   n = Tp // C
   qg, kg, a_kk, a_qk = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
-                                    interpret=interpret)
+                                    interpret=interpret, by_layout=scores_by_layout)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
   out_specs, out_shape = [keys, values], [L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)]
   if emit_inverse:

@@ -73,54 +73,106 @@ def _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, star
   store_diagonal(aqk_ref, jnp.where(same, qk_d, 0.0), start, out_row=start)
 
 
+def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, a_kk, a_qk):
+  """Columns [start, start + n) of A_kk and A_qk from their unmasked products [C, n]."""
+  n = a_kk.shape[1]
+  t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
+  same = r_ref[...][:, None] == r_ref[pl.ds(start, n)][None, :]
+  beta = beta_ref[...].astype(F32)[:, None]
+  akk_ref[:, pl.ds(start, n)] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
+  aqk_ref[:, pl.ds(start, n)] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
+
+
+def _factored(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, b, anchors):
+  """A_kk and A_qk of a chunk whose decays factor: two matmuls, or two per key sub-chunk."""
+  down = factors.factors(b, anchors.per_token())[0]
+
+  def products(start, keys, bridge):
+    _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start,
+                   diag.f32_mm(bridge(rows(k_ref, 0, C) * down), keys, trans_b=True),
+                   diag.f32_mm(bridge(rows(q_ref, 0, C) * down), keys, trans_b=True))
+
+  factors.by_key_blocks(anchors, k_ref, b_ref, b, products)
+
+
+def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
+  """A_kk and A_qk of any chunk: one row block per sub-chunk."""
+
+  def row_block(i, carry):
+    _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref,
+                    pl.multiple_of(i * SUB, SUB), cd)
+    return carry
+
+  jax.lax.fori_loop(0, N_SUB, row_block, 0)
+
+
 def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, akk_ref,
                    aqk_ref, *, cd):
   """One chunk: qg, kg, and A_kk, A_qk in the chunk's layout (_chunk_factors): two
     matmuls, two per key sub-chunk, or one row block per sub-chunk."""
   b = rows(b_ref, 0, C)
   store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
-  r = r_ref[...]
-  beta = beta_ref[...].astype(F32)[:, None]
-
-  def store(start, a_kk, a_qk):
-    """Columns [start, start + n) of A_kk and A_qk from their unmasked products [C, n]."""
-    n = a_kk.shape[1]
-    t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
-    same = r[:, None] == r_ref[pl.ds(start, n)][None, :]
-    akk_ref[:, pl.ds(start, n)] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
-    aqk_ref[:, pl.ds(start, n)] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
-
-  def factored(anchors):
-    down = factors.factors(b, anchors.per_token())[0]
-
-    def products(start, keys, bridge):
-      store(start, diag.f32_mm(bridge(rows(k_ref, 0, C) * down), keys, trans_b=True),
-            diag.f32_mm(bridge(rows(q_ref, 0, C) * down), keys, trans_b=True))
-
-    factors.by_key_blocks(anchors, k_ref, b_ref, b, products)
-
-  def by_sub_chunks():
-
-    def row_block(i, carry):
-      _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref,
-                      pl.multiple_of(i * SUB, SUB), cd)
-      return carry
-
-    jax.lax.fori_loop(0, N_SUB, row_block, 0)
-
+  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   anchors, factored_ok = factors.anchors(b_ref)
-  jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
+  jax.lax.cond(factored_ok, lambda: _factored(*refs, b, anchors), lambda: _by_sub_chunks(*refs, cd))
 
 
-def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4):
-  """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd)."""
+def _factored_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref,
+                          akk_ref, aqk_ref, flag_ref):
+  """The first of two passes: qg and kg of every chunk; A_kk and A_qk of the chunks
+    whose decays factor, and the chunk's flag (1: done here) for the second pass."""
+  b = rows(b_ref, 0, C)
+  store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  anchors, factored_ok = factors.anchors(b_ref)
+  flag_ref[...] = jnp.full((C,), factored_ok, jnp.int32)
+  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
+  jax.lax.cond(factored_ok, lambda: _factored(*refs, b, anchors), lambda: None)
+
+
+def _sub_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in,
+                           akk_ref, aqk_ref, *, cd):
+  """The second pass: A_kk and A_qk of the chunks the first left (their memory is the
+    first pass's outputs; the others' stay as it wrote them)."""
+  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
+  jax.lax.cond(jnp.max(flag_ref[...]) > 0, lambda: None, lambda: _by_sub_chunks(*refs, cd))
+
+
+# The factored pass's warps: eight hold its registers without spilling (224 a thread,
+# one program per SM; four spill, two per SM: experiments/kernel_resources.py; untimed).
+FACTORED_WARPS = 8
+
+
+def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
+                 by_layout=True):
+  """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd).
+
+    by_layout: two kernels, the factored chunks' (FACTORED_WARPS) and then the others'
+    (num_warps), each holding the registers of its own path alone, instead of one kernel
+    that branches per chunk (num_warps): that one spilled 1.3 KB a thread, the factored
+    pass alone none (experiments/kernel_resources.py)."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
+  outputs = (L.shape(cd, B, Tp, H, Dk),) * 2 + (L.shape(F32, B, H, n, C,
+                                                        C), L.shape(cd, B, H, n, C, C))
+  inputs = [keys, keys, keys, L.chunk_beta(), flag, flag, flag]
   # two stages keep the sub-chunk path's loads over earlier sub-chunks in flight
-  return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n),
-                [keys, keys, keys, L.chunk_beta(), flag, flag, flag], (keys, keys, square, square),
-                (L.shape(cd, B, Tp, H, Dk),) * 2 +
-                (L.shape(F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C)), interpret=interpret,
-                name="kda_chunk_scores", num_warps=num_warps, num_stages=2)(q, k, b, beta, runs,
-                                                                            carry_in, in_last)
+  launch = dict(interpret=interpret, num_warps=num_warps, num_stages=2)
+  if not by_layout:
+    return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n), inputs,
+                  (keys, keys, square, square), outputs, name="kda_chunk_scores",
+                  **launch)(q, k, b, beta, runs, carry_in, in_last)
+  qg, kg, a_kk, a_qk, layout = L.call(_factored_pass_kernel, (B, H, n), inputs,
+                                      (keys, keys, square, square, L.chunk_layout_flag()),
+                                      outputs + (L.shape(jnp.int32, B, H, n, C),),
+                                      name="kda_chunk_scores_factored",
+                                      **(launch | dict(num_warps=FACTORED_WARPS)))(q, k, b, beta,
+                                                                                   runs, carry_in,
+                                                                                   in_last)
+  a_kk, a_qk = L.call(functools.partial(_sub_chunk_pass_kernel, cd=cd), (B, H, n),
+                      inputs[:5] + [L.chunk_layout_flag(), square, square], (square, square),
+                      outputs[2:], name="kda_chunk_scores_sub_chunks", input_output_aliases={
+                          6: 0,
+                          7: 1
+                      }, **launch)(q, k, b, beta, runs, layout, a_kk, a_qk)
+  return qg, kg, a_kk, a_qk

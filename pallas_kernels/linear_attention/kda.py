@@ -44,12 +44,19 @@ _STATE_WALKS = {
 class Tiling(NamedTuple):
   """Static launch settings: value-channel block (all kernels), key-channel block
     (kda_key_grads), the forward and backward state kernels' implementations (keys of
-    _STATE_WALKS), the forward's form (keys of _FORWARDS) and interpret mode."""
+    _STATE_WALKS), the forward's form (keys of _FORWARDS), interpret mode and the in-chunk
+    scores' kernels (SCORES)."""
   block_v: int
   block_k: int
   state_walks: tuple[str, str]
   interpret: bool
   forward: str = "split"
+  scores: str = "by_layout"
+
+
+# Tiling.scores: the factored chunks' kernel, then the others' ("by_layout"), or one kernel
+# that branches per chunk ("one_kernel"): _kda_scores.chunk_scores
+SCORES = ("by_layout", "one_kernel")
 
 
 def available_state_walks(interpret):
@@ -121,7 +128,8 @@ def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
   """(the in-chunk quantities, (o, final state), per-chunk states, v_new): the last two
     None where the fused forward is not asked for them (not for_backward)."""
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
-                      emit_inverse=for_backward, interpret=t.interpret)
+                      emit_inverse=for_backward, interpret=t.interpret,
+                      scores_by_layout=t.scores == "by_layout")
   return intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
 
 
@@ -161,7 +169,7 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
-                state_walk="auto", forward="split"):
+                state_walk="auto", forward="split", scores="by_layout"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -171,7 +179,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     key-gradient kernel (defaults by Dk, Dv). state_walk: the sequential kernels'
     implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds). forward:
     "split" (state kernel, then outputs kernel) or "fused" (both in one Mosaic GPU kernel:
-    Hopper, or interpreted; where the Mosaic GPU walk fits)."""
+    Hopper, or interpreted; where the Mosaic GPU walk fits). scores: the in-chunk scores'
+    kernels, one of SCORES."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -191,6 +200,9 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   walks = state_walk_kinds(state_walk, dtypes, Dk, bv, interpret)
   forward = check_forward(forward, mosaic_fits(dtypes, Dk, bv), interpret,
                           mosaic_requirement(dtypes, Dk, bv))
-  t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward)
+  if scores not in SCORES:
+    raise ValueError(f"scores = {scores!r}: expected one of {list(SCORES)}")
+  t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
+             scores=scores)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

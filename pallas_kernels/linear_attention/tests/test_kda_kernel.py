@@ -74,6 +74,13 @@ def test_every_chunk_layout_in_one_launch(dtype, out_tol, grad_tol):
   _assert_within(_errors(x, block_k=16), out_tol, grad_tol)
 
 
+def test_scores_in_one_kernel_branching_per_chunk():
+  """scores="one_kernel": the in-chunk scores of every layout from one kernel (the
+  default takes the factored chunks' kernel, then the others')."""
+  x = with_three_layouts(make_inputs(seed=17, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  _assert_within(_errors(x, scores="one_kernel"), 1e-4, 1e-4)
+
+
 def test_fp32_exact_at_the_widest_key_head():
   # Dk = 256 (its default value tile, 32): chunk 0 anchored once (whole-chunk products
   # over all 256 channels), chunk 1 once per sub-chunk
@@ -143,3 +150,5 @@ def test_bad_keywords_and_head_dims(small):
     chunked_kda(q[..., :12], k[..., :12], v, g[..., :12], beta)
   with pytest.raises(ValueError, match="block_v"):
     chunked_kda(*args, block_v=12)
+  with pytest.raises(ValueError, match=r"scores = 'fused': expected one of \['by_layout'"):
+    chunked_kda(*args, scores="fused")
