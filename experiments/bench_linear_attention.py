@@ -215,6 +215,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   ds, _ = dstates(qp, b, vp)
   sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
   scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
+  scores_one_kernel = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, by_layout=False, **sk))
   a = scores(qp, kp, b)
   outputs = jax.jit(
       lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale, block_v=t.block_v, **ck))
@@ -229,6 +230,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
       "prepare": round(median_ms(prep, q, k, v, g), 3),
       "states": round(median_ms(states, kp, vp, b), 3),
       "scores": round(median_ms(scores, qp, kp, b), 3),
+      "scores_in_one_kernel": round(median_ms(scores_one_kernel, qp, kp, b), 3),
       "outputs": round(median_ms(outputs, qp, vp, b, h, a), 3),
       "state_grads": round(median_ms(dstates, qp, b, vp), 3),
       "score_grads": round(median_ms(dscores, vp, vp), 3),

@@ -32,6 +32,10 @@ class Grid:
   def scores(self):
     return pl.BlockSpec((_sq, _sq, _sq, C, C), lambda b, h, c, j: (b, h, c, 0, 0))
 
+  def layout_flag(self):
+    """[B, H, n, C] int32: a chunk's in-chunk layout, repeated over its C entries."""
+    return pl.BlockSpec((_sq, _sq, _sq, C), lambda b, h, c, j: (b, h, c, 0))
+
   def state_columns(self, dk, block):
     """A block of the chunk state's value columns (all dk key rows)."""
     return pl.BlockSpec((_sq, _sq, _sq, dk, block), lambda b, h, c, j: (b, h, c, 0, j))

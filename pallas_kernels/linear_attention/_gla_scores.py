@@ -62,41 +62,71 @@ def _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, start, cd):
                  out_row=start)
 
 
+def _store_columns(r_ref, a_ref, start, a):
+  """Columns [start, start + n) of A from their unmasked products a [C, n]."""
+  n = a.shape[1]
+  t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
+  keep = (s <= t) & (r_ref[...][:, None] == r_ref[pl.ds(start, n)][None, :])
+  a_ref[:, pl.ds(start, n)] = jnp.where(keep, a, 0.0).astype(a_ref.dtype)
+
+
+def _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, anchors):
+  """A of a chunk whose decays factor: one matmul, or one per key sub-chunk."""
+  query = rows(q_ref, 0, C) * factors.factors(b, anchors.per_token())[0]
+  factors.by_key_blocks(
+      anchors, k_ref, b_ref, b, lambda start, keys, bridge: _store_columns(
+          r_ref, a_ref, start, diag.f32_mm(bridge(query), keys, trans_b=True)))
+
+
+def _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd):
+  """A of any chunk: one row block per sub-chunk."""
+
+  def row_block(i, carry):
+    _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, pl.multiple_of(i * SUB, SUB), cd)
+    return carry
+
+  jax.lax.fori_loop(0, N_SUB, row_block, 0)
+
+
+def _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b):
+  """(a_ref, the rest of refs): with `decayed`, qg = q exp(b) carry_in and kg = k exp(b_last
+    - b) in_last written first (compute dtype: the operands of the fused forward's
+    products)."""
+  if not decayed:
+    return refs[0], refs[1:]
+  ci_ref, il_ref, a_ref, qg_ref, kg_ref, *rest = refs
+  store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  return a_ref, rest
+
+
 def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
   """The chunk's [C, C] scores in the chunk's layout (_chunk_factors): one matmul, one
-    column block per key sub-chunk, or one row block per sub-chunk. With `decayed`, also
-    qg = q exp(b) carry_in and kg = k exp(b_last - b) in_last (compute dtype: the operands
-    of the fused forward's products)."""
-  b, r = rows(b_ref, 0, C), r_ref[...]
-  if decayed:
-    ci_ref, il_ref, a_ref, qg_ref, kg_ref = refs
-    store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
-  else:
-    a_ref, = refs
-
-  def store(start, a):
-    """Columns [start, start + n) of A from their unmasked products a [C, n]."""
-    n = a.shape[1]
-    t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
-    keep = (s <= t) & (r[:, None] == r_ref[pl.ds(start, n)][None, :])
-    a_ref[:, pl.ds(start, n)] = jnp.where(keep, a, 0.0).astype(a_ref.dtype)
-
-  def factored(anchors):
-    query = rows(q_ref, 0, C) * factors.factors(b, anchors.per_token())[0]
-    factors.by_key_blocks(
-        anchors, k_ref, b_ref, b,
-        lambda start, keys, bridge: store(start, diag.f32_mm(bridge(query), keys, trans_b=True)))
-
-  def by_sub_chunks():
-
-    def row_block(i, carry):
-      _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, pl.multiple_of(i * SUB, SUB), cd)
-      return carry
-
-    jax.lax.fori_loop(0, N_SUB, row_block, 0)
-
+    column block per key sub-chunk, or one row block per sub-chunk; with `decayed`, also
+    qg and kg (_decayed_rows)."""
+  b = rows(b_ref, 0, C)
+  a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
   anchors, factored_ok = factors.anchors(b_ref)
-  jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
+  jax.lax.cond(factored_ok, lambda: _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, anchors),
+               lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
+
+
+def _factored_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
+  """The first of two passes: A of the chunks whose decays factor (and qg, kg of every
+    chunk with `decayed`), and the chunk's flag (1: done here) for the second pass."""
+  b = rows(b_ref, 0, C)
+  a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
+  anchors, factored_ok = factors.anchors(b_ref)
+  flag_ref[...] = jnp.full((C,), factored_ok, jnp.int32)
+  jax.lax.cond(factored_ok, lambda: _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, anchors),
+               lambda: None)
+
+
+def _sub_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, cd):
+  """The second pass: A of the chunks the first left (its memory is the first pass's
+    output; the others' stay as it wrote them)."""
+  jax.lax.cond(
+      jnp.max(flag_ref[...]) > 0, lambda: None,
+      lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
@@ -108,34 +138,48 @@ def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
   dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
 
 
-def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None):
+# The factored pass's warps (the one kernel's, four, hold it without spilling:
+# experiments/kernel_resources.py)
+FACTORED_WARPS = 4
+
+
+def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None,
+                 by_layout=True):
   """The in-chunk scores A [B, H, NT, C, C] (unscaled, zero above the diagonal) in the
     compute dtype: every use of A is a matmul operand in that dtype (A v, A^T do);
     num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
     decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
-    compute dtype (see _scores_kernel)."""
+    compute dtype (see _decayed_rows). by_layout: two kernels, the factored chunks'
+    (FACTORED_WARPS) and then the others' (num_warps), each holding the registers of its
+    own path alone, instead of one kernel that branches per chunk (num_warps): that one
+    spilled 228 bytes a thread, the factored pass alone none."""
   B, Tp, H, Dk = q.shape
   g = Grid()
   cd = compute_dtype(q.dtype)
   specs, out_specs, outs = [g.chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], \
-      g.scores(), scores_shape(B, H, Tp, cd)
+      (g.scores(),), (scores_shape(B, H, Tp, cd),)
   flags = ()
-  if decayed_with is not None:
+  decayed = decayed_with is not None
+  if decayed:
     flags = tuple(decayed_with)
     specs += [g.flags(), g.flags()]
-    out_specs = (out_specs, g.chunk(Dk), g.chunk(Dk))
-    outs = (outs, jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
-  return chunk_call(
-      functools.partial(_scores_kernel, cd=cd, decayed=decayed_with is not None),
-      (B, H, Tp // C, 1),
-      specs,
-      out_specs,
-      outs,
-      num_warps=num_warps,
-      interpret=interpret,
-      name="gla_chunk_scores",
-      num_stages=num_stages,
-  )(q, k, b, runs, *flags)
+    out_specs += (g.chunk(Dk), g.chunk(Dk))
+    outs += (jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
+  grid, launch = (B, H, Tp // C, 1), dict(interpret=interpret, num_stages=num_stages)
+  if not by_layout:
+    out = chunk_call(functools.partial(_scores_kernel, cd=cd,
+                                       decayed=decayed), grid, specs, out_specs, outs,
+                     num_warps=num_warps, name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
+    return tuple(out) if decayed else out[0]
+  *out, layout = chunk_call(functools.partial(_factored_pass_kernel, decayed=decayed), grid, specs,
+                            out_specs + (g.layout_flag(),), outs + (jax.ShapeDtypeStruct(
+                                (B, H, Tp // C, C), jnp.int32),), num_warps=FACTORED_WARPS,
+                            name="gla_chunk_scores_factored", **launch)(q, k, b, runs, *flags)
+  out[0] = chunk_call(functools.partial(_sub_chunk_pass_kernel, cd=cd), grid,
+                      specs[:4] + [g.layout_flag(), g.scores()], g.scores(), outs[0],
+                      num_warps=num_warps, name="gla_chunk_scores_sub_chunks",
+                      input_output_aliases={5: 0}, **launch)(q, k, b, runs, layout, out[0])
+  return tuple(out) if decayed else out[0]
 
 
 def chunk_score_grads(v, runs, do, *, scale, interpret, num_warps=4):

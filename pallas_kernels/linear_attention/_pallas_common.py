@@ -68,7 +68,7 @@ def row_as_column(x_row):
 
 
 def chunk_call(kernel, grid, in_specs, out_specs, out_shape, *, num_warps, interpret, name,
-               num_stages=1):
+               num_stages=1, input_output_aliases=None):
   """pallas_call on the logical grid (b, h, chunk, j); index maps take (b, h, c, j).
 
     Launched as (j, chunk, b, h): CUDA runs the first axis fastest, so the programs of
@@ -83,5 +83,5 @@ def chunk_call(kernel, grid, in_specs, out_specs, out_shape, *, num_warps, inter
                                      is_leaf=lambda s: isinstance(s, pl.BlockSpec))
   return pl.pallas_call(kernel, grid=(grid[3], grid[2], grid[0], grid[1]), in_specs=in_specs,
                         out_specs=out_specs, out_shape=out_shape,
-                        compiler_params=compiler_params(num_warps,
-                                                        num_stages), interpret=interpret, name=name)
+                        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+                        name=name, input_output_aliases=input_output_aliases or {})

@@ -56,6 +56,9 @@ class Tiling(NamedTuple):
   # the fused forward's decayed rows qg, kg: written by the scores kernel ("scores") or by
   # one XLA fusion beside it ("xla"); to be chosen by measurement (docs/kernel_tuning.md)
   decayed_rows: str = "scores"
+  # the scores' kernels: the factored chunks', then the others' ("by_layout"), or one that
+  # branches per chunk ("one_kernel"); _gla_scores.chunk_scores
+  scores: str = "by_layout"
   interpret: bool = False
 
 
@@ -100,14 +103,15 @@ def _split_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
   del with_states  # the outputs kernel reads them: always in memory
   h, ht = _states(k, v, b, masks, h0, t)
   a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
-                   num_stages=t.score_stages)
+                   num_stages=t.score_stages, by_layout=t.scores == "by_layout")
   o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v, interpret=t.interpret,
                     num_warps=t.chunk_warps)
   return (o, ht), a, h
 
 
 def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
-  kw = dict(interpret=t.interpret, num_warps=t.score_warps, num_stages=t.score_stages)
+  kw = dict(interpret=t.interpret, num_warps=t.score_warps, num_stages=t.score_stages,
+            by_layout=t.scores == "by_layout")
   if t.decayed_rows == "scores":
     a, qg, kg = chunk_scores(q, k, b, runs, decayed_with=masks, **kw)
   else:
@@ -124,6 +128,7 @@ def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
 # the backward)
 _FORWARDS = {"split": _split_forward, "fused": _fused_forward}
 _DECAYED_ROWS = ("scores", "xla")
+_SCORES = ("by_layout", "one_kernel")
 
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=False):
@@ -139,6 +144,8 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
   if t.decayed_rows not in _DECAYED_ROWS:
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
+  if t.scores not in _SCORES:
+    raise ValueError(f"Tiling.scores = {t.scores!r}: expected one of {list(_SCORES)}")
   if t.forward == "fused":
     fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
             Dv % _gla_forward_mosaic.BLOCK_V == 0)

@@ -55,6 +55,16 @@ def test_every_chunk_layout_in_one_launch(dtype, out_tol, grad_tol):
   _check(x, out_tol, grad_tol, tiling=Tiling(block_k=16))
 
 
+def test_scores_in_one_kernel_branching_per_chunk():
+  """Tiling(scores="one_kernel"): the scores of every layout from one kernel (the default
+  takes the factored chunks' kernel, then the others'); a name it does not know is
+  refused."""
+  x = with_three_layouts(make_inputs(seed=18, T=192, Dk=32, Dv=32))
+  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="one_kernel"))
+  with pytest.raises(ValueError, match=r"Tiling.scores = 'fused': expected one of \['by_layout'"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(scores="fused"))
+
+
 def test_fp32_exact_over_key_and_value_blocks():
   # two 16-channel blocks of keys and of values: every parallel kernel's block grid
   _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16,
