@@ -8,7 +8,9 @@ diagonal factor the decay through the sub-chunk boundary (_score_rows: both fact
 <= 1, so one tensor-core matmul per 16x16 block); diagonal blocks factor through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and otherwise form
 each exp(b_t - b_s <= 0) exactly, one key at a time, so decays down to g = -20 per
-token stay finite. dA = scale * do v^T needs no decay at all.
+token stay finite. By default the two families run as two kernels (chunk_scores(
+by_layout=True)): the factored chunks' first, then the others' over its output. dA =
+scale * do v^T needs no decay at all.
 """
 import functools
 

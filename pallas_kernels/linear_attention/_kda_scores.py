@@ -10,7 +10,9 @@ key sub-chunk. Others go by
 16-token sub-chunks: keys of earlier sub-chunks are one block (_score_rows: one
 tensor-core matmul each for A_kk and A_qk); the diagonal block factors through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and is otherwise
-formed exactly, one key at a time.
+formed exactly, one key at a time. By default the two families run as two kernels
+(chunk_scores(by_layout=True)): the factored chunks' first, then the others' over its
+outputs, so that neither holds the registers of the other's path.
 """
 import functools
 
