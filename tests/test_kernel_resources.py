@@ -49,9 +49,9 @@ def test_register_cap_fits_the_programs(programs, warps, cap):
 def test_gla_lowers_for_cuda_without_a_gpu():
   kernels = {k.name: k for k in kr.capture_kernels("linear_attention.gla", "pallas", "small")}
   assert {
-      "chunk_cumsum", "gla_states", "gla_chunk_scores", "gla_chunk_outputs", "gla_state_grads",
-      "gla_chunk_score_grads", "gla_chunk_value_grads", "gla_chunk_key_grads",
-      "chunk_reverse_cumsum"
+      "chunk_cumsum", "gla_states", "gla_chunk_scores_factored", "gla_chunk_scores_sub_chunks",
+      "gla_chunk_outputs", "gla_state_grads", "gla_chunk_score_grads", "gla_chunk_value_grads",
+      "gla_chunk_key_grads", "chunk_reverse_cumsum"
   } <= set(kernels)
   key_grads = kernels["gla_chunk_key_grads"]
   assert (key_grads.num_warps, key_grads.num_stages) == (4, 3)
