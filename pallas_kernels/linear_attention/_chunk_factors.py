@@ -141,6 +141,20 @@ def anchors(b_ref):
   return Anchors(tuple(own), whole), whole | per_sub_chunk
 
 
+# The two-pass scores kernels (chunk_scores(by_layout=True)): the first pass records per
+# chunk whether it factored, in a [C] int32 block; the second does the rest.
+
+
+def record_factored(flag_ref, factored):
+  """Writes the chunk's flag: whether the first pass formed its scores."""
+  flag_ref[...] = jnp.full((C,), factored, jnp.int32)
+
+
+def unless_factored(flag_ref, fn):
+  """fn() for a chunk the first pass left (record_factored), else nothing."""
+  jax.lax.cond(jnp.max(flag_ref[...]) > 0, lambda: None, fn)
+
+
 def chunk_layouts(g):
   """[B, n, H] int32: the layout each chunk of gates g [B, T, H, D] takes over all its
     channels (T a multiple of the chunk; plain JAX, for tests and reports)."""

@@ -118,7 +118,7 @@ def _factored_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
   anchors, factored_ok = factors.anchors(b_ref)
-  flag_ref[...] = jnp.full((C,), factored_ok, jnp.int32)
+  factors.record_factored(flag_ref, factored_ok)
   jax.lax.cond(factored_ok, lambda: _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, anchors),
                lambda: None)
 
@@ -126,9 +126,7 @@ def _factored_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
 def _sub_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, cd):
   """The second pass: A of the chunks the first left (its memory is the first pass's
     output; the others' stay as it wrote them)."""
-  jax.lax.cond(
-      jnp.max(flag_ref[...]) > 0, lambda: None,
-      lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
+  factors.unless_factored(flag_ref, lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):

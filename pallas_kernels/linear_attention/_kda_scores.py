@@ -126,7 +126,7 @@ def _factored_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, 
   b = rows(b_ref, 0, C)
   store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   anchors, factored_ok = factors.anchors(b_ref)
-  flag_ref[...] = jnp.full((C,), factored_ok, jnp.int32)
+  factors.record_factored(flag_ref, factored_ok)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   jax.lax.cond(factored_ok, lambda: _factored(*refs, b, anchors), lambda: None)
 
@@ -136,7 +136,7 @@ def _sub_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_
   """The second pass: A_kk and A_qk of the chunks the first left (their memory is the
     first pass's outputs; the others' stay as it wrote them)."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  jax.lax.cond(jnp.max(flag_ref[...]) > 0, lambda: None, lambda: _by_sub_chunks(*refs, cd))
+  factors.unless_factored(flag_ref, lambda: _by_sub_chunks(*refs, cd))
 
 
 # The factored pass's warps: eight hold its registers without spilling (224 a thread,
