@@ -1,7 +1,8 @@
-"""Registers, spills and shared memory of the Pallas (Triton) kernels of the registered
-ops, compiled for Hopper on any machine: no GPU needed.
+"""Registers, spills and shared memory of the Pallas kernels of the registered ops (Triton
+and Mosaic GPU), compiled for Hopper on any machine: no GPU needed.
 
     PYTHONPATH=src:. JAX_PLATFORMS=cpu python3 -m experiments.kernel_resources --ops 'linear_*'
+    ... --ops linear_attention.kda --option forward=fused    # an option of the op's
 
 Each implementation of an op is lowered for CUDA (forward, and forward+backward where
 the op is differentiated) at the op's `bench` shapes from experiments.op_checks (shapes
@@ -10,6 +11,12 @@ only: nothing is allocated). Every Triton kernel in it is compiled for sm_90a wi
 spill bytes; with the launch's warps and shared memory that gives the programs an SM
 holds at once (the H200's limits: 64K registers, 64 warps, 32 programs and 228 KiB of
 shared memory per SM).
+
+The lowering takes the path the H200 runs (`on_hopper()` answers yes), so the Mosaic GPU
+kernels (the linear-attention state walks, the fused forwards) are lowered for real, not
+interpreted: Mosaic GPU's Python lowering runs (layouts, WGMMA operands, its shared-memory
+limit of 227 KiB a program) and gives each kernel's threads and shared memory. Their
+registers come from the GPU's own compiler, so the table leaves them out.
 
 The GPU's XLA compiles with its own copy of Triton, so read the figures as an estimate
 for comparing variants of a kernel: against Nsight Compute on the H200 (2026-11-30),
@@ -23,11 +30,13 @@ The lowering reaches into JAX's private Pallas Triton lowering, checked against 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import fnmatch
 import functools
 import json
+import math
 import os
 import re
 import subprocess
@@ -56,17 +65,45 @@ class Kernel:
   name: str
   num_warps: int
   num_stages: int
-  ttir: str  # the Triton IR Pallas hands to XLA, as text
+  ttir: str  # the Triton IR Pallas hands to XLA, as text ("" for a Mosaic GPU kernel)
+  mosaic_shared: int | None = None  # a Mosaic GPU kernel's shared memory, bytes
+
+  @property
+  def is_mosaic(self) -> bool:
+    return self.mosaic_shared is not None
+
+
+def _as_on_hopper():
+  """Patches every loaded `on_hopper` (pallas_kernels' choice of the Mosaic GPU kernels)
+    to answer yes."""
+  from pallas_kernels.linear_attention import _mosaic_common
+  original = _mosaic_common.on_hopper
+  holders = [m for m in list(sys.modules.values()) if getattr(m, "on_hopper", None) is original]
+  return [mock.patch.object(m, "on_hopper", lambda: True) for m in holders]
 
 
 @contextlib.contextmanager
 def _lowering_for_cuda(kernels: list[Kernel]):
-  """Lets the Pallas Triton lowering run without a GPU (compute capability 9.0) and
-    records each kernel it emits."""
+  """Lets the Pallas Triton and Mosaic GPU lowerings run without a GPU (compute capability
+    9.0), on the path a Hopper GPU takes, and records each kernel they emit."""
   from jax._src.pallas.triton import lowering
   from jax._src.pallas.triton import pallas_call_registration as registration
+  from jax.experimental.mosaic.gpu import core as mosaic
 
   modules = []
+  lower_mosaic = mosaic._lower_as_gpu_kernel
+
+  def recording_mosaic(body, grid, cluster, block, in_shapes, out_shape, inout_shape,
+                       smem_scratch_shape, *args, **kwargs):
+    result = lower_mosaic(body, grid, cluster, block, in_shapes, out_shape, inout_shape,
+                          smem_scratch_shape, *args, **kwargs)
+    name = kwargs.get("kernel_name", args[2] if len(args) > 2 else "mosaic_gpu")
+    kernels.append(
+        Kernel(name,
+               math.prod(block) // 32, 0, "",
+               mosaic_shared=mosaic._smem_tree_size(smem_scratch_shape)))
+    return result
+
   lower_module = lowering.lower_jaxpr_to_triton_module
   custom_call = registration.mlir.custom_call
 
@@ -84,11 +121,17 @@ def _lowering_for_cuda(kernels: list[Kernel]):
     return custom_call(*args, backend_config=backend_config, **kwargs)
 
   gpu = types.SimpleNamespace(compute_capability="9.0")
-  with mock.patch.object(registration, "gpu_info_lib",
-                         types.SimpleNamespace(get_gpu_info=lambda: gpu)), \
-          mock.patch.object(lowering, "lower_jaxpr_to_triton_module", recording_lower), \
-          mock.patch.object(registration.mlir, "custom_call", recording_call), \
-          mock.patch.object(jax, "default_backend", lambda: "gpu"):  # compiled, not interpreted
+  with contextlib.ExitStack() as stack:
+    for patch in [
+        mock.patch.object(registration, "gpu_info_lib",
+                          types.SimpleNamespace(get_gpu_info=lambda: gpu)),
+        mock.patch.object(lowering, "lower_jaxpr_to_triton_module", recording_lower),
+        mock.patch.object(registration.mlir, "custom_call", recording_call),
+        mock.patch.object(mosaic, "_lower_as_gpu_kernel", recording_mosaic),
+        mock.patch.object(jax, "default_backend", lambda: "gpu"),  # compiled, not interpreted
+        *_as_on_hopper()
+    ]:
+      stack.enter_context(patch)
     yield
 
 
@@ -110,12 +153,12 @@ def _input_shapes(check, size):
   return args, arrays, static
 
 
-def capture_kernels(op: str, impl: str, size: str = "bench") -> list[Kernel]:
-  """The Triton kernels one implementation of an op runs (forward, then backward),
-    each (name, Triton IR) once."""
+def capture_kernels(op: str, impl: str, size: str = "bench", **options) -> list[Kernel]:
+  """The Triton and Mosaic GPU kernels one implementation of an op runs on Hopper
+    (forward, then backward), each once; `options` go to the op beside its check's."""
   check = CHECKS[op]
   args, arrays, static = _input_shapes(check, size)
-  fn = functools.partial(catalog().resolve(op, impl), **static)
+  fn = functools.partial(catalog().resolve(op, impl), **static, **options)
 
   def run(args, arrays):
     if not check.grad_argnums:
@@ -129,7 +172,7 @@ def capture_kernels(op: str, impl: str, size: str = "bench") -> list[Kernel]:
   kernels: list[Kernel] = []
   with _lowering_for_cuda(kernels):
     jax.jit(run).trace(args, arrays).lower(lowering_platforms=("cuda",))
-  unique = {(k.name, k.ttir): k for k in kernels}
+  unique = {(k.name, k.ttir, k.mosaic_shared): k for k in kernels}
   return list(unique.values())
 
 
@@ -202,12 +245,35 @@ def compile_for_hopper(kernel: Kernel) -> dict:
   return out
 
 
+def mosaic_resources(kernel: Kernel) -> dict:
+  """A Mosaic GPU kernel's shared memory and the programs an SM holds by it and by warps
+    (its registers are the GPU compiler's: unknown here)."""
+  shared = kernel.mosaic_shared
+  programs = min(_SHARED_PER_SM // (shared + _SHARED_RESERVED), _WARPS_PER_SM // kernel.num_warps,
+                 _PROGRAMS_PER_SM)
+  return {"shared": shared, "programs_per_sm": programs}
+
+
+def _option(text: str) -> tuple[str, object]:
+  """KEY=VALUE, the value a Python literal where it parses as one, else the string."""
+  key, sep, value = text.partition("=")
+  if not sep or not key:
+    raise argparse.ArgumentTypeError(f"--option {text!r}: expected KEY=VALUE")
+  try:
+    return key, ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return key, value
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--ops", nargs="*", default=None, help="op name patterns (default: all)")
   p.add_argument("--size", choices=("small", "bench"), default="bench")
   p.add_argument("--out", default=None, help="a JSON file for the rows")
+  p.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                 help="passed to every op lowered (e.g. forward=fused for linear_attention.kda)")
   a = p.parse_args()
+  options = dict(a.option)
   rows = []
   print("| op | implementation | kernel | warps | stages | registers | spill bytes "
         "(stores / loads) | shared KiB | programs per SM | occupancy | one program more "
@@ -218,15 +284,22 @@ def main():
       continue
     for impl in sorted(catalog().entry(op).impls):  # the fast ones, not the reference
       try:
-        kernels = capture_kernels(op, impl, a.size)
+        kernels = capture_kernels(op, impl, a.size, **options)
       except Exception as e:  # an implementation that cannot lower here: say so
         print(
             f"| {op} | {impl} | not lowered: {type(e).__name__}: "
             f"{str(e).splitlines()[0][:120]} | | | | | | | | |", flush=True)
         continue
       if not kernels:
-        print(f"| {op} | {impl} | no Triton kernels | | | | | | | | |", flush=True)
+        print(f"| {op} | {impl} | no Pallas kernels | | | | | | | | |", flush=True)
       for k in kernels:
+        if k.is_mosaic:
+          r = mosaic_resources(k)
+          rows.append({"op": op, "impl": impl, "kernel": k.name, "num_warps": k.num_warps} | r)
+          print(
+              f"| {op} | {impl} | {k.name} (Mosaic GPU) | {k.num_warps} | - | - | - | "
+              f"{r['shared'] / 1024:.0f} | {r['programs_per_sm']} | - | - |", flush=True)
+          continue
         r = compile_for_hopper(k)
         rows.append({
             "op": op,

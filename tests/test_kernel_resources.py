@@ -4,6 +4,7 @@ which the project does not depend on)."""
 import pytest
 
 from experiments import kernel_resources as kr
+from pallas_kernels.linear_attention.gla import Tiling
 
 _PTXAS = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'gla_chunk_scores' for 'sm_90a'
@@ -48,12 +49,45 @@ def test_register_cap_fits_the_programs(programs, warps, cap):
 
 def test_gla_lowers_for_cuda_without_a_gpu():
   kernels = {k.name: k for k in kr.capture_kernels("linear_attention.gla", "pallas", "small")}
+  # Dk = 16 here: Hopper's Mosaic GPU walks need 64 or 128, so every kernel is Triton
   assert {
       "chunk_cumsum", "gla_states", "gla_chunk_scores_factored", "gla_chunk_scores_sub_chunks",
       "gla_chunk_outputs", "gla_state_grads", "gla_chunk_score_grads", "gla_chunk_value_grads",
       "gla_chunk_key_grads", "chunk_reverse_cumsum"
-  } <= set(kernels)
+  } == set(kernels)
+  assert not any(k.is_mosaic for k in kernels.values())
+  assert kernels["gla_states"].num_stages == 3
   key_grads = kernels["gla_chunk_key_grads"]
   assert (key_grads.num_warps, key_grads.num_stages) == (4, 3)
-  assert kernels["gla_states"].num_stages == 3
   assert "tt.func" in key_grads.ttir and "tt.dot" in key_grads.ttir
+
+
+_SHARED_LIMIT = 227 * 1024  # a program's shared memory on Hopper
+
+
+@pytest.mark.parametrize("op, options, walk, fused", [
+    ("linear_attention.kda", {}, "kda_states_mosaic", None),
+    ("linear_attention.kda", dict(forward="fused"), None, "kda_forward_mosaic"),
+    ("linear_attention.gla", dict(tiling=Tiling(forward="fused")), None, "gla_forward_mosaic"),
+    ("linear_attention.gla", dict(tiling=Tiling(forward="fused", decayed_rows="xla")), None,
+     "gla_forward_mosaic"),
+])
+def test_mosaic_gpu_kernels_lower_for_hopper_at_the_benchmark_shape(op, options, walk, fused):
+  """Mosaic GPU's own lowering (not its interpreter) at Dk = Dv = 128: layouts, WGMMA
+    operands, the shared memory of a program."""
+  kernels = kr.capture_kernels(op, "pallas", "bench", **options)
+  mosaic = {k.name: k for k in kernels if k.is_mosaic}
+  state_grads = op.rsplit(".", 1)[1] + "_state_grads_mosaic"
+  assert set(mosaic) == {walk or fused, state_grads}
+  assert all(0 < k.mosaic_shared <= _SHARED_LIMIT for k in mosaic.values())
+  if fused:  # a state warpgroup and an output warpgroup
+    assert mosaic[fused].num_warps == 8 and walk is None
+  row = kr.mosaic_resources(mosaic[state_grads])
+  assert row["programs_per_sm"] == (227 * 1024) // (mosaic[state_grads].mosaic_shared + 1024) == 1
+
+
+def test_an_option_is_key_equals_a_literal_or_a_string():
+  assert kr._option("forward=fused") == ("forward", "fused")
+  assert kr._option("block_v=64") == ("block_v", 64)
+  with pytest.raises(Exception, match="expected KEY=VALUE"):
+    kr._option("fused")
