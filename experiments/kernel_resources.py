@@ -120,7 +120,7 @@ def _lowering_for_cuda(kernels: list[Kernel]):
           Kernel(cfg["name"].value, cfg["num_warps"].value, cfg["num_stages"].value, modules[-1]))
     return custom_call(*args, backend_config=backend_config, **kwargs)
 
-  gpu = types.SimpleNamespace(compute_capability="9.0")
+  gpu = types.SimpleNamespace(compute_capability=90)  # as jax.pallas.triton.gpu_info gives it
   with contextlib.ExitStack() as stack:
     for patch in [
         mock.patch.object(registration, "gpu_info_lib",

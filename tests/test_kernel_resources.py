@@ -91,3 +91,13 @@ def test_an_option_is_key_equals_a_literal_or_a_string():
   assert kr._option("block_v=64") == ("block_v", 64)
   with pytest.raises(Exception, match="expected KEY=VALUE"):
     kr._option("fused")
+
+
+def test_fp8_casts_lower_at_hoppers_compute_capability():
+  """Pallas's Triton lowering compares the compute capability as a number (fp8 casts need
+    89 or more): the block-FP8 kernels lower as on the H200."""
+  kernels = kr.capture_kernels("quantized_matmul", "pallas", "small")
+  assert {k.name for k in kernels} == {
+      "quantized_grouped_matmul_fp8_block", "quantized_grouped_matmul_fp8_block_transposed"
+  }
+  assert all("tt.fp_to_fp" in k.ttir or "f8E4M3FN" in k.ttir for k in kernels)
