@@ -297,6 +297,9 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   _, dx, da, _ = wy(inv, dvn, vn, vp, beta)
   key = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
       q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), **kw))
+  key_8_warps = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
+      q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), num_warps=
+      8, **kw))
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
@@ -336,7 +339,9 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
               "wy_grads":
                   round(median_ms(wy, inv, dvn, vn, vp, beta), 3),
               "key_grads":
-                  round(median_ms(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
+                  round(median_ms(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
+              "key_grads_8_warps":
+                  round(median_ms(key_8_warps, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
           }
   }
 

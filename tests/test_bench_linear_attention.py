@@ -1,5 +1,5 @@
 """experiments/bench_linear_attention.py at a tiny shape on CPU (kernels interpreted): the
-per-kernel breakdown calls every GLA kernel, the fused forward's included, and the
+per-kernel breakdowns call every GLA and KDA kernel, the fused forwards' included, and the
 correctness checks report each GLA setting and each KDA forward, so the benchmark keeps
 up with the kernels' signatures. Each kernel runs once here (the GPU run repeats them)."""
 import json
@@ -24,6 +24,15 @@ def test_breakdown_runs_every_kernel(monkeypatch):
   for name in ("prepare", "states", "scores", "outputs", "state_grads", "score_grads",
                "value_grads", "key_grads", "fused.scores_with_decayed_rows",
                "fused.decayed_rows_xla", "fused.state_outputs"):
+    assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
+
+
+def test_kda_breakdown_runs_every_kernel(monkeypatch):
+  monkeypatch.setattr(bench, "median_ms", _once)
+  ms = bench.kda_kernel_breakdown((1, 64, 1, 64))["kernel_ms"]
+  for name in ("intra", "intra_with_inverse", "of_which_scores", "scores_in_one_kernel", "output",
+               "dv_local", "wy_grads", "key_grads", "key_grads_8_warps", "states_triton",
+               "state_grads_triton", "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 

@@ -202,8 +202,13 @@ def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_r
   jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
 
 
+# 4 warps: two programs an SM (by shared memory), with spills on the factored path; 8:
+# none, one program (docs/performance.md, "The in-chunk scores in two kernels").
+WARPS = 4
+
+
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale, block_k,
-                    block_v, cd, interpret):
+                    block_v, cd, interpret, num_warps=WARPS):
   """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H])."""
   B, Tp, H, Dk = q.shape
   Dv = do.shape[-1]
@@ -225,6 +230,7 @@ def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da,
       # of shared memory); docs/kernel_tuning.md, "KDA key gradients"
       interpret=interpret,
       name="kda_key_grads",
+      num_warps=num_warps,
       num_stages=2,
   )(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da)
   return dq, dk, db, jnp.sum(dbeta, axis=1)
