@@ -1,6 +1,9 @@
-"""experiments.kernel_resources: the CUDA lowering on a CPU machine, the ptxas report
+"""experiments.kernel_resources: the CUDA lowering on a CPU machine along Hopper's path
+(Triton kernels, and Mosaic GPU kernels through their own lowering), the ptxas report
 parser and the occupancy arithmetic (the Triton compile itself needs the triton package,
 which the project does not depend on)."""
+import argparse
+
 import pytest
 
 from experiments import kernel_resources as kr
@@ -82,14 +85,17 @@ def test_mosaic_gpu_kernels_lower_for_hopper_at_the_benchmark_shape(op, options,
   assert all(0 < k.mosaic_shared <= _SHARED_LIMIT for k in mosaic.values())
   if fused:  # a state warpgroup and an output warpgroup
     assert mosaic[fused].num_warps == 8 and walk is None
-  row = kr.mosaic_resources(mosaic[state_grads])
-  assert row["programs_per_sm"] == (227 * 1024) // (mosaic[state_grads].mosaic_shared + 1024) == 1
+  # over 114 KiB of shared memory each: one program per SM
+  assert kr.mosaic_resources(mosaic[state_grads]) == {
+      "shared": mosaic[state_grads].mosaic_shared,
+      "programs_per_sm": 1
+  }
 
 
 def test_an_option_is_key_equals_a_literal_or_a_string():
   assert kr._option("forward=fused") == ("forward", "fused")
   assert kr._option("block_v=64") == ("block_v", 64)
-  with pytest.raises(Exception, match="expected KEY=VALUE"):
+  with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=VALUE"):
     kr._option("fused")
 
 
