@@ -215,6 +215,8 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   ds, _ = dstates(qp, b, vp)
   sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
   scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
+  scores_factored_4_warps = jax.jit(
+      lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, factored_warps=4))
   scores_one_kernel = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, by_layout=False, **sk))
   a = scores(qp, kp, b)
   outputs = jax.jit(
@@ -280,6 +282,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
       static_argnames="e")
   qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
   scores = jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp))
+  scores_factored_4_warps = jax.jit(
+      lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, factored_warps=4))
   scores_one_kernel = jax.jit(
       lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, by_layout=False))
   walks = available_state_walks(interp)
@@ -330,6 +334,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
               "of_which_scores":
                   round(median_ms(scores, qp, kp, b, beta), 3),
+              "scores_factored_4_warps":
+                  round(median_ms(scores_factored_4_warps, qp, kp, b, beta), 3),
               "scores_in_one_kernel":
                   round(median_ms(scores_one_kernel, qp, kp, b, beta), 3),
               "output":

@@ -145,10 +145,10 @@ FACTORED_WARPS = 8
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
-                 by_layout=True):
+                 by_layout=True, factored_warps=FACTORED_WARPS):
   """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd).
 
-    by_layout: two kernels, the factored chunks' (FACTORED_WARPS) and then the others'
+    by_layout: two kernels, the factored chunks' (factored_warps) and then the others'
     (num_warps), each holding the registers of its own path alone, instead of one kernel
     that branches per chunk (num_warps): that one spilled 1.3 KB a thread, the factored
     pass alone none (experiments/kernel_resources.py)."""
@@ -168,7 +168,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
                                       (keys, keys, square, square, L.chunk_layout_flag()),
                                       outputs + (L.shape(jnp.int32, B, H, n, C),),
                                       name="kda_chunk_scores_factored",
-                                      **(launch | dict(num_warps=FACTORED_WARPS)))(q, k, b, beta,
+                                      **(launch | dict(num_warps=factored_warps)))(q, k, b, beta,
                                                                                    runs, carry_in,
                                                                                    in_last)
   a_kk, a_qk = L.call(functools.partial(_sub_chunk_pass_kernel, cd=cd), (B, H, n),
