@@ -1,6 +1,7 @@
 """Two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) train
-like one process x 8 devices, and a killed process takes the other one down quickly;
-plus the process-group settings from flags and SLURM variables."""
+like one device, the expert dispatch's all-to-all crossing between them, and a killed
+process takes the other one down quickly; plus the process-group settings from flags and
+SLURM variables."""
 
 import json
 import socket
@@ -24,14 +25,18 @@ def _free_port() -> int:
 
 def test_two_processes_match_one_device_and_a_dead_peer_stops_the_other():
   """The scaled 2p8t model (tests/cli_runs.py) on 2 processes x 4 CPU devices under the
-  default plan (fsdp 2 x expert 4: routed experts per device through the dropless
-  all-to-all, the planner's remat) trains like it does on one device."""
+  default plan (routed experts per device through the dropless all-to-all, the planner's
+  remat) trains like it does on one device. The expert axis spans both processes, as it
+  spans hosts in the reference plan (expert = 64 over hosts of 8 GPUs): every step's
+  dispatch and combine cross between them. (Before XLA:CPU's concurrency-optimized
+  scheduler was turned off for multi-process runs, hylora.io.distributed, this hung
+  before the first step.)"""
   base, checked = cli_runs.SCALED_2P8T, 3
   single = cli_runs.scratch("scaled-2p8t-one-device")
   out, port = cli_runs.scratch("multihost"), _free_port()
   procs = [
-      cli_runs.launch("--steps", str(cli_runs.STEPS), "--devices", "4", "--mesh.fsdp=2",
-                      "--mesh.expert=4", "--out", str(out),
+      cli_runs.launch("--steps", str(cli_runs.STEPS), "--devices", "4", "--mesh.fsdp=1",
+                      "--mesh.expert=8", "--out", str(out),
                       "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
                       str(i), base=base, log=cli_runs.scratch(f"multihost-{i}.log"))
       for i in range(2)
@@ -40,7 +45,7 @@ def test_two_processes_match_one_device_and_a_dead_peer_stops_the_other():
                         str(checked), "--devices", "1", "--mesh.fsdp=1", "--mesh.expert=1", "--out",
                         str(single), base=base, log=cli_runs.scratch("one-device.log"))
   try:
-    cli_runs.wait_for(lambda: len(cli_runs.metrics(out)) >= checked, procs[0],
+    cli_runs.wait_for(lambda: len(cli_runs.metrics(out)) >= checked, procs[0], timeout=450,
                       what=f"{checked} steps on two processes")
     assert one.wait(timeout=900) == 0, cli_runs.scratch("one-device.log").read_text()[-2000:]
     got = cli_runs.metrics(out)[:checked]
@@ -54,7 +59,7 @@ def test_two_processes_match_one_device_and_a_dead_peer_stops_the_other():
     np.testing.assert_allclose(got[0]["grad_norm"], reference[0]["grad_norm"], rtol=1e-2)
     assert all(r["dropped_fraction"] == 0 for r in got)
     plan = json.loads((out / "plan.json").read_text())
-    assert (plan["processes"], plan["devices"], plan["mesh"]) == (2, 8, {"fsdp": 2, "expert": 4})
+    assert (plan["processes"], plan["devices"], plan["mesh"]) == (2, 8, {"fsdp": 1, "expert": 8})
     assert plan["experts"]["dispatcher"] == "ep_alltoall" and not plan["experts"]["drops"]
     assert plan["memory"]["planned"]
     assert json.loads((single / "plan.json").read_text())["experts"]["dispatcher"] == "dropless"

@@ -27,7 +27,12 @@ DEFAULT_TIMEOUT_S = 300  # how long processes wait for each other to start (JAX'
 # the next collective starts beside them on some devices and not on others, and the
 # processes wait on each other forever (a device in the loop's all-reduce, its peer in
 # the next all-gather). Single-threaded Eigen runs every op inline, in program order.
-CPU_COLLECTIVE_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
+# XLA:CPU's concurrency-optimized scheduler orders independent collectives differently
+# on different devices: with the expert axis across processes, the all-to-alls of the
+# expert dispatch and the other collectives met in different orders and the run hung
+# before its first step; the default scheduler keeps one order on every device.
+CPU_COLLECTIVE_XLA_FLAGS = ("--xla_cpu_multi_thread_eigen=false",
+                            "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 
 
 @dataclasses.dataclass(frozen=True)
