@@ -215,8 +215,6 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   ds, _ = dstates(qp, b, vp)
   sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
   scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
-  scores_factored_4_warps = jax.jit(
-      lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, factored_warps=4))
   scores_one_kernel = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, by_layout=False, **sk))
   a = scores(qp, kp, b)
   outputs = jax.jit(
