@@ -107,3 +107,28 @@ def test_fp8_casts_lower_at_hoppers_compute_capability():
       "quantized_grouped_matmul_fp8_block", "quantized_grouped_matmul_fp8_block_transposed"
   }
   assert all("tt.fp_to_fp" in k.ttir or "f8E4M3FN" in k.ttir for k in kernels)
+
+
+# implementations that lower to cuDNN, which needs a GPU to lower at all
+_CUDNN = {("attention.causal", "cudnn"), ("sparse_attention.attend", "by_density"),
+          ("sparse_attention.attend", "masked_dense")}
+
+
+def test_every_registered_implementation_lowers_for_hopper():
+  """Each op's implementations at its small check shapes, forward and backward, through
+    the CUDA lowering of Pallas (Triton and Mosaic GPU) and XLA: a kernel that only its
+    interpreter had run fails here, not in a GPU call."""
+  from experiments.op_checks import CHECKS
+  from hylora.ops import catalog
+
+  lowered = {}
+  for op in catalog().names():
+    if op not in CHECKS:
+      continue
+    for impl in catalog().entry(op).impls:
+      if (op, impl) not in _CUDNN:
+        lowered[op, impl] = {k.name for k in kr.capture_kernels(op, impl, "small")}
+  pallas = {key: names for key, names in lowered.items() if key[1] == "pallas"}
+  assert len(pallas) >= 8 and all(pallas.values()), pallas
+  assert {"sparse_attention_forward",
+          "sparse_attention_backward_dq"} <= pallas["sparse_attention.attend", "pallas"]
