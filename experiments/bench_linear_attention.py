@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from experiments.timing import failed, interleaved_ratios, median_ms, peer, to_torch
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
+from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS
 from pallas_kernels.linear_attention.gla import Tiling
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
@@ -38,7 +39,6 @@ REFERENCE_SKIP = {
 # chunks decay past the whole-chunk limit), and the KDA layer's formula at initialisation.
 GATES = ("logsigmoid", "logsigmoid_strong", "kda_init")
 STATE_WALKS = ("auto", "triton", "mosaic")
-KDA_SCORES = ("by_layout", "one_kernel")  # pallas_kernels.linear_attention.kda.SCORES
 
 
 def kda_init_gates(key, B, T, H, D):
@@ -472,7 +472,7 @@ def main():
   ap.add_argument("--state-walks", nargs="+", choices=STATE_WALKS, default=list(STATE_WALKS),
                   help="--op kda: the state walks to time (auto: mosaic where it runs)")
   ap.add_argument(
-      "--kda-scores", nargs="+", choices=KDA_SCORES, default=list(KDA_SCORES),
+      "--kda-scores", nargs="+", choices=SCORE_KERNELS, default=list(SCORE_KERNELS),
       help="--op kda: the in-chunk scores' kernels to time: the factored chunks' and then "
       "the others' (by_layout, the default), or one kernel branching per chunk")
   ap.add_argument(

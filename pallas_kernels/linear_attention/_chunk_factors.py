@@ -142,7 +142,9 @@ def anchors(b_ref):
 
 
 # The two-pass scores kernels (chunk_scores(by_layout=True)): the first pass records per
-# chunk whether it factored, in a [C] int32 block; the second does the rest.
+# chunk whether it factored, in a [C] int32 block; the second does the rest. The GLA and
+# KDA ops' choice of scores kernels: these two passes, or one kernel that branches per chunk.
+SCORE_KERNELS = ("by_layout", "one_kernel")
 
 
 def record_factored(flag_ref, factored):

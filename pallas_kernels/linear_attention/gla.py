@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels import residuals
 from pallas_kernels.linear_attention import (_chunk_prep, _gla_forward_mosaic, _gla_states,
                                              _gla_states_mosaic)
+from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS
 from pallas_kernels.linear_attention._gla_chunks import (chunk_key_grads, chunk_outputs,
                                                          chunk_value_grads)
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
@@ -128,7 +129,6 @@ def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
 # the backward)
 _FORWARDS = {"split": _split_forward, "fused": _fused_forward}
 _DECAYED_ROWS = ("scores", "xla")
-_SCORES = ("by_layout", "one_kernel")
 
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=False):
@@ -144,8 +144,8 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
   if t.decayed_rows not in _DECAYED_ROWS:
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
-  if t.scores not in _SCORES:
-    raise ValueError(f"Tiling.scores = {t.scores!r}: expected one of {list(_SCORES)}")
+  if t.scores not in SCORE_KERNELS:
+    raise ValueError(f"Tiling.scores = {t.scores!r}: expected one of {list(SCORE_KERNELS)}")
   if t.forward == "fused":
     fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
             Dv % _gla_forward_mosaic.BLOCK_V == 0)

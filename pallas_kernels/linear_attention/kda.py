@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from pallas_kernels import residuals
 from pallas_kernels.linear_attention import (_chunk_prep, _kda_forward_mosaic, _kda_states,
                                              _kda_states_mosaic)
+from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS
 from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
                                                      l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
@@ -45,18 +46,13 @@ class Tiling(NamedTuple):
   """Static launch settings: value-channel block (all kernels), key-channel block
     (kda_key_grads), the forward and backward state kernels' implementations (keys of
     _STATE_WALKS), the forward's form (keys of _FORWARDS), interpret mode and the in-chunk
-    scores' kernels (SCORES)."""
+    scores' kernels (_chunk_factors.SCORE_KERNELS)."""
   block_v: int
   block_k: int
   state_walks: tuple[str, str]
   interpret: bool
   forward: str = "split"
   scores: str = "by_layout"
-
-
-# Tiling.scores: the factored chunks' kernel, then the others' ("by_layout"), or one kernel
-# that branches per chunk ("one_kernel"): _kda_scores.chunk_scores
-SCORES = ("by_layout", "one_kernel")
 
 
 def available_state_walks(interpret):
@@ -180,7 +176,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds). forward:
     "split" (state kernel, then outputs kernel) or "fused" (both in one Mosaic GPU kernel:
     Hopper, or interpreted; where the Mosaic GPU walk fits). scores: the in-chunk scores'
-    kernels, one of SCORES."""
+    kernels, one of _chunk_factors.SCORE_KERNELS."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -200,8 +196,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   walks = state_walk_kinds(state_walk, dtypes, Dk, bv, interpret)
   forward = check_forward(forward, mosaic_fits(dtypes, Dk, bv), interpret,
                           mosaic_requirement(dtypes, Dk, bv))
-  if scores not in SCORES:
-    raise ValueError(f"scores = {scores!r}: expected one of {list(SCORES)}")
+  if scores not in SCORE_KERNELS:
+    raise ValueError(f"scores = {scores!r}: expected one of {list(SCORE_KERNELS)}")
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
              scores=scores)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
