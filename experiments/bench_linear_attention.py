@@ -185,6 +185,21 @@ def correctness(tilings, shape=(1, 4096, 4, 128)):
         }), flush=True)
 
 
+# Settings that choose between kernels the breakdown times side by side anyway.
+BREAKDOWN_TIMES_EVERY = ("forward", "decayed_rows", "scores")
+
+
+def breakdown_tilings(tilings):
+  """The distinct breakdowns among --tiling's settings: those differing only in
+    BREAKDOWN_TIMES_EVERY time the same kernels."""
+  defaults = Tiling()
+  kept = {
+      t._replace(**{f: getattr(defaults, f) for f in BREAKDOWN_TIMES_EVERY}):
+          None for _, t in tilings
+  }
+  return list(kept)
+
+
 def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   """Milliseconds of each kernel (and the plain-JAX preparation) alone; on Hopper (or
     interpreted) also the fused forward's two kernels."""
@@ -423,9 +438,6 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
             "forward": forward,
             "rel_rms": errs
         }), flush=True)
-  if breakdown:
-    for regime in gates:
-      print(json.dumps(kda_kernel_breakdown(shapes[0], regime)), flush=True)
   for shape, regime in itertools.product(shapes, gates):
     x = kda_inputs(shape, gates=regime)
     row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
@@ -441,6 +453,9 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
                       functools.partial(chunked_kda, forward="fused", scores=kind)))
     bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
     del x
+  if breakdown:  # after the comparisons: a run cut short keeps those
+    for regime in gates:
+      print(json.dumps(kda_kernel_breakdown(shapes[0], regime)), flush=True)
 
 
 def parse_tiling(spec):
@@ -487,9 +502,6 @@ def main():
     return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
                      args.state_walks, args.kda_forwards, scores=args.kda_scores)
   correctness(args.tiling)
-  if args.breakdown:
-    for (_, tiling), regime in itertools.product(args.tiling, args.gates):
-      print(json.dumps(kernel_breakdown(args.shapes[0], tiling, regime)), flush=True)
   for shape, regime in itertools.product(args.shapes, args.gates):
     x = inputs(*shape, gates=regime)
     row = {"op": "gla", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
@@ -497,6 +509,9 @@ def main():
              for name, tiling in args.tiling]
     bench_shape(row, "gla", impls, gla_chunked, x, shape, args.skip_reference, args.peers)
     del x
+  if args.breakdown:  # after the comparisons: a run cut short keeps those
+    for tiling, regime in itertools.product(breakdown_tilings(args.tiling), args.gates):
+      print(json.dumps(kernel_breakdown(args.shapes[0], tiling, regime)), flush=True)
 
 
 if __name__ == "__main__":

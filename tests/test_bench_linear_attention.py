@@ -71,3 +71,13 @@ def test_strong_logsigmoid_gates_need_one_anchor_per_sub_chunk():
   assert -3.5 < float(g.mean()) < -2.5
   shares = bench.layout_shares(g)
   assert shares["whole_chunk"] < 0.1 and shares["per_sub_chunk"] > 0.5, shares
+
+
+def test_breakdown_once_per_distinct_kernel_setting():
+  """Settings that differ only in which kernels the breakdown times side by side anyway
+    (the fused forward, its decayed rows, the scores' split) share one breakdown."""
+  tilings = [
+      bench.parse_tiling(s) for s in ("", "scores=one_kernel", "forward=fused",
+                                      "forward=fused,decayed_rows=xla", "block_k=32")
+  ]
+  assert bench.breakdown_tilings(tilings) == [Tiling(), Tiling(block_k=32)]
