@@ -294,11 +294,13 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
       lambda *a, e: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e, interpret=interp),
       static_argnames="e")
   qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
-  scores = jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp))
-  scores_factored_4_warps = jax.jit(
-      lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, factored_warps=4))
-  scores_one_kernel = jax.jit(
-      lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, by_layout=False))
+
+  def scores_with(**setting):
+    return jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, **setting))
+
+  scores = scores_with()
+  scores_factored_4_warps = scores_with(factored_warps=4)
+  scores_one_kernel = scores_with(by_layout=False)
   walks = available_state_walks(interp)
   chunk_states, chunk_state_grads = walks["triton"]
   states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
@@ -312,11 +314,14 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   dh, dvn, _ = dstates(qg, kg, w, b, dvl, vp)
   wy = jax.jit(lambda inv, dvn, vn, v, beta: chunk_wy_grads(inv, dvn, vn, v, beta, runs, **kw))
   _, dx, da, _ = wy(inv, dvn, vn, vp, beta)
-  key = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
-      q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), **kw))
-  key_8_warps = jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
-      q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64), num_warps=
-      8, **kw))
+
+  def key_with(**setting):
+    return jax.jit(lambda q, k, b, beta, h, dh, do, vn, dx, dp, da: chunk_key_grads(
+        q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64),
+        **(kw | setting)))
+
+  key = key_with()
+  key_8_warps = key_with(num_warps=8)
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
