@@ -299,7 +299,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
     return jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, **setting))
 
   scores = scores_with()
-  scores_factored_4_warps = scores_with(factored_warps=4)
+  scores_factored_8_warps = scores_with(factored_warps=8)
   scores_one_kernel = scores_with(by_layout=False)
   walks = available_state_walks(interp)
   chunk_states, chunk_state_grads = walks["triton"]
@@ -352,8 +352,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
               "of_which_scores":
                   round(median_ms(scores, qp, kp, b, beta), 3),
-              "scores_factored_4_warps":
-                  round(median_ms(scores_factored_4_warps, qp, kp, b, beta), 3),
+              "scores_factored_8_warps":
+                  round(median_ms(scores_factored_8_warps, qp, kp, b, beta), 3),
               "scores_in_one_kernel":
                   round(median_ms(scores_one_kernel, qp, kp, b, beta), 3),
               "output":
@@ -450,7 +450,7 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
     for kind in scores:  # the default scores kernels unnamed
       named = "" if kind == "by_layout" else f",scores={kind}"
       impls += [(f"pallas[state_walk={walk}{named}]",
-                 functools.partial(chunked_kda, state_walk=walk, scores=kind))
+                 functools.partial(chunked_kda, state_walk=walk, forward="split", scores=kind))
                 for walk in walks
                 if "split" in forwards]
       if "fused" in forwards:  # its backward's walk: "auto"

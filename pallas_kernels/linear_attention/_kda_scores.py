@@ -139,9 +139,10 @@ def _sub_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_
   factors.unless_factored(flag_ref, lambda: _by_sub_chunks(*refs, cd))
 
 
-# The factored pass's warps: eight hold its registers without spilling (224 a thread,
-# one program per SM; four spill, two per SM: experiments/kernel_resources.py; untimed).
-FACTORED_WARPS = 8
+# The factored pass's warps: four spill a little but fit two programs an SM, and ran
+# faster than eight, which hold its registers without spilling at one program an SM
+# (docs/kernel_tuning.md, "KDA in-chunk scores").
+FACTORED_WARPS = 4
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,

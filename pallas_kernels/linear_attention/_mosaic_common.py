@@ -32,17 +32,24 @@ def require_mosaic(what, fits, interpret, requirement):
                      f"device is {jax.devices()[0].device_kind}")
 
 
-def choose_walk(choice, walks, fits, interpret, requirement):
-  """The state-walk implementation for `choice` ("auto" or a key of `walks`): "auto"
-    takes "mosaic" where it fits and compiles (Hopper), else "triton"; asking for
-    "mosaic" where it cannot run is an error (require_mosaic)."""
-  if choice != "auto" and choice not in walks:
-    raise ValueError(f"state_walk = {choice!r}: expected 'auto' or one of {sorted(walks)}")
-  if choice == "mosaic":
-    require_mosaic("state_walk = 'mosaic'", fits, interpret, requirement)
+def choose_mosaic_or(what, choice, choices, mosaic, fallback, fits, interpret, requirement):
+  """`choice`, "auto" or a key of `choices`, one of which (`mosaic`) runs on Mosaic GPU:
+    "auto" takes it where it fits and compiles (Hopper), else `fallback`; asking for it
+    where it cannot run is an error (require_mosaic). `what` names the setting in errors."""
+  if choice != "auto" and choice not in choices:
+    raise ValueError(f"{what} = {choice!r}: expected 'auto' or one of {sorted(choices)}")
+  if choice == mosaic:
+    require_mosaic(f"{what} = {mosaic!r}", fits, interpret, requirement)
   if choice == "auto":
-    return "mosaic" if fits and not interpret and on_hopper() else "triton"
+    return mosaic if fits and not interpret and on_hopper() else fallback
   return choice
+
+
+def choose_walk(choice, walks, fits, interpret, requirement):
+  """The state-walk implementation for `choice`: "mosaic" where "auto" can take it, else
+    "triton"."""
+  return choose_mosaic_or("state_walk", choice, walks, "mosaic", "triton", fits, interpret,
+                          requirement)
 
 
 def smem(shape, dtype, swizzle_row=None):

@@ -26,7 +26,7 @@ from pallas_kernels.linear_attention._gla_chunks import (chunk_key_grads, chunk_
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
 from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
                                                      validate)
-from pallas_kernels.linear_attention._mosaic_common import (choose_walk, require_mosaic,
+from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
                                                             sixteen_bit)
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
@@ -42,7 +42,7 @@ class Tiling(NamedTuple):
   score_warps: int = 4  # the scores kernel, one program per chunk
   score_stages: int = 2  # loads in flight in the score kernel's loops
   grad_warps: int = 4  # backward: score gradients, value and key gradients
-  grad_stages: int = 3  # loads in flight in the key-gradient kernel's sub-chunk loop
+  grad_stages: int = 2  # loads in flight in the key-gradient kernel's sub-chunk loop
   # value channels per program of the value-gradient kernel: whole 128-wide heads read
   # the chunk's keys and decays once (the forward outputs kernel keeps block_v)
   grad_block_v: int = 128
@@ -51,9 +51,9 @@ class Tiling(NamedTuple):
   # (state_walk_kind)
   state_walk: str = "auto"
   # "split" or "fused" (_FORWARDS; the fused forward runs on Mosaic GPU, Hopper only);
-  # both hand the per-chunk states to the backward. "split" by default (measured:
-  # docs/performance.md, "GLA: the fused forward timed")
-  forward: str = "split"
+  # both hand the per-chunk states to the backward. "auto" takes "fused" where it runs
+  # (docs/kernel_tuning.md, "GLA tiling")
+  forward: str = "auto"
   # the fused forward's decayed rows qg, kg: written by the scores kernel ("scores") or by
   # one XLA fusion beside it ("xla"); to be chosen by measurement (docs/kernel_tuning.md)
   decayed_rows: str = "scores"
@@ -138,23 +138,21 @@ def _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=False):
 
 
 def check_forward(t: Tiling, dtypes, Dk, Dv):
-  """Tiling.forward names a forward that can run here."""
-  if t.forward not in _FORWARDS:
-    raise ValueError(f"Tiling.forward = {t.forward!r}: expected one of {sorted(_FORWARDS)}")
+  """t with Tiling.forward resolved ("auto": "fused" where it runs, else "split"), after
+    checking that the forward's settings name what can run here."""
   if t.decayed_rows not in _DECAYED_ROWS:
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
   if t.scores not in SCORE_KERNELS:
     raise ValueError(f"Tiling.scores = {t.scores!r}: expected one of {list(SCORE_KERNELS)}")
-  if t.forward == "fused":
-    fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
-            Dv % _gla_forward_mosaic.BLOCK_V == 0)
-    require_mosaic(
-        "Tiling.forward = 'fused'", fits, t.interpret,
-        f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and Dv a multiple of "
-        f"{_gla_forward_mosaic.BLOCK_V}; got {[str(d) for d in dtypes]}, "
-        f"Dk = {Dk}, Dv = {Dv}")
-  return t
+  fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
+          Dv % _gla_forward_mosaic.BLOCK_V == 0)
+  forward = choose_mosaic_or(
+      "Tiling.forward", t.forward, _FORWARDS, "fused", "split", fits, t.interpret,
+      f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and Dv a multiple of "
+      f"{_gla_forward_mosaic.BLOCK_V}; got {[str(d) for d in dtypes]}, "
+      f"Dk = {Dk}, Dv = {Dv}")
+  return t._replace(forward=forward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))

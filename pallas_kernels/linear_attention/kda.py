@@ -31,8 +31,8 @@ from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
 from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
                                                              chunk_wy_grads)
-from pallas_kernels.linear_attention._mosaic_common import (choose_walk, on_hopper, require_mosaic,
-                                                            sixteen_bit)
+from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
+                                                            on_hopper, sixteen_bit)
 from pallas_kernels.linear_attention._pallas_common import compute_dtype, interpret_mode
 
 # (chunk_states, chunk_state_grads) per state-walk implementation
@@ -112,12 +112,10 @@ _FORWARDS = {"split": _split_forward, "fused": _fused_forward}
 
 
 def check_forward(forward, fits, interpret, requirement):
-  """The forward's form: "fused" runs where the Mosaic GPU state walk does."""
-  if forward not in _FORWARDS:
-    raise ValueError(f"forward = {forward!r}: expected one of {sorted(_FORWARDS)}")
-  if forward == "fused":
-    require_mosaic("forward = 'fused'", fits, interpret, requirement)
-  return forward
+  """The forward's form: "fused" where asked and the Mosaic GPU state walk runs; "auto"
+    takes it there, else "split"."""
+  return choose_mosaic_or("forward", forward, _FORWARDS, "fused", "split", fits, interpret,
+                          requirement)
 
 
 def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
@@ -165,7 +163,7 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
-                state_walk="auto", forward="split", scores="by_layout"):
+                state_walk="auto", forward="auto", scores="by_layout"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -174,9 +172,10 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     block_k: the value-channel tile of every kernel / the key-channel tile of the
     key-gradient kernel (defaults by Dk, Dv). state_walk: the sequential kernels'
     implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds). forward:
-    "split" (state kernel, then outputs kernel) or "fused" (both in one Mosaic GPU kernel:
-    Hopper, or interpreted; where the Mosaic GPU walk fits). scores: the in-chunk scores'
-    kernels, one of _chunk_factors.SCORE_KERNELS."""
+    "split" (state kernel, then outputs kernel), "fused" (both in one Mosaic GPU kernel:
+    Hopper, or interpreted; where the Mosaic GPU walk fits) or "auto" ("fused" where it
+    compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores: the in-chunk
+    scores' kernels, one of _chunk_factors.SCORE_KERNELS."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.linear_attention import _chunk_prep, _gla_states, _gla_states_mosaic, gla
+from pallas_kernels.linear_attention import (_chunk_prep, _gla_states, _gla_states_mosaic,
+                                             _mosaic_common, gla, kda)
 from pallas_kernels.linear_attention._mosaic_common import require_mosaic
 from pallas_kernels.linear_attention.gla import Tiling, chunked_gla
 from pallas_kernels.linear_attention.tests._data import make_inputs, mosaic_three_layouts, rel_rms
@@ -56,6 +57,22 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
     require_mosaic("state_walk = 'mosaic'", True, False, "")
 
 
+def test_auto_forward_is_the_fused_one_where_it_compiles(monkeypatch):
+  bf16, f32 = (jnp.bfloat16,) * 3, (jnp.float32,) * 3
+  # interpreted (CPU): the split forward, for GLA and KDA alike
+  assert gla.check_forward(Tiling(interpret=True), bf16, 64, 64).forward == "split"
+  assert kda.check_forward("auto", True, True, "") == "split"
+  monkeypatch.setattr(_mosaic_common, "on_hopper", lambda: True)
+  assert gla.check_forward(Tiling(), bf16, 64, 64).forward == "fused"
+  assert kda.check_forward("auto", True, False, "") == "fused"
+  # on Hopper, inputs the Mosaic GPU kernel does not take: the split forward
+  assert gla.check_forward(Tiling(), f32, 64, 64).forward == "split"
+  assert gla.check_forward(Tiling(), bf16, 32, 32).forward == "split"
+  assert kda.check_forward("auto", False, False, "") == "split"
+  # asked for by name, the split forward stays
+  assert gla.check_forward(Tiling(forward="split"), bf16, 64, 64).forward == "split"
+
+
 def test_fused_forward_matches_the_split_forward():
   # the fused forward (qg, kg from the scores kernel or from XLA + one two-warpgroup Mosaic
   # GPU kernel) against the split one on the same inputs: 4 chunks, resets, an initial
@@ -66,7 +83,7 @@ def test_fused_forward_matches_the_split_forward():
   B, T = x["segment_ids"].shape
   q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
   masks = _chunk_prep.segment_masks(runs)
-  split = Tiling(state_walk="mosaic", interpret=True)
+  split = Tiling(state_walk="mosaic", forward="split", interpret=True)
   (o_ref, s_ref), a_ref, h_ref = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3,
                                               split)
   for decayed_rows, with_states in [("scores", False), ("scores", True), ("xla", True)]:

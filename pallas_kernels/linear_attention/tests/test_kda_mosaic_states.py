@@ -89,5 +89,5 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
     chunked_kda(*args, state_walk="cuda")
   with pytest.raises(ValueError, match="forward = 'fused' needs q, k, v in one 16-bit dtype"):
     chunked_kda(*args, forward="fused")
-  with pytest.raises(ValueError, match="forward = 'whole': expected one of"):
+  with pytest.raises(ValueError, match="forward = 'whole': expected 'auto' or one of"):
     chunked_kda(*args, forward="whole")
