@@ -322,6 +322,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
 
   key = key_with()
   key_8_warps = key_with(num_warps=8)
+  key_by_layout = key_with(by_layout=True)
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
@@ -365,7 +366,9 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
               "key_grads":
                   round(median_ms(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
               "key_grads_8_warps":
-                  round(median_ms(key_8_warps, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
+                  round(median_ms(key_8_warps, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
+              "key_grads_by_layout":
+                  round(median_ms(key_by_layout, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
           }
   }
 
@@ -405,7 +408,7 @@ def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
 
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
               walks=STATE_WALKS, forwards=("split",), correctness_shape=(1, 4096, 4, 128),
-              scores=("by_layout",)):
+              scores=("by_layout",), key_grads=("one_kernel",)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
   from pallas_kernels.linear_attention import chunked_kda, kda_chunked
@@ -447,15 +450,17 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
     x = kda_inputs(shape, gates=regime)
     row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
     impls = []
-    for kind in scores:  # the default scores kernels unnamed
-      named = "" if kind == "by_layout" else f",scores={kind}"
+    for kind, key_kind in itertools.product(scores, key_grads):  # the defaults unnamed
+      named = ("" if kind == "by_layout" else f",scores={kind}") + ("" if key_kind == "one_kernel"
+                                                                    else f",key_grads={key_kind}")
+      kernels = dict(scores=kind, key_grads=key_kind)
       impls += [(f"pallas[state_walk={walk}{named}]",
-                 functools.partial(chunked_kda, state_walk=walk, forward="split", scores=kind))
+                 functools.partial(chunked_kda, state_walk=walk, forward="split", **kernels))
                 for walk in walks
                 if "split" in forwards]
       if "fused" in forwards:  # its backward's walk: "auto"
         impls.append((f"pallas[forward=fused{named}]",
-                      functools.partial(chunked_kda, forward="fused", scores=kind)))
+                      functools.partial(chunked_kda, forward="fused", **kernels)))
     bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
     del x
   if breakdown:  # after the comparisons: a run cut short keeps those
@@ -499,13 +504,18 @@ def main():
       "--kda-forwards", nargs="+", choices=("split", "fused"), default=["split"],
       help="--op kda: the forwards to time: split (with each of --state-walks) "
       "and fused (walk and outputs in one Mosaic GPU kernel, Hopper)")
+  ap.add_argument(
+      "--kda-key-grads", nargs="+", choices=SCORE_KERNELS, default=["one_kernel"],
+      help="--op kda: the key gradients' kernels to time: one kernel branching per chunk "
+      "(the default) or the whole-chunk-anchored chunks' and then the others' (by_layout)")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
   print(jax.devices(), flush=True)
   if args.op == "kda":
     return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
-                     args.state_walks, args.kda_forwards, scores=args.kda_scores)
+                     args.state_walks, args.kda_forwards, scores=args.kda_scores,
+                     key_grads=args.kda_key_grads)
   correctness(args.tiling)
   for shape, regime in itertools.product(args.shapes, args.gates):
     x = inputs(*shape, gates=regime)

@@ -32,8 +32,8 @@ def test_kda_breakdown_runs_every_kernel(monkeypatch):
   ms = bench.kda_kernel_breakdown((1, 64, 1, 64))["kernel_ms"]
   for name in ("intra", "intra_with_inverse", "of_which_scores", "scores_factored_8_warps",
                "scores_in_one_kernel", "output", "dv_local", "wy_grads", "key_grads",
-               "key_grads_8_warps", "states_triton", "state_grads_triton", "states_mosaic",
-               "state_grads_mosaic", "fused_states_outputs"):
+               "key_grads_8_warps", "key_grads_by_layout", "states_triton", "state_grads_triton",
+               "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 

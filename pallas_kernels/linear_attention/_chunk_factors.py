@@ -58,7 +58,9 @@ def _per_token(values):
 
 class Anchors(NamedTuple):
   """A factored chunk's anchors: one [1, D] row per sub-chunk (all the chunk's midpoint when
-    `uniform`, the WHOLE_CHUNK layout).
+    `uniform`, the WHOLE_CHUNK layout). `uniform` is traced where one kernel takes both
+    layouts, or a Python bool where a kernel takes one: then only that layout's code is
+    compiled.
 
     Per sub-chunk, a loop step over sub-chunk i pairs its own rows, factored by
     `step_factors`, with operands of the whole chunk (every row factored through its own
@@ -74,10 +76,12 @@ class Anchors(NamedTuple):
 
   def per_token(self):
     """[C, D]: every token's anchor."""
-    return _per_token(self.rows)
+    return self.rows[0] if self.uniform is True else _per_token(self.rows)
 
   def of(self, i):
     """[1, D]: the anchor of sub-chunk i (a loop index)."""
+    if self.uniform is True:
+      return self.rows[0]
     out = self.rows[0]
     for j in range(1, N_SUB):
       out = jnp.where(i == j, self.rows[j], out)
@@ -86,7 +90,7 @@ class Anchors(NamedTuple):
   def step_factors(self, b_i, i):
     """(exp(b - m_i), exp(m_i - b)) for sub-chunk i's rows b_i [SUB, D], each times
       exp(-BRIDGE_SHIFT) unless uniform (the bridges carry it back)."""
-    shift = BRIDGE_SHIFT * (1.0 - self.uniform.astype(jnp.float32))
+    shift = BRIDGE_SHIFT * (1.0 - jnp.asarray(self.uniform, jnp.float32))
     rel = b_i - self.of(i)
     return jnp.exp(rel - shift), jnp.exp(-rel - shift)
 
@@ -102,6 +106,8 @@ class Anchors(NamedTuple):
       rel = [(m_i - m_j) if keys else (m_j - m_i) for m_j in self.rows]
       return x * _per_token([jnp.exp(jnp.minimum(r, 0.0) + BRIDGE_SHIFT) for r in rel])
 
+    if isinstance(self.uniform, bool):
+      return x if self.uniform else bridged()
     return jax.lax.cond(self.uniform, lambda: x, bridged)
 
 
@@ -139,6 +145,23 @@ def anchors(b_ref):
     own.append(jnp.where(whole, m, m_j))
     per_sub_chunk &= bounded
   return Anchors(tuple(own), whole), whole | per_sub_chunk
+
+
+def whole_chunk_anchors(b_ref):
+  """(Anchors, whole): the chunk's one anchor (uniform, statically) and whether its decays
+    factor through it (WHOLE_CHUNK)."""
+  m, whole = midpoint(rows(b_ref, 0, C))
+  return Anchors((m,) * N_SUB, True), whole
+
+
+def sub_chunk_anchors(b_ref):
+  """(Anchors, bounded): one anchor per sub-chunk (not uniform, statically) and whether
+    every sub-chunk's decays factor through its own (PER_SUB_CHUNK, or WHOLE_CHUNK too)."""
+  own, bounded = zip(*(midpoint(rows(b_ref, j * SUB, SUB)) for j in range(N_SUB)))
+  every = bounded[0]
+  for each in bounded[1:]:
+    every &= each
+  return Anchors(own, False), every
 
 
 # The two-pass scores kernels (chunk_scores(by_layout=True)): the first pass records per

@@ -5,7 +5,9 @@ Every path into q, k, b is separable over key channels, so a program only needs 
 channel block: [16, BK] row tiles of 16 rows at a time, [BK, BV] state tiles and the
 chunk's [64, 64] score gradients dP (of A_qk) and dA (of A_kk), read from memory. A
 chunk whose decays factor (_chunk_factors) takes each step's score-gradient paths as one
-matmul against the whole chunk; others by sub-chunk blocks as in _kda_scores.
+matmul against the whole chunk; others by sub-chunk blocks as in _kda_scores. One kernel
+branches per chunk, or two run one after the other (by_layout): the chunks with one
+anchor, then the rest into the same outputs.
 Paths (qg = q exp(b) ci, kg = k exp(b_last - b) il, K = k exp(b) ci, S / dS the chunk's
 start state / end-state gradient, dX = T^T dv_new):
   o     += scale qg S            dqg = scale do S^T
@@ -165,21 +167,23 @@ def _write_rows(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do
   return db_last
 
 
-def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
-                      dx_ref, dp_ref, da_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *, scale, cd,
-                      block_v):
-  """One loop step per 16-token sub-chunk, factored (_chunk_factors) or by 16x16 blocks:
-    unrolled, the kernel's code outgrew the instruction cache (the GLA kernels'
-    'no instruction' stalls, docs/performance.md)."""
+def _key_grads(refs, layout, *, scale, cd, block_v):
+  """One chunk's key gradients, one loop step per 16-token sub-chunk: with (anchors,
+    factored_ok) = layout(), factored through the anchors (_chunk_factors) where
+    factored_ok, else by 16x16 blocks; factored_ok is traced, or True where only the
+    factored steps are compiled. Unrolled, the kernel's
+    code outgrew the instruction cache (the GLA kernels' 'no instruction' stalls,
+    docs/performance.md)."""
+  q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref = refs[:8]
+  dp_ref, da_ref = refs[15:]
+  refs = refs[:15]
   b_last = rows(b_ref, C - 1, 1)
   keep = jnp.max(ci_ref[pl.ds(C - 1, 1)]).astype(F32)
   # b_last scales the surviving start state and every kg row
   db_last = keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
-  refs = (q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref, dx_ref,
-          dq_ref, dk_ref, db_ref, dbeta_ref)
   kw = dict(scale=scale, cd=cd, block_v=block_v)
 
-  def factored(anchors):
+  def factored():
     operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, anchors)
 
     def step(i, db_last):
@@ -198,39 +202,84 @@ def _key_grads_kernel(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_r
 
     jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
 
-  anchors, factored_ok = factors.anchors(b_ref)
-  jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
+  # the anchors after the above: the one kernel spills less so (kernel_resources)
+  anchors, factored_ok = layout()
+  if factored_ok is True:
+    factored()
+  else:
+    jax.lax.cond(factored_ok, factored, by_sub_chunks)
+
+
+def _ordered(ins, outs):
+  """_key_grads' refs: the inputs but dP, dA (_write_rows' order), the outputs, dP, dA."""
+  return (*ins[:11], *outs, *ins[11:13])
+
+
+def _key_grads_kernel(*refs, **kw):
+  """Every layout in one kernel, branching per chunk."""
+  ins, outs = refs[:13], refs[13:]
+  _key_grads(_ordered(ins, outs), lambda: factors.anchors(ins[2]), **kw)
+
+
+def _whole_chunk_pass_kernel(*refs, **kw):
+  """The first of two passes: the chunks whose decays factor over one anchor (WHOLE_CHUNK,
+    in this key block's channels); it leaves the others' rows to the second pass."""
+  ins, outs = refs[:13], refs[13:]
+  anchors, whole = factors.whole_chunk_anchors(ins[2])
+  compute = lambda: _key_grads(_ordered(ins, outs), lambda: (anchors, True), **kw)
+  jax.lax.cond(whole, compute, lambda: None)
+
+
+def _other_chunks_pass_kernel(*refs, **kw):
+  """The second pass: the chunks the first left, anchored per sub-chunk or by 16x16
+    blocks (its outputs are the first pass's, aliased; the first pass's rows stay)."""
+  ins, outs = refs[:13], refs[17:]  # refs[13:17]: the first pass's outputs, aliased
+  _, whole = factors.whole_chunk_anchors(ins[2])
+  compute = lambda: _key_grads(_ordered(ins, outs), lambda: factors.sub_chunk_anchors(ins[2]), **kw)
+  jax.lax.cond(whole, lambda: None, compute)
 
 
 # 4 warps: two programs an SM (by shared memory), with spills on the factored path; 8:
-# none, one program (docs/performance.md, "The in-chunk scores in two kernels").
+# none, one program; they tied (docs/kernel_tuning.md, "KDA key gradients").
 WARPS = 4
 
 
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale, block_k,
-                    block_v, cd, interpret, num_warps=WARPS):
-  """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H])."""
+                    block_v, cd, interpret, num_warps=WARPS, by_layout=False):
+  """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
+
+    by_layout: two kernels, the whole-chunk-anchored chunks' and then the others', each
+    compiled with its own path alone (the one kernel holds the bridged per-sub-chunk
+    operands beside the loop-invariant ones wherever it runs), instead of one kernel that
+    branches per chunk."""
   B, Tp, H, Dk = q.shape
   Dv = do.shape[-1]
   nk = Dk // block_k
   keys, vals = L.kblock_rows(block_k), L.kblock_values(Dv)
   state, square, flag = L.kblock_state(block_k, Dv), L.kblock_square(), L.kblock_flags()
-  kernel = functools.partial(_key_grads_kernel, scale=scale, cd=cd, block_v=block_v)
-  dq, dk, db, dbeta = L.call(
-      kernel,
-      (B, H, Tp // C, nk),
-      [
-          keys, keys, keys,
-          L.kblock_beta(), flag, flag, state, state, vals, vals, vals, square, square
-      ],
-      (keys, keys, keys, L.kblock_partial_beta()),
-      (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk), L.shape(
-          F32, B, Tp, H, Dk), L.shape(F32, B, nk, Tp, H)),
-      # two stages keep the sub-chunk loop's loads in flight (three would need 194 KiB
-      # of shared memory); docs/kernel_tuning.md, "KDA key gradients"
-      interpret=interpret,
-      name="kda_key_grads",
-      num_warps=num_warps,
-      num_stages=2,
-  )(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da)
+  in_specs = [
+      keys, keys, keys,
+      L.kblock_beta(), flag, flag, state, state, vals, vals, vals, square, square
+  ]
+  out_specs = (keys, keys, keys, L.kblock_partial_beta())
+  out_shape = (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H,
+                                                       Dk), L.shape(F32, B, Tp, H,
+                                                                    Dk), L.shape(F32, B, nk, Tp, H))
+  # two stages keep the sub-chunk loop's loads in flight (three would need 194 KiB of
+  # shared memory); docs/kernel_tuning.md, "KDA key gradients"
+  launch = dict(interpret=interpret, num_warps=num_warps, num_stages=2)
+  kw = dict(scale=scale, cd=cd, block_v=block_v)
+  args = (q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da)
+  grid = (B, H, Tp // C, nk)
+  if not by_layout:
+    outs = L.call(functools.partial(_key_grads_kernel, **kw), grid, in_specs, out_specs, out_shape,
+                  name="kda_key_grads", **launch)(*args)
+  else:
+    first = L.call(functools.partial(_whole_chunk_pass_kernel, **kw), grid, in_specs, out_specs,
+                   out_shape, name="kda_key_grads_whole_chunk", **launch)(*args)
+    outs = L.call(functools.partial(_other_chunks_pass_kernel,
+                                    **kw), grid, in_specs + list(out_specs), out_specs, out_shape,
+                  name="kda_key_grads_other_chunks",
+                  input_output_aliases={13 + i: i for i in range(4)}, **launch)(*args, *first)
+  dq, dk, db, dbeta = outs
   return dq, dk, db, jnp.sum(dbeta, axis=1)

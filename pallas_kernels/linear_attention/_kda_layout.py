@@ -95,9 +95,9 @@ def chunk_layout_flag():
 def call(kernel, grid, in_specs, out_specs, out_shape, *, interpret, name, num_warps=4,
          num_stages=1, input_output_aliases=None):
   if len(grid) == 4:  # (b, h, chunk, j): the programs of one chunk side by side
-    assert not input_output_aliases
     return chunk_call(kernel, grid, in_specs, out_specs, out_shape, num_warps=num_warps,
-                      interpret=interpret, name=name, num_stages=num_stages)
+                      interpret=interpret, name=name, num_stages=num_stages,
+                      input_output_aliases=input_output_aliases)
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                         out_shape=out_shape, compiler_params=compiler_params(num_warps, num_stages),
                         interpret=interpret, name=name, input_output_aliases=input_output_aliases or

@@ -46,13 +46,14 @@ class Tiling(NamedTuple):
   """Static launch settings: value-channel block (all kernels), key-channel block
     (kda_key_grads), the forward and backward state kernels' implementations (keys of
     _STATE_WALKS), the forward's form (keys of _FORWARDS), interpret mode and the in-chunk
-    scores' kernels (_chunk_factors.SCORE_KERNELS)."""
+    scores' and key gradients' kernels (_chunk_factors.SCORE_KERNELS each)."""
   block_v: int
   block_k: int
   state_walks: tuple[str, str]
   interpret: bool
   forward: str = "split"
   scores: str = "by_layout"
+  key_grads: str = "one_kernel"
 
 
 def available_state_walks(interpret):
@@ -154,7 +155,8 @@ def _kda_core_bwd(scale, t, res, cts):
                                                    scale=scale, **kw)
   dv, dx, da, dbeta_v = chunk_wy_grads(inverse, dvn, vn, v, beta, runs, **kw)
   dq, dk, db, dbeta_k = chunk_key_grads(q, k, b, beta, *masks, h, dh, do, vn, dx, dp, da,
-                                        scale=scale, block_k=t.block_k, **kw)
+                                        scale=scale, block_k=t.block_k,
+                                        by_layout=t.key_grads == "by_layout", **kw)
   return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None
 
 
@@ -163,7 +165,7 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
-                state_walk="auto", forward="auto", scores="by_layout"):
+                state_walk="auto", forward="auto", scores="by_layout", key_grads="one_kernel"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -174,8 +176,10 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     implementation, "mosaic" (Hopper), "triton", or "auto" (state_walk_kinds). forward:
     "split" (state kernel, then outputs kernel), "fused" (both in one Mosaic GPU kernel:
     Hopper, or interpreted; where the Mosaic GPU walk fits) or "auto" ("fused" where it
-    compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores: the in-chunk
-    scores' kernels, one of _chunk_factors.SCORE_KERNELS."""
+    compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores, key_grads: the
+    in-chunk scores' and the key gradients' kernels, each one of
+    _chunk_factors.SCORE_KERNELS (one kernel branching per chunk, or one per layout
+    family)."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -195,9 +199,10 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   walks = state_walk_kinds(state_walk, dtypes, Dk, bv, interpret)
   forward = check_forward(forward, mosaic_fits(dtypes, Dk, bv), interpret,
                           mosaic_requirement(dtypes, Dk, bv))
-  if scores not in SCORE_KERNELS:
-    raise ValueError(f"scores = {scores!r}: expected one of {list(SCORE_KERNELS)}")
+  for name, choice in (("scores", scores), ("key_grads", key_grads)):
+    if choice not in SCORE_KERNELS:
+      raise ValueError(f"{name} = {choice!r}: expected one of {list(SCORE_KERNELS)}")
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
-             scores=scores)
+             scores=scores, key_grads=key_grads)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

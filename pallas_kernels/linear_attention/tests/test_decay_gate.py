@@ -80,7 +80,7 @@ def test_kda_with_the_gate_matches_the_oracle_with_padding_resets_and_a_final_st
   ((o_ref, s_ref), g_ref), ((o, s), g_ker) = _oracle_and_kernel(x, decay_of, block_v=16)
   errs = {"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}
   errs.update({"d" + n: rel_rms(a, b) for n, a, b in zip(NAMES, g_ref, g_ker)})
-  bad = {k: e for k, e in errs.items() if e > 1e-4}
+  bad = {k: e for k, e in errs.items() if not e <= 1e-4}  # NaN included
   assert not bad, f"errors over 1e-4: {bad} (all: {errs})"
 
 

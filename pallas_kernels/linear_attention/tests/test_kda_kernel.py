@@ -33,7 +33,8 @@ def _errors(x, **kernel_kw):
 
 
 def _assert_within(errs, out_tol, grad_tol):
-  bad = {k: e for k, e in errs.items() if e > (grad_tol if k.startswith("d") else out_tol)}
+  # "not <=": a NaN error is over any tolerance
+  bad = {k: e for k, e in errs.items() if not e <= (grad_tol if k.startswith("d") else out_tol)}
   assert not bad, f"errors over tolerance: {bad} (all: {errs})"
 
 
@@ -79,6 +80,15 @@ def test_scores_in_one_kernel_branching_per_chunk():
   default takes the factored chunks' kernel, then the others')."""
   x = with_three_layouts(make_inputs(seed=17, T=192, Dk=32, Dv=32, segment_rate=0.03))
   _assert_within(_errors(x, scores="one_kernel"), 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
+                                                      (jnp.bfloat16, 5e-3, 1e-2)])
+def test_key_gradients_in_two_kernels_one_per_layout_family(dtype, out_tol, grad_tol):
+  """key_grads="by_layout": the whole-chunk-anchored chunks' kernel, then the others' into
+  its outputs, over every layout (and, in chunk 1, key blocks of different layouts)."""
+  x = with_three_layouts(make_inputs(seed=18, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
+  _assert_within(_errors(x, block_k=16, key_grads="by_layout"), out_tol, grad_tol)
 
 
 def test_fp32_exact_at_the_widest_key_head():
@@ -152,3 +162,5 @@ def test_bad_keywords_and_head_dims(small):
     chunked_kda(*args, block_v=12)
   with pytest.raises(ValueError, match=r"scores = 'fused': expected one of \['by_layout'"):
     chunked_kda(*args, scores="fused")
+  with pytest.raises(ValueError, match=r"key_grads = 'split': expected one of \['by_layout'"):
+    chunked_kda(*args, key_grads="split")
