@@ -406,6 +406,12 @@ def bench_shape(row, op, impls, reference, x, shape, skip_reference, peers):
   print(json.dumps(row), flush=True)
 
 
+def default_kda_forwards():
+  """The forward chunked_kda takes by default here: the fused one where Mosaic GPU runs."""
+  from pallas_kernels.linear_attention._mosaic_common import on_hopper
+  return ["fused"] if on_hopper() else ["split"]
+
+
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
               walks=STATE_WALKS, forwards=("split",), correctness_shape=(1, 4096, 4, 128),
               scores=("by_layout",), key_grads=("one_kernel",)):
@@ -501,9 +507,10 @@ def main():
       help="--op kda: the in-chunk scores' kernels to time: the factored chunks' and then "
       "the others' (by_layout, the default), or one kernel branching per chunk")
   ap.add_argument(
-      "--kda-forwards", nargs="+", choices=("split", "fused"), default=["split"],
+      "--kda-forwards", nargs="+", choices=("split", "fused"), default=None,
       help="--op kda: the forwards to time: split (with each of --state-walks) "
-      "and fused (walk and outputs in one Mosaic GPU kernel, Hopper)")
+      "and fused (walk and outputs in one Mosaic GPU kernel, Hopper); by default the "
+      "op's own: fused on Hopper, else split")
   ap.add_argument(
       "--kda-key-grads", nargs="+", choices=SCORE_KERNELS, default=["one_kernel"],
       help="--op kda: the key gradients' kernels to time: one kernel branching per chunk "
@@ -514,8 +521,8 @@ def main():
   print(jax.devices(), flush=True)
   if args.op == "kda":
     return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
-                     args.state_walks, args.kda_forwards, scores=args.kda_scores,
-                     key_grads=args.kda_key_grads)
+                     args.state_walks, args.kda_forwards or default_kda_forwards(),
+                     scores=args.kda_scores, key_grads=args.kda_key_grads)
   correctness(args.tiling)
   for shape, regime in itertools.product(args.shapes, args.gates):
     x = inputs(*shape, gates=regime)

@@ -81,3 +81,10 @@ def test_breakdown_once_per_distinct_kernel_setting():
                                       "forward=fused,decayed_rows=xla", "block_k=32")
   ]
   assert bench.breakdown_tilings(tilings) == [Tiling(), Tiling(block_k=32)]
+
+
+def test_kda_forwards_default_to_the_ops_own(monkeypatch):
+  from pallas_kernels.linear_attention import _mosaic_common
+  assert bench.default_kda_forwards() == ["split"]  # here, the CPU
+  monkeypatch.setattr(_mosaic_common, "on_hopper", lambda: True)
+  assert bench.default_kda_forwards() == ["fused"]
