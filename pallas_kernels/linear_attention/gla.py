@@ -54,8 +54,8 @@ class Tiling(NamedTuple):
   # both hand the per-chunk states to the backward. "auto" takes "fused" where it runs
   # (docs/kernel_tuning.md, "GLA tiling")
   forward: str = "auto"
-  # the fused forward's decayed rows qg, kg: written by the scores kernel ("scores") or by
-  # one XLA fusion beside it ("xla"); to be chosen by measurement (docs/kernel_tuning.md)
+  # the fused forward's decayed rows qg, kg: written by the scores kernel ("scores", the
+  # faster) or by one XLA fusion beside it ("xla"); docs/kernel_tuning.md, "GLA tiling"
   decayed_rows: str = "scores"
   # the scores' kernels: the factored chunks', then the others' ("by_layout"), or one that
   # branches per chunk ("one_kernel"); _gla_scores.chunk_scores
