@@ -186,7 +186,7 @@ def correctness(tilings, shape=(1, 4096, 4, 128)):
 
 
 # Settings that choose between kernels the breakdown times side by side anyway.
-BREAKDOWN_TIMES_EVERY = ("forward", "decayed_rows", "scores")
+BREAKDOWN_TIMES_EVERY = ("forward", "decayed_rows", "scores", "key_grads")
 
 
 def breakdown_tilings(tilings):
@@ -238,9 +238,13 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   da, dat = dscores(vp, vp)
   value_grads = jax.jit(lambda k, b, ds, do: chunk_value_grads(
       k, b, il, ds, a, do, scale=scale, block_v=min(t.grad_block_v, D), **gk))
-  key_grads = jax.jit(lambda q, k, v, b, h, ds, do:
-                      chunk_key_grads(q, k, v, b, ci, il, h, ds, do, da, dat, scale=scale, block_k=t
-                                      .block_k, num_stages=t.grad_stages, **gk))
+
+  def key_grads_with(**setting):
+    key_kw = dict(scale=scale, block_k=t.block_k, num_stages=t.grad_stages, **gk, **setting)
+    return jax.jit(lambda q, k, v, b, h, ds, do: chunk_key_grads(q, k, v, b, ci, il, h, ds, do, da,
+                                                                 dat, **key_kw))
+
+  key_grads, key_grads_by_layout = key_grads_with(), key_grads_with(by_layout=True)
   kernel_ms = {
       "prepare": round(median_ms(prep, q, k, v, g), 3),
       "states": round(median_ms(states, kp, vp, b), 3),
@@ -250,7 +254,8 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
       "state_grads": round(median_ms(dstates, qp, b, vp), 3),
       "score_grads": round(median_ms(dscores, vp, vp), 3),
       "value_grads": round(median_ms(value_grads, kp, b, ds, vp), 3),
-      "key_grads": round(median_ms(key_grads, qp, kp, vp, b, h, ds, vp), 3)
+      "key_grads": round(median_ms(key_grads, qp, kp, vp, b, h, ds, vp), 3),
+      "key_grads_by_layout": round(median_ms(key_grads_by_layout, qp, kp, vp, b, h, ds, vp), 3)
   }
   if interp or on_hopper():  # the fused forward's two kernels (Tiling.forward="fused")
     decayed = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, decayed_with=(ci, il), **sk))

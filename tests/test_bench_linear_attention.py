@@ -22,7 +22,7 @@ def test_breakdown_runs_every_kernel(monkeypatch):
   monkeypatch.setattr(bench, "median_ms", _once)
   ms = bench.kernel_breakdown((1, 128, 2, 64), Tiling())["kernel_ms"]
   for name in ("prepare", "states", "scores", "outputs", "state_grads", "score_grads",
-               "value_grads", "key_grads", "fused.scores_with_decayed_rows",
+               "value_grads", "key_grads", "key_grads_by_layout", "fused.scores_with_decayed_rows",
                "fused.decayed_rows_xla", "fused.state_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
@@ -75,10 +75,12 @@ def test_strong_logsigmoid_gates_need_one_anchor_per_sub_chunk():
 
 def test_breakdown_once_per_distinct_kernel_setting():
   """Settings that differ only in which kernels the breakdown times side by side anyway
-    (the fused forward, its decayed rows, the scores' split) share one breakdown."""
+    (the fused forward, its decayed rows, the scores' and the key gradients' splits) share
+    one breakdown."""
   tilings = [
-      bench.parse_tiling(s) for s in ("", "scores=one_kernel", "forward=fused",
-                                      "forward=fused,decayed_rows=xla", "block_k=32")
+      bench.parse_tiling(s)
+      for s in ("", "scores=one_kernel", "forward=fused", "forward=fused,decayed_rows=xla",
+                "key_grads=by_layout", "block_k=32")
   ]
   assert bench.breakdown_tilings(tilings) == [Tiling(), Tiling(block_k=32)]
 

@@ -164,6 +164,26 @@ def sub_chunk_anchors(b_ref):
   return Anchors(own, False), every
 
 
+# The two-pass key-gradient kernels (chunk_key_grads(by_layout=True)): each program of
+# either pass decides from its own block of b whether its chunk has one anchor, so the
+# passes agree without a flag. compute(layout) runs the chunk, with layout() giving its
+# (anchors, factored_ok).
+
+
+def if_whole_chunk(b_ref, compute):
+  """The first pass: compute() for a chunk whose decays factor over one anchor, with only
+    that path compiled; else nothing."""
+  anchors, whole = whole_chunk_anchors(b_ref)
+  jax.lax.cond(whole, lambda: compute(lambda: (anchors, True)), lambda: None)
+
+
+def unless_whole_chunk(b_ref, compute):
+  """The second pass: compute() for the chunks the first left, anchored per sub-chunk
+    where their decays allow, else by sub-chunk blocks."""
+  _, whole = whole_chunk_anchors(b_ref)
+  jax.lax.cond(whole, lambda: None, lambda: compute(lambda: sub_chunk_anchors(b_ref)))
+
+
 # The two-pass scores kernels (chunk_scores(by_layout=True)): the first pass records per
 # chunk whether it factored, in a [C] int32 block; the second does the rest. The GLA and
 # KDA ops' choice of scores kernels: these two passes, or one kernel that branches per chunk.

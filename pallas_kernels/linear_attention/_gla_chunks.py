@@ -11,7 +11,8 @@ channels it can, so programs stay small (few registers, many resident warps):
                one key block only, so a block decides alone whether its decays factor
                (_chunk_factors: each step one matmul per path against the whole chunk)
                or go by sub-chunk blocks (whose diagonal blocks factor or not,
-               _diagonal_blocks).
+               _diagonal_blocks); one kernel branching per chunk, or two (by_layout):
+               the one-anchor chunks', then the others' into the same outputs.
 ci (carry_in) zeroes the start state's path for tokens past a segment reset inside the
 chunk, il (in_last) the end state's path for tokens of earlier segments.
 """
@@ -44,11 +45,12 @@ def _value_grads_kernel(k_ref, b_ref, il_ref, ds_ref, a_ref, do_ref, dv_ref, *, 
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, do_ref, da_ref,
-                      dat_ref, dq_ref, dk_ref, db_ref, *, scale, cd):
-  """dq, dk and db of one key block, one `fori_loop` step per sub-chunk: when the block's
-    decays factor (_chunk_factors), against the whole chunk in one matmul per path; else
-    by 16x16 blocks."""
+def _key_grads(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, do_ref, da_ref, dat_ref,
+               dq_ref, dk_ref, db_ref, *, layout, scale, cd):
+  """dq, dk and db of one key block, one `fori_loop` step per sub-chunk: with (anchors,
+    factored_ok) = layout(), when the block's decays factor (_chunk_factors), against the
+    whole chunk in one matmul per path; else by 16x16 blocks. factored_ok is traced, or
+    True where only the factored steps are compiled."""
   S, dS = h_ref[...], ds_ref[...]  # matmul operands: kept in the compute dtype
   # sum_v S dS: the gradient of the start state's decay through the chunk
   hds = jnp.sum(S.astype(F32) * dS.astype(F32), axis=1)
@@ -96,8 +98,29 @@ def _key_grads_kernel(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref,
                       functools.partial(_sub_chunk_grads, *refs, **chunk, scale=scale, cd=cd),
                       extra)
 
-  anchors, factored_ok = factors.anchors(b_ref)
-  jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
+  anchors, factored_ok = layout()
+  if factored_ok is True:
+    factored(anchors)
+  else:
+    jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
+
+
+def _key_grads_kernel(*refs, **kw):
+  """Every layout in one kernel, branching per chunk."""
+  _key_grads(*refs, layout=lambda: factors.anchors(refs[3]), **kw)
+
+
+def _whole_chunk_pass_kernel(*refs, **kw):
+  """The first of two passes: the chunks whose decays factor over one anchor (in this key
+    block's channels); it leaves the others' rows to the second pass."""
+  factors.if_whole_chunk(refs[3], lambda layout: _key_grads(*refs, layout=layout, **kw))
+
+
+def _other_chunks_pass_kernel(*refs, **kw):
+  """The second pass: the chunks the first left (its outputs are the first pass's,
+    aliased; the first pass's rows stay)."""
+  ins, outs = refs[:11], refs[14:]  # refs[11:14]: the first pass's outputs, aliased
+  factors.unless_whole_chunk(ins[3], lambda layout: _key_grads(*ins, *outs, layout=layout, **kw))
 
 
 def _sub_chunk_grads(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, do_ref, da_ref, dat_ref, dq_ref,
@@ -210,33 +233,40 @@ def chunk_value_grads(k, b, in_last, ds, a, do, *, scale, block_v, interpret, nu
 
 
 def chunk_key_grads(q, k, v, b, carry_in, in_last, h, ds, do, da, dat, *, scale, block_k, interpret,
-                    num_warps=4, num_stages=3):
+                    num_warps=4, num_stages=3, by_layout=False):
   """dq, dk (input dtype) and db (fp32, w.r.t. the in-chunk cumulative decay), given the
     start states h, the end-state gradients ds and dA (da, its transpose dat). num_stages
-    software-pipelines the per-sub-chunk loads."""
+    software-pipelines the per-sub-chunk loads. by_layout: two kernels, the
+    one-anchor chunks' (compiled with that path alone) and then the others' into the same
+    outputs, instead of one kernel that branches per chunk."""
   B, Tp, H, Dk = q.shape
   Dv = v.shape[-1]
   g = Grid()
   keys = g.chunk(block_k)
-  return chunk_call(
-      functools.partial(_key_grads_kernel, scale=scale, cd=compute_dtype(q.dtype)),
-      (B, H, Tp // C, Dk // block_k),
-      [
-          keys, keys,
-          g.all_channels(Dv), keys,
-          g.flags(),
-          g.flags(),
-          g.state_rows(block_k, Dv),
-          g.state_rows(block_k, Dv),
-          g.all_channels(Dv),
-          g.scores(),
-          g.scores()
-      ],
-      (keys, keys, keys),
-      (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(
-          k.shape, k.dtype), jax.ShapeDtypeStruct(q.shape, F32)),
-      num_warps=num_warps,
-      interpret=interpret,
-      name="gla_chunk_key_grads",
-      num_stages=num_stages,
-  )(q, k, v, b, carry_in, in_last, h, ds, do, da, dat)
+  in_specs = [
+      keys, keys,
+      g.all_channels(Dv), keys,
+      g.flags(),
+      g.flags(),
+      g.state_rows(block_k, Dv),
+      g.state_rows(block_k, Dv),
+      g.all_channels(Dv),
+      g.scores(),
+      g.scores()
+  ]
+  out_specs = (keys, keys, keys)
+  out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(q.shape, F32))
+  args = (q, k, v, b, carry_in, in_last, h, ds, do, da, dat)
+  grid = (B, H, Tp // C, Dk // block_k)
+  launch = dict(num_warps=num_warps, interpret=interpret, num_stages=num_stages)
+  kw = dict(scale=scale, cd=compute_dtype(q.dtype))
+  if not by_layout:
+    return chunk_call(functools.partial(_key_grads_kernel, **kw), grid, in_specs, out_specs,
+                      out_shape, name="gla_chunk_key_grads", **launch)(*args)
+  first = chunk_call(functools.partial(_whole_chunk_pass_kernel, **kw), grid, in_specs, out_specs,
+                     out_shape, name="gla_chunk_key_grads_whole_chunk", **launch)(*args)
+  return chunk_call(functools.partial(_other_chunks_pass_kernel,
+                                      **kw), grid, in_specs + list(out_specs), out_specs, out_shape,
+                    name="gla_chunk_key_grads_other_chunks",
+                    input_output_aliases={11 + i: i for i in range(3)}, **launch)(*args, *first)

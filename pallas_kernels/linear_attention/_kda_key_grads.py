@@ -222,21 +222,17 @@ def _key_grads_kernel(*refs, **kw):
 
 
 def _whole_chunk_pass_kernel(*refs, **kw):
-  """The first of two passes: the chunks whose decays factor over one anchor (WHOLE_CHUNK,
-    in this key block's channels); it leaves the others' rows to the second pass."""
+  """The first of two passes: the chunks whose decays factor over one anchor (in this key
+    block's channels); it leaves the others' rows to the second pass."""
   ins, outs = refs[:13], refs[13:]
-  anchors, whole = factors.whole_chunk_anchors(ins[2])
-  compute = lambda: _key_grads(_ordered(ins, outs), lambda: (anchors, True), **kw)
-  jax.lax.cond(whole, compute, lambda: None)
+  factors.if_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
 
 
 def _other_chunks_pass_kernel(*refs, **kw):
-  """The second pass: the chunks the first left, anchored per sub-chunk or by 16x16
-    blocks (its outputs are the first pass's, aliased; the first pass's rows stay)."""
+  """The second pass: the chunks the first left (its outputs are the first pass's,
+    aliased; the first pass's rows stay)."""
   ins, outs = refs[:13], refs[17:]  # refs[13:17]: the first pass's outputs, aliased
-  _, whole = factors.whole_chunk_anchors(ins[2])
-  compute = lambda: _key_grads(_ordered(ins, outs), lambda: factors.sub_chunk_anchors(ins[2]), **kw)
-  jax.lax.cond(whole, lambda: None, compute)
+  factors.unless_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
 
 
 # 4 warps: two programs an SM (by shared memory), with spills on the factored path; 8:

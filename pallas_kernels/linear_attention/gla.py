@@ -60,6 +60,9 @@ class Tiling(NamedTuple):
   # the scores' kernels: the factored chunks', then the others' ("by_layout"), or one that
   # branches per chunk ("one_kernel"); _gla_scores.chunk_scores
   scores: str = "by_layout"
+  # the key gradients' kernels: one that branches per chunk ("one_kernel") or the
+  # one-anchor chunks', then the others' ("by_layout"); _gla_chunks.chunk_key_grads
+  key_grads: str = "one_kernel"
   interpret: bool = False
 
 
@@ -143,8 +146,10 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
   if t.decayed_rows not in _DECAYED_ROWS:
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
-  if t.scores not in SCORE_KERNELS:
-    raise ValueError(f"Tiling.scores = {t.scores!r}: expected one of {list(SCORE_KERNELS)}")
+  for name in ("scores", "key_grads"):
+    if getattr(t, name) not in SCORE_KERNELS:
+      raise ValueError(f"Tiling.{name} = {getattr(t, name)!r}: expected one of "
+                       f"{list(SCORE_KERNELS)}")
   fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
           Dv % _gla_forward_mosaic.BLOCK_V == 0)
   forward = choose_mosaic_or(
@@ -177,7 +182,7 @@ def _gla_core_bwd(scale, t, res, cts):
                               num_warps=t.grad_warps)
   dq, dk, db = chunk_key_grads(q, k, v, b, *masks, h, ds, do, da, dat, scale=scale,
                                block_k=t.block_k, interpret=t.interpret, num_warps=t.grad_warps,
-                               num_stages=t.grad_stages)
+                               num_stages=t.grad_stages, by_layout=t.key_grads == "by_layout")
   return dq, dk, dv, db, dh0, None, None
 
 

@@ -55,6 +55,18 @@ def test_every_chunk_layout_in_one_launch(dtype, out_tol, grad_tol):
   _check(x, out_tol, grad_tol, tiling=Tiling(block_k=16))
 
 
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
+                                                      (jnp.bfloat16, 5e-3, 1e-2)])
+def test_key_gradients_in_two_kernels_one_per_layout_family(dtype, out_tol, grad_tol):
+  """Tiling(key_grads="by_layout"): the one-anchor chunks' kernel, then the others' into its
+  outputs, over every layout (in chunk 1, key blocks of different layouts); a name it does
+  not know is refused."""
+  x = with_three_layouts(make_inputs(seed=19, T=192, Dk=32, Dv=32, dtype=dtype))
+  _check(x, out_tol, grad_tol, tiling=Tiling(block_k=16, key_grads="by_layout"))
+  with pytest.raises(ValueError, match=r"Tiling.key_grads = 'split': expected one of"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(key_grads="split"))
+
+
 def test_scores_in_one_kernel_branching_per_chunk():
   """Tiling(scores="one_kernel"): the scores of every layout from one kernel (the default
   takes the factored chunks' kernel, then the others'); a name it does not know is
