@@ -139,12 +139,8 @@ def anchors(b_ref):
   """(Anchors, factors): the anchors of the chunk's layout, from its b_ref [C, D], and
     whether it factors at all (WHOLE_CHUNK or PER_SUB_CHUNK)."""
   m, whole = midpoint(rows(b_ref, 0, C))
-  per_sub_chunk, own = True, []
-  for j in range(N_SUB):
-    m_j, bounded = midpoint(rows(b_ref, j * SUB, SUB))
-    own.append(jnp.where(whole, m, m_j))
-    per_sub_chunk &= bounded
-  return Anchors(tuple(own), whole), whole | per_sub_chunk
+  own, per_sub_chunk = sub_chunk_anchors(b_ref)
+  return Anchors(tuple(jnp.where(whole, m, m_j) for m_j in own.rows), whole), whole | per_sub_chunk
 
 
 def whole_chunk_anchors(b_ref):
@@ -168,6 +164,15 @@ def sub_chunk_anchors(b_ref):
 # either pass decides from its own block of b whether its chunk has one anchor, so the
 # passes agree without a flag. compute(layout) runs the chunk, with layout() giving its
 # (anchors, factored_ok).
+
+
+def factored_or(factored_ok, factored, others):
+  """factored() where the chunk factors, else others(); factored_ok statically True (a
+    first pass's chunk) compiles factored() alone."""
+  if factored_ok is True:
+    factored()
+  else:
+    jax.lax.cond(factored_ok, factored, others)
 
 
 def if_whole_chunk(b_ref, compute):

@@ -99,10 +99,7 @@ def _key_grads(q_ref, k_ref, v_ref, b_ref, ci_ref, il_ref, h_ref, ds_ref, do_ref
                       extra)
 
   anchors, factored_ok = layout()
-  if factored_ok is True:
-    factored(anchors)
-  else:
-    jax.lax.cond(factored_ok, lambda: factored(anchors), by_sub_chunks)
+  factors.factored_or(factored_ok, lambda: factored(anchors), by_sub_chunks)
 
 
 def _key_grads_kernel(*refs, **kw):

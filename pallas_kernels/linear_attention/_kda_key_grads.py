@@ -204,10 +204,7 @@ def _key_grads(refs, layout, *, scale, cd, block_v):
 
   # the anchors after the above: the one kernel spills less so (kernel_resources)
   anchors, factored_ok = layout()
-  if factored_ok is True:
-    factored()
-  else:
-    jax.lax.cond(factored_ok, factored, by_sub_chunks)
+  factors.factored_or(factored_ok, factored, by_sub_chunks)
 
 
 def _ordered(ins, outs):
