@@ -12,7 +12,8 @@ and every comparison as alternating rounds of ours and the other side in this pr
 (`experiments.timing.interleaved_ratios`): the plain-JAX reference (`reference_*_ms`,
 `vs_reference_*`) and the peers, jla's Mosaic GPU kernels (`linear_attention(...,
 impl="mosaic_gpu")`) and fla's `chunk_gla` / `chunk_kda` (PyTorch, on the same arrays),
-at every shape (`jla_*_ms`, `vs_jla_*`, ...), each shape in every gate regime (`--gates`).
+at every shape (`jla_*_ms`, `vs_jla_*`, ...), each shape in every gate regime (`--gates`);
+for KDA every side L2-normalises q and k, as chunked_kda does by default.
 A peer that is not installed is reported as missing; one that fails at a shape, as failed.
 """
 import argparse
@@ -99,11 +100,17 @@ def peer_fns(name, op, x):
     (forward+backward: the gradients of every input, as ours), or "missing: ..." where the
     peer is not installed."""
 
+  # KDA: the peers L2-normalise q and k as chunked_kda does by default (and the released
+  # layer does); their own defaults skip it
+  normalized = op == "kda"
+
   def jla():
     from jla.ops import linear_attention as la
     gates = ("g",) if op == "gla" else ("g", "beta")
+    options = dict(use_qk_l2norm=True) if normalized else {}
     fwd, fwdbwd = fwd_and_fwdbwd(
-        lambda q, k, v, *gs: la(op, q, k, v, impl="mosaic_gpu", **dict(zip(gates, gs))), len(x))
+        lambda q, k, v, *gs: la(op, q, k, v, impl="mosaic_gpu", **dict(zip(gates, gs)), **options),
+        len(x))
     return (lambda: fwd(*x)), (lambda: fwdbwd(*x))
 
   def fla():
@@ -113,12 +120,13 @@ def peer_fns(name, op, x):
     else:
       from fla.ops.kda import chunk_kda as fn
     t = [to_torch(a, requires_grad=True) for a in x]
+    options = dict(use_qk_l2norm_in_kernel=True) if normalized else {}
 
     def fwd():
       with torch.no_grad():
-        return fn(*t)[0]
+        return fn(*t, **options)[0]
 
-    return fwd, (lambda: torch.autograd.grad(fn(*t)[0].float().sum(), t))
+    return fwd, (lambda: torch.autograd.grad(fn(*t, **options)[0].float().sum(), t))
 
   made, missing = peer({"jla": jla, "fla": fla}[name])
   return made if made else missing
@@ -278,7 +286,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
     wy_grads, key_grads); the state kernels in every implementation that runs here, and
     where Mosaic GPU runs the fused forward's kernel (states and outputs)."""
   from pallas_kernels.linear_attention import _chunk_prep
-  from pallas_kernels.linear_attention._kda_intra import chunk_intra
+  from pallas_kernels.linear_attention._kda_intra import SOLVE_WARPS, chunk_intra
   from pallas_kernels.linear_attention._kda_scores import chunk_scores
   from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
   from pallas_kernels.linear_attention.kda import available_state_walks
@@ -296,8 +304,9 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   cd, scale = jnp.bfloat16, D**-0.5
   kw = dict(block_v=min(D, 64 if D <= 128 else 32), cd=cd, interpret=interp)
   intra = jax.jit(
-      lambda *a, e: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e, interpret=interp),
-      static_argnames="e")
+      lambda *a, e, warps=SOLVE_WARPS: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=e,
+                                                   interpret=interp, solve_warps=warps),
+      static_argnames=("e", "warps"))
   qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
 
   def scores_with(**setting):
@@ -327,7 +336,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
 
   key = key_with()
   key_8_warps = key_with(num_warps=8)
-  key_by_layout = key_with(by_layout=True)
+  key_one_kernel = key_with(by_layout=False)
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
@@ -356,6 +365,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(lambda *a: intra(*a, e=False), qp, kp, vp, b, beta), 3),
               "intra_with_inverse":
                   round(median_ms(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
+              "intra_with_inverse_solve_8_warps":
+                  round(median_ms(lambda *a: intra(*a, e=True, warps=8), qp, kp, vp, b, beta), 3),
               "of_which_scores":
                   round(median_ms(scores, qp, kp, b, beta), 3),
               "scores_factored_8_warps":
@@ -372,8 +383,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
               "key_grads_8_warps":
                   round(median_ms(key_8_warps, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
-              "key_grads_by_layout":
-                  round(median_ms(key_by_layout, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
+              "key_grads_in_one_kernel":
+                  round(median_ms(key_one_kernel, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
           }
   }
 
@@ -419,7 +430,7 @@ def default_kda_forwards():
 
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
               walks=STATE_WALKS, forwards=("split",), correctness_shape=(1, 4096, 4, 128),
-              scores=("by_layout",), key_grads=("one_kernel",)):
+              scores=("by_layout",), key_grads=("by_layout",)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
   from pallas_kernels.linear_attention import chunked_kda, kda_chunked
@@ -462,7 +473,7 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
     row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
     impls = []
     for kind, key_kind in itertools.product(scores, key_grads):  # the defaults unnamed
-      named = ("" if kind == "by_layout" else f",scores={kind}") + ("" if key_kind == "one_kernel"
+      named = ("" if kind == "by_layout" else f",scores={kind}") + ("" if key_kind == "by_layout"
                                                                     else f",key_grads={key_kind}")
       kernels = dict(scores=kind, key_grads=key_kind)
       impls += [(f"pallas[state_walk={walk}{named}]",
@@ -517,9 +528,9 @@ def main():
       "and fused (walk and outputs in one Mosaic GPU kernel, Hopper); by default the "
       "op's own: fused on Hopper, else split")
   ap.add_argument(
-      "--kda-key-grads", nargs="+", choices=SCORE_KERNELS, default=["one_kernel"],
-      help="--op kda: the key gradients' kernels to time: one kernel branching per chunk "
-      "(the default) or the whole-chunk-anchored chunks' and then the others' (by_layout)")
+      "--kda-key-grads", nargs="+", choices=SCORE_KERNELS, default=["by_layout"],
+      help="--op kda: the key gradients' kernels to time: the whole-chunk-anchored chunks' "
+      "and then the others' (by_layout, the default), or one kernel branching per chunk")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU

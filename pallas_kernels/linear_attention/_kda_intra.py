@@ -11,10 +11,9 @@ so that, with S the chunk's start state, v_new = u0 - w S, o = scale (qg S + A_q
 and the next state is keep exp(b_last) S + kg^T v_new.
 
 Two kernels: the scores A_kk, A_qk and qg, kg, one program per chunk (_kda_scores);
-then, one program per chunk, T by blockwise forward substitution
-(16-step substitutions for the four diagonal blocks, exact fp32 16x16 matmuls below)
-and w, u0 from T's 16x16 blocks. Live tiles are [16, D] (D = 256: 16 KiB fp32) plus ten
-16x16 blocks of T, so shared memory stays far below the limit at any D <= 256.
+then, one program per chunk, T by recursive doubling (ten whole-chunk fp32-accurate
+products, no serial substitution) and w, u0 as [C, C] x [C, 64] products. Live tiles are
+[C, C] and [C, 64] fp32, at any D <= 256.
 """
 import functools
 
@@ -25,70 +24,74 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_scores import chunk_scores
-from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota, mm,
-                                                            rows)
+from pallas_kernels.linear_attention._pallas_common import F32, flag_column, iota, mm
 
 
-def exact_dot(a, b):
-  """fp32 16x16 product at full precision: the inverse amplifies rounding when keys are
-    nearly parallel (see test_kda_stability)."""
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=F32)
+def exact_dot(a, b, interpret):
+  """fp32 product at fp32 accuracy: the inverse amplifies rounding when keys are nearly
+    parallel (see test_kda_stability). On GPU each operand split into bf16 high and low
+    halves and three bf16 tensor-core products (the low halves' product dropped): faster
+    than three TF32 passes (docs/kernel_tuning.md, "KDA in-chunk solve"); in interpret
+    mode the plain fp32 product."""
+
+  def dot(x, y, precision=None):
+    return jax.lax.dot_general(x, y, (((1,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=F32)
+
+  if interpret:
+    return dot(a, b, jax.lax.Precision.HIGHEST)
+  high = lambda x: x.astype(jnp.bfloat16)
+  low = lambda x: (x - high(x).astype(F32)).astype(jnp.bfloat16)
+  return dot(high(a), high(b)) + (dot(high(a), low(b)) + dot(low(a), high(b)))
 
 
-def _inverse_16(m):
-  """(I + m)^-1 for a strictly lower-triangular 16x16 m by forward substitution:
-    row t is e_t - m[t, :] @ inv, whose rows s < t are already final."""
-  r, c = iota(SUB, 0, (SUB, SUB)), iota(SUB, 1, (SUB, SUB))
-  eye = jnp.where(r == c, 1.0, 0.0)
-
-  def step(t, inv):
-    m_t = jnp.sum(jnp.where(r == t, m, 0.0), axis=0)
-    new = -jnp.sum(m_t[:, None] * inv, axis=0)
-    return jnp.where(r == t, new[None, :] + eye, inv)
-
-  return jax.lax.fori_loop(1, SUB, step, eye)
-
-
-def unit_lower_inverse(a):
-  """Blocks of (I + A)^-1 from the 16x16 blocks a[i][j] (j <= i) of a strictly lower A:
-    T_ii = (I + A_ii)^-1,  T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj."""
-  t = [[None] * N_SUB for _ in range(N_SUB)]
-  for i in range(N_SUB):
-    t[i][i] = _inverse_16(a[i][i])
-    for j in range(i - 1, -1, -1):
-      acc = exact_dot(a[i][j], t[j][j])
-      for m in range(j + 1, i):
-        acc += exact_dot(a[i][m], t[m][j])
-      t[i][j] = -exact_dot(t[i][i], acc)
+def unit_lower_inverse(a, interpret=True):
+  """(I + A)^-1 for a strictly lower-triangular [C, C] A by recursive doubling. With T_s
+    the inverse of (I + A)'s s x s diagonal blocks (block-diagonal) and L_s the part of A
+    below the diagonal s-blocks inside each 2s-block, T_2s = T_s - T_s L_s T_s: the block
+    inverse [[X^-1, 0], [-Y^-1 Z X^-1, Y^-1]] of [[X, 0], [Z, Y]], for every 2s-block at once.
+    T_2 = I - L_1 needs no product; then two whole-chunk products a level, log2(C) - 1
+    levels, each a product of exact inverses (no power series: see test_kda_stability)."""
+  n = a.shape[0]
+  r, c = iota(n, 0, (n, n)), iota(n, 1, (n, n))
+  below_diagonal_blocks = lambda s: (r // (2 * s) == c // (2 * s)) & (r // s > c // s)
+  t = jnp.where(r == c, 1.0, 0.0) - jnp.where(below_diagonal_blocks(1), a, 0.0)
+  s = 2
+  while s < n:
+    l_s = jnp.where(below_diagonal_blocks(s), a, 0.0)
+    t = t - exact_dot(t, exact_dot(l_s, t, interpret), interpret)
+    s *= 2
   return t
 
 
-def _solve_kernel(akk_ref, k_ref, v_ref, b_ref, beta_ref, ci_ref, w_ref, u0_ref, *inverse_ref, cd):
-  a_kk = [[akk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)]
-           for j in range(i + 1)]
-          for i in range(N_SUB)]
-  t = unit_lower_inverse(a_kk)
-  betas = [beta_ref[pl.ds(i * SUB, SUB)].astype(F32)[:, None] for i in range(N_SUB)]
-  for i in range(N_SUB):
-    w_i = u_i = 0.0
-    for j in range(i + 1):
-      s = j * SUB
-      k_j = rows(k_ref, s, SUB) * jnp.exp(rows(b_ref, s, SUB)) * flag_column(ci_ref, s)
-      w_i += mm(t[i][j], betas[j] * k_j, cd)
-      u_i += mm(t[i][j], betas[j] * rows(v_ref, s, SUB), cd)
-    w_ref[pl.ds(i * SUB, SUB), :] = w_i.astype(w_ref.dtype)
-    u0_ref[pl.ds(i * SUB, SUB), :] = u_i.astype(u0_ref.dtype)
+def _column_blocks(d):
+  """Column slices of at most 64 channels: the live [C, block] tiles stay small at D = 256."""
+  block = min(d, 64)
+  return [pl.ds(j, block) for j in range(0, d, block)]
+
+
+def _solve_kernel(akk_ref, k_ref, v_ref, b_ref, beta_ref, ci_ref, w_ref, u0_ref, *inverse_ref, cd,
+                  interpret):
+  t = unit_lower_inverse(akk_ref[...].astype(F32), interpret)
+  beta = beta_ref[...].astype(F32)[:, None]
+  write_keys = beta * flag_column(ci_ref, 0, C)
+  for cols in _column_blocks(k_ref.shape[1]):
+    k = k_ref[:, cols].astype(F32) * jnp.exp(b_ref[:, cols].astype(F32))
+    w_ref[:, cols] = mm(t, write_keys * k, cd).astype(w_ref.dtype)
+  for cols in _column_blocks(v_ref.shape[1]):
+    u0_ref[:, cols] = mm(t, beta * v_ref[:, cols].astype(F32), cd).astype(u0_ref.dtype)
   if inverse_ref:
     (inv_ref,) = inverse_ref
-    for i in range(N_SUB):
-      for j in range(N_SUB):
-        blk = t[i][j] if j <= i else jnp.zeros((SUB, SUB), F32)
-        inv_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = blk.astype(inv_ref.dtype)
+    inv_ref[...] = t.astype(inv_ref.dtype)
+
+
+# Four warps spill a little at two programs an SM; eight would not, at one (untimed):
+# docs/kernel_tuning.md, "KDA in-chunk solve"
+SOLVE_WARPS = 4
 
 
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
-                scores_by_layout=True):
+                scores_by_layout=True, solve_warps=SOLVE_WARPS):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd."""
   B, Tp, H, Dk = k.shape
@@ -101,11 +104,9 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
   if emit_inverse:
     out_specs.append(square)
     out_shape.append(L.shape(cd, B, H, n, C, C))
-  # Four warps: one (more programs per SM) spills; chosen by measurement:
-  # docs/kernel_tuning.md, "KDA in-chunk solve"
-  solved = L.call(functools.partial(_solve_kernel, cd=cd), (B, H, n),
+  solved = L.call(functools.partial(_solve_kernel, cd=cd, interpret=interpret), (B, H, n),
                   [square, keys, values, keys,
                    L.chunk_beta(), L.chunk_flags()], tuple(out_specs), tuple(out_shape),
-                  interpret=interpret, name="kda_chunk_solve", num_warps=4)(a_kk, k, v, b, beta,
-                                                                            carry_in)
+                  interpret=interpret, name="kda_chunk_solve",
+                  num_warps=solve_warps)(a_kk, k, v, b, beta, carry_in)
   return (qg, kg, solved[0], solved[1], a_qk, *solved[2:])

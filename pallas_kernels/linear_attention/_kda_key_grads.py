@@ -238,13 +238,13 @@ WARPS = 4
 
 
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale, block_k,
-                    block_v, cd, interpret, num_warps=WARPS, by_layout=False):
+                    block_v, cd, interpret, num_warps=WARPS, by_layout=True):
   """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
 
     by_layout: two kernels, the whole-chunk-anchored chunks' and then the others', each
     compiled with its own path alone (the one kernel holds the bridged per-sub-chunk
-    operands beside the loop-invariant ones wherever it runs), instead of one kernel that
-    branches per chunk."""
+    operands beside the loop-invariant ones wherever it runs, and spills), or (False) one
+    kernel that branches per chunk; docs/kernel_tuning.md, "KDA key gradients"."""
   B, Tp, H, Dk = q.shape
   Dv = do.shape[-1]
   nk = Dk // block_k

@@ -3,7 +3,7 @@ backward (custom_vjp). Same contract as reference.kda_chunked.
 
 Forward, per 64-token chunk (see _kda_intra for the chunk form):
   kda_chunk_scores (parallel) A_kk, A_qk, qg, kg
-  kda_chunk_solve (parallel) T = (I + A_kk)^-1, w, u0
+  kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
                (_kda_states, or _kda_states_mosaic on Hopper)
   kda_output   (parallel)   o = scale (qg S + A_qk v_new)
@@ -13,7 +13,8 @@ Backward: the forward's in-chunk quantities and chunk states are its residuals, 
   kda_dv_local (parallel)   dv_local = scale A_qk^T do, dP = scale do v_new^T
   kda_state_grads (sequential, reverse) end-state gradients and dv_new
   kda_wy_grads (parallel)   dv, dX = T^T dv_new, dA, part of dbeta
-  kda_key_grads (parallel over chunks and key-channel blocks) dq, dk, db, rest of dbeta
+  kda_key_grads_whole_chunk, then kda_key_grads_other_chunks (parallel over chunks and
+               key-channel blocks; or kda_key_grads, one kernel) dq, dk, db, rest of dbeta
 """
 import functools
 from typing import NamedTuple
@@ -53,7 +54,7 @@ class Tiling(NamedTuple):
   interpret: bool
   forward: str = "split"
   scores: str = "by_layout"
-  key_grads: str = "one_kernel"
+  key_grads: str = "by_layout"
 
 
 def available_state_walks(interpret):
@@ -165,7 +166,7 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
-                state_walk="auto", forward="auto", scores="by_layout", key_grads="one_kernel"):
+                state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the

@@ -84,11 +84,12 @@ def test_scores_in_one_kernel_branching_per_chunk():
 
 @pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
                                                       (jnp.bfloat16, 5e-3, 1e-2)])
-def test_key_gradients_in_two_kernels_one_per_layout_family(dtype, out_tol, grad_tol):
-  """key_grads="by_layout": the whole-chunk-anchored chunks' kernel, then the others' into
-  its outputs, over every layout (and, in chunk 1, key blocks of different layouts)."""
+def test_key_gradients_in_one_kernel_branching_per_chunk(dtype, out_tol, grad_tol):
+  """key_grads="one_kernel": every layout from one kernel (and, in chunk 1, key blocks of
+  different layouts); the default, two kernels (the whole-chunk-anchored chunks', then the
+  others' into its outputs), runs in every other test."""
   x = with_three_layouts(make_inputs(seed=18, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
-  _assert_within(_errors(x, block_k=16, key_grads="by_layout"), out_tol, grad_tol)
+  _assert_within(_errors(x, block_k=16, key_grads="one_kernel"), out_tol, grad_tol)
 
 
 def test_fp32_exact_at_the_widest_key_head():
