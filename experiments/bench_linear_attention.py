@@ -338,6 +338,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   key = key_with()
   key_8_warps = key_with(num_warps=8)
   key_one_kernel = key_with(by_layout=False)
+  key_other_chunks_8_warps = key_with(other_warps=8)
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
@@ -384,6 +385,10 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(key, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
               "key_grads_8_warps":
                   round(median_ms(key_8_warps, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
+              "key_grads_other_chunks_8_warps":
+                  round(
+                      median_ms(key_other_chunks_8_warps, qp, kp, b, beta, h, dh, vp, vn, dx, dp,
+                                da), 3),
               "key_grads_in_one_kernel":
                   round(median_ms(key_one_kernel, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
           }

@@ -238,13 +238,15 @@ WARPS = 4
 
 
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale, block_k,
-                    block_v, cd, interpret, num_warps=WARPS, by_layout=True):
+                    block_v, cd, interpret, num_warps=WARPS, by_layout=True, other_warps=None):
   """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
 
     by_layout: two kernels, the whole-chunk-anchored chunks' and then the others', each
     compiled with its own path alone (the one kernel holds the bridged per-sub-chunk
     operands beside the loop-invariant ones wherever it runs, and spills), or (False) one
-    kernel that branches per chunk; docs/kernel_tuning.md, "KDA key gradients"."""
+    kernel that branches per chunk; docs/kernel_tuning.md, "KDA key gradients".
+    other_warps: the second kernel's warps (default num_warps): at eight it holds its
+    registers without spilling, at one program an SM (experiments/kernel_resources.py)."""
   B, Tp, H, Dk = q.shape
   Dv = do.shape[-1]
   nk = Dk // block_k
@@ -273,6 +275,7 @@ def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da,
     outs = L.call(functools.partial(_other_chunks_pass_kernel,
                                     **kw), grid, in_specs + list(out_specs), out_specs, out_shape,
                   name="kda_key_grads_other_chunks",
-                  input_output_aliases={13 + i: i for i in range(4)}, **launch)(*args, *first)
+                  input_output_aliases={13 + i: i for i in range(4)},
+                  **(launch | dict(num_warps=other_warps or num_warps)))(*args, *first)
   dq, dk, db, dbeta = outs
   return dq, dk, db, jnp.sum(dbeta, axis=1)
