@@ -45,7 +45,7 @@ def exact_dot(a, b, interpret):
   return dot(high(a), high(b)) + (dot(high(a), low(b)) + dot(low(a), high(b)))
 
 
-def unit_lower_inverse(a, interpret=True):
+def unit_lower_inverse(a, *, interpret):
   """(I + A)^-1 for a strictly lower-triangular [C, C] A by recursive doubling. With T_s
     the inverse of (I + A)'s s x s diagonal blocks (block-diagonal) and L_s the part of A
     below the diagonal s-blocks inside each 2s-block, T_2s = T_s - T_s L_s T_s: the block
@@ -72,7 +72,9 @@ def _column_blocks(d):
 
 def _solve_kernel(akk_ref, k_ref, v_ref, b_ref, beta_ref, ci_ref, w_ref, u0_ref, *inverse_ref, cd,
                   interpret):
-  t = unit_lower_inverse(akk_ref[...].astype(F32), interpret)
+  """One chunk: T, then w and u0 a block of columns at a time, and T itself for the
+    backward when asked (inverse_ref)."""
+  t = unit_lower_inverse(akk_ref[...].astype(F32), interpret=interpret)
   beta = beta_ref[...].astype(F32)[:, None]
   write_keys = beta * flag_column(ci_ref, 0, C)
   for cols in _column_blocks(k_ref.shape[1]):
