@@ -55,17 +55,25 @@ def kda_init_gates(key, B, T, H, D):
 
 def layout_shares(g):
   """The share of (chunk, head) blocks in each in-chunk layout (_chunk_factors) over all of
-    a head's channels: a kernel that decides per key block may take a faster layout."""
+    a head's channels, as the key gradients take them (a kernel that decides per key block
+    may take a faster layout) and as the scores do ("scores_" names)."""
   from pallas_kernels.linear_attention import _chunk_factors as factors
   from pallas_kernels.linear_attention._inputs import CHUNK
   T = g.shape[1] // CHUNK * CHUNK
-  layouts = factors.chunk_layouts(g[:, :T])
   names = {
       factors.WHOLE_CHUNK: "whole_chunk",
       factors.PER_SUB_CHUNK: "per_sub_chunk",
+      factors.HALVES: "halves",
       factors.SUB_CHUNKS: "sub_chunks"
   }
-  return {name: round(float(jnp.mean(layouts == code)), 3) for code, name in names.items()}
+
+  def shares(layouts, prefix, codes):
+    return {prefix + names[c]: round(float(jnp.mean(layouts == c)), 3) for c in codes}
+
+  return (shares(factors.chunk_layouts(g[:, :T]), "",
+                 (factors.WHOLE_CHUNK, factors.PER_SUB_CHUNK, factors.SUB_CHUNKS)) |
+          shares(factors.score_layouts(g[:, :T]), "scores_",
+                 (factors.WHOLE_CHUNK, factors.HALVES, factors.SUB_CHUNKS)))
 
 
 def inputs(B, T, H, D, seed=0, gates="logsigmoid"):

@@ -72,6 +72,8 @@ def test_strong_logsigmoid_gates_need_one_anchor_per_sub_chunk():
   assert -3.5 < float(g.mean()) < -2.5
   shares = bench.layout_shares(g)
   assert shares["whole_chunk"] < 0.1 and shares["per_sub_chunk"] > 0.5, shares
+  # the scores take every such chunk by halves
+  assert shares["scores_halves"] > 0.9 and shares["scores_sub_chunks"] == 0.0, shares
 
 
 def test_breakdown_once_per_distinct_kernel_setting():
@@ -91,3 +93,15 @@ def test_kda_forwards_default_to_the_ops_own(monkeypatch):
   assert bench.default_kda_forwards() == ["split"]  # here, the CPU
   monkeypatch.setattr(_mosaic_common, "on_hopper", lambda: True)
   assert bench.default_kda_forwards() == ["fused"]
+
+
+def test_forward_stages_time_every_stage_of_ours(monkeypatch):
+  """experiments/linear_attention_forward_stages.py: each of our forward's stages runs (the
+  Mosaic GPU walk only on Hopper); jla's side needs a GPU and is reported as failed here."""
+  from experiments import linear_attention_forward_stages as stages
+  monkeypatch.setattr(stages, "median_ms", _once)
+  x = bench.inputs(1, 128, 1, 64, gates="logsigmoid_strong")
+  beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), (1, 128, 1)))
+  ms = stages.ours(*x, beta)
+  for name in ("normalize", "cumsum", "scores", "scores_and_solve", "forward"):
+    assert ms[name] > 0, (name, ms)

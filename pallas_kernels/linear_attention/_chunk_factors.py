@@ -6,10 +6,17 @@ the score-gradient paths into dq and dk) is a matmul of fp32 operands (TF32 on G
 in interpret mode) instead of 16-token sub-chunk blocks and exact diagonal blocks. Every
 factor must stay far from fp32 overflow and underflow: within exp(+-FACTOR_LIMIT).
 
-A chunk takes one of three layouts:
+A chunk takes one of these layouts (the scores' kernels take WHOLE_CHUNK, HALVES or
+SUB_CHUNKS; the key gradients' WHOLE_CHUNK, PER_SUB_CHUNK or SUB_CHUNKS):
   WHOLE_CHUNK     one anchor, the midpoint of the chunk's range of b in each channel: every
                   channel decays by at most 2 * FACTOR_LIMIT over the 64 tokens (a gate
                   above -1.25 a token on average); one [64, D] matmul per product.
+  HALVES          each 32-token half anchored at its 16th token, every token within
+                  HALF_LIMIT of its half's anchor (a gate above -5 a token on average over
+                  any 16 tokens, which covers gates bounded below by -5): one [64, D]
+                  matmul per product gives the pairs inside a half; the pairs across the
+                  halves come from a second one with both sides anchored at the first
+                  half's last token, where no factor exceeds 1 whatever the decay.
   PER_SUB_CHUNK   one anchor m_J per 16-token sub-chunk J, the midpoint of its range: every
                   sub-chunk decays by at most 2 * FACTOR_LIMIT (a gate above -5.3 a token
                   on average, which covers gates bounded below by -5). Every token is
@@ -24,14 +31,19 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
 from pallas_kernels.linear_attention._pallas_common import N_SUB, SUB, iota, rows
 
-WHOLE_CHUNK, PER_SUB_CHUNK, SUB_CHUNKS = 0, 1, 2
+WHOLE_CHUNK, PER_SUB_CHUNK, SUB_CHUNKS, HALVES = 0, 1, 2, 3
 C = N_SUB * SUB
 BRIDGE_SHIFT = FACTOR_LIMIT / 2  # see Anchors
+HALF = C // 2
+HALF_ANCHOR = SUB - 1  # a half's anchor: its 16th token (15 tokens before it, 16 after)
+# Factors of the HALVES layout are within exp(+-HALF_LIMIT), far from fp32 overflow for
+# inputs of any sensible size (exp(80) |x| overflows only past |x| ~ 6e3)
+HALF_LIMIT = 2.0 * FACTOR_LIMIT
 
 
 def midpoint(b):
@@ -111,28 +123,50 @@ class Anchors(NamedTuple):
     return jax.lax.cond(self.uniform, lambda: x, bridged)
 
 
-def by_key_blocks(anchors, k_ref, b_ref, b, products):
-  """A factored chunk's scores by key columns: products(start, keys, bridge) with keys
-    [n, D] of rows [start, start + n) factored for the queries, and bridge re-anchoring a
-    query-side operand [C, D] (every row through its own anchor) to them; b: the chunk's
-    rows of b_ref, already loaded. One call for
-    all 64 keys when uniform, else one per key sub-chunk (a loop: one copy of the code)."""
+def halves_bounded(b_ref):
+  """Whether every token of the chunk (b_ref [C, D]) is within HALF_LIMIT of its half's
+    anchor in every channel: the HALVES layout."""
+  ok = True
+  for start in (0, HALF):
+    gap = jnp.abs(rows(b_ref, start, HALF) - rows(b_ref, start + HALF_ANCHOR, 1))
+    ok = ok & (jnp.max(gap) <= HALF_LIMIT)
+  return ok
+
+
+def decayed_products(k_ref, b_ref, b, query_refs, whole, store):
+  """The in-chunk decayed products sum_d x_t[d] k_s[d] exp(b_t[d] - b_s[d]) of a chunk in
+    WHOLE_CHUNK (whole, a Python bool: one path compiled) or HALVES, for each x
+    of query_refs ([C, D] refs), by columns: store(col, region, *products) with products
+    [C, n] for columns [col, col + n) and region the entries to write (None: all); each is
+    meaningful on the pairs s <= t (the rest may be inf: the caller masks them). b: b_ref's
+    rows. WHOLE_CHUNK and HALVES each take one [C, D] x [D, C] product per query; HALVES
+    adds a [C, D] x [D, HALF] one for the pairs across the halves."""
+
+  def products(col, region, down, keys):
+    store(col, region, *(diag.f32_mm(rows(x, 0, C) * down, keys, trans_b=True) for x in query_refs))
 
   def whole_chunk():
-    keys = rows(k_ref, 0, C) * factors(b, anchors.rows[0])[1]
-    products(0, keys, lambda x: x)
+    down, up = factors(b, midpoint(b)[0])
+    products(0, None, down, rows(k_ref, 0, C) * up)
 
-  def per_sub_chunk():
+  def halves():
+    first = iota(C, 0, (C, 1)) < HALF
+    down, up = factors(
+        b, jnp.where(first, rows(b_ref, HALF_ANCHOR, 1), rows(b_ref, HALF + HALF_ANCHOR, 1)))
+    columns = iota(C, 1, (C, C))
+    products(0, first | (columns >= HALF), down, rows(k_ref, 0, C) * up)  # inside each half
+    # across: queries of the second half and keys of the first, both through the first
+    # half's last token (every exponent <= 0; clamped on the rows that do not pair)
+    edge = rows(b_ref, HALF - 1, 1)
+    products(0,
+             jnp.logical_not(first) & (iota(C, 1, (C, HALF)) < HALF),
+             jnp.exp(jnp.minimum(b - edge, 0.0)),
+             rows(k_ref, 0, HALF) * jnp.exp(edge - rows(b_ref, 0, HALF)))
 
-    def key_block(j, carry):
-      start = pl.multiple_of(j * SUB, SUB)
-      keys = rows(k_ref, start, SUB) * anchors.step_factors(rows(b_ref, start, SUB), j)[1]
-      products(start, keys, lambda x: anchors.bridge(x, j, keys=False))
-      return carry
-
-    jax.lax.fori_loop(0, N_SUB, key_block, 0)
-
-  jax.lax.cond(anchors.uniform, whole_chunk, per_sub_chunk)
+  if whole:
+    whole_chunk()
+  else:
+    halves()
 
 
 def anchors(b_ref):
@@ -189,20 +223,34 @@ def unless_whole_chunk(b_ref, compute):
   jax.lax.cond(whole, lambda: None, lambda: compute(lambda: sub_chunk_anchors(b_ref)))
 
 
-# The two-pass scores kernels (chunk_scores(by_layout=True)): the first pass records per
-# chunk whether it factored, in a [C] int32 block; the second does the rest. The GLA and
+# The scores kernels by layout (chunk_scores(by_layout=True)): the first pass forms the
+# WHOLE_CHUNK chunks' scores and records every chunk's layout in a [C] int32 block; a
+# second pass forms the HALVES chunks', a third the SUB_CHUNKS ones', each compiled with its
+# own path alone (one kernel holding two or three of them spills more: experiments/
+# kernel_resources.py). The GLA and
 # KDA ops' choice of scores kernels: these two passes, or one kernel that branches per chunk.
 SCORE_KERNELS = ("by_layout", "one_kernel")
 
 
-def record_factored(flag_ref, factored):
-  """Writes the chunk's flag: whether the first pass formed its scores."""
-  flag_ref[...] = jnp.full((C,), factored, jnp.int32)
+def by_score_layout(b_ref, b, whole_chunk, halves, sub_chunks):
+  """whole_chunk(), halves() or sub_chunks() by the chunk's layout for the scores
+    (WHOLE_CHUNK, HALVES, SUB_CHUNKS); b: b_ref's rows, already loaded."""
+  jax.lax.cond(
+      midpoint(b)[1], whole_chunk, lambda: jax.lax.cond(halves_bounded(b_ref), halves, sub_chunks))
 
 
-def unless_factored(flag_ref, fn):
-  """fn() for a chunk the first pass left (record_factored), else nothing."""
-  jax.lax.cond(jnp.max(flag_ref[...]) > 0, lambda: None, fn)
+def record_layout(flag_ref, b_ref, b):
+  """Writes the chunk's flag, its layout for the scores (WHOLE_CHUNK, HALVES, SUB_CHUNKS),
+    and returns whether it is WHOLE_CHUNK; b: b_ref's rows, already loaded."""
+  whole = midpoint(b)[1]
+  layout = jnp.where(whole, WHOLE_CHUNK, jnp.where(halves_bounded(b_ref), HALVES, SUB_CHUNKS))
+  flag_ref[...] = jnp.full((C,), layout, jnp.int32)
+  return whole
+
+
+def if_layout(flag_ref, layout, fn):
+  """fn() for a chunk whose flag (record_layout) is `layout`, else nothing."""
+  jax.lax.cond(jnp.max(flag_ref[...]) == layout, fn, lambda: None)
 
 
 def chunk_layouts(g):
@@ -216,3 +264,16 @@ def chunk_layouts(g):
   per_sub_chunk = jnp.max(subs.max(axis=3) - subs.min(axis=3), axis=(2, -1)) <= limit
   return jnp.where(whole, WHOLE_CHUNK, jnp.where(per_sub_chunk, PER_SUB_CHUNK,
                                                  SUB_CHUNKS)).astype(jnp.int32)
+
+
+def score_layouts(g):
+  """[B, n, H] int32: the layout each chunk of gates g [B, T, H, D] takes in the scores'
+    kernels over all its channels (WHOLE_CHUNK, HALVES or SUB_CHUNKS; T a multiple of the
+    chunk; plain JAX, for tests and reports)."""
+  B, T, H, D = g.shape
+  b = jnp.cumsum(g.astype(jnp.float32).reshape(B, T // C, C, H, D), axis=2)
+  whole = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1) <= 2.0 * FACTOR_LIMIT
+  halves = b.reshape(B, T // C, 2, HALF, H, D)
+  gap = jnp.abs(halves - halves[:, :, :, HALF_ANCHOR:HALF_ANCHOR + 1])
+  bounded = jnp.max(gap, axis=(2, 3, -1)) <= HALF_LIMIT
+  return jnp.where(whole, WHOLE_CHUNK, jnp.where(bounded, HALVES, SUB_CHUNKS)).astype(jnp.int32)

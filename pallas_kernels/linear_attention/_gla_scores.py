@@ -2,14 +2,14 @@
 
 A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay,
 s <= t in one segment), one program per chunk. A chunk whose decays factor
-(_chunk_factors) takes one [64, D] x [D, 64] matmul, or one [64, D] x [D, 16] matmul per
-key sub-chunk. Others are built per 16-token sub-chunk: blocks below the
-diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
+(_chunk_factors: WHOLE_CHUNK, HALVES) takes one [64, D] x [D, 64] matmul, or two. Others
+are built per 16-token sub-chunk: blocks below the diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
 <= 1, so one tensor-core matmul per 16x16 block); diagonal blocks factor through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and otherwise form
 each exp(b_t - b_s <= 0) exactly, one key at a time, so decays down to g = -20 per
-token stay finite. By default the two families run as two kernels (chunk_scores(
-by_layout=True)): the factored chunks' first, then the others' over its output. dA =
+token stay finite. By default each layout runs in its own kernel (chunk_scores(
+by_layout=True)): the WHOLE_CHUNK chunks' first, then the HALVES and the SUB_CHUNKS
+ones' over its output. dA =
 scale * do v^T needs no decay at all.
 """
 import functools
@@ -24,7 +24,7 @@ from pallas_kernels.linear_attention._gla_layout import Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_call,
                                                             compute_dtype, iota, masked_exp, mm,
-                                                            rows, store_decayed_rows)
+                                                            rows, store_decayed_rows, store_where)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -64,20 +64,20 @@ def _sub_chunk_rows(q_ref, k_ref, b_ref, r_ref, a_ref, start, cd):
                  out_row=start)
 
 
-def _store_columns(r_ref, a_ref, start, a):
-  """Columns [start, start + n) of A from their unmasked products a [C, n]."""
+def _store_columns(r_ref, a_ref, start, region, a):
+  """Columns [start, start + n) of A from their unmasked products a [C, n], where region
+    (None: everywhere)."""
   n = a.shape[1]
   t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
   keep = (s <= t) & (r_ref[...][:, None] == r_ref[pl.ds(start, n)][None, :])
-  a_ref[:, pl.ds(start, n)] = jnp.where(keep, a, 0.0).astype(a_ref.dtype)
+  store_where(a_ref, start, region, jnp.where(keep, a, 0.0))
 
 
-def _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, anchors):
-  """A of a chunk whose decays factor: one matmul, or one per key sub-chunk."""
-  query = rows(q_ref, 0, C) * factors.factors(b, anchors.per_token())[0]
-  factors.by_key_blocks(
-      anchors, k_ref, b_ref, b, lambda start, keys, bridge: _store_columns(
-          r_ref, a_ref, start, diag.f32_mm(bridge(query), keys, trans_b=True)))
+def _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, whole):
+  """A of a chunk whose decays factor (WHOLE_CHUNK, or HALVES where not whole): one
+    matmul, or two."""
+  factors.decayed_products(k_ref, b_ref, b, (q_ref,), whole,
+                           lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a))
 
 
 def _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd):
@@ -102,31 +102,33 @@ def _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b):
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
-  """The chunk's [C, C] scores in the chunk's layout (_chunk_factors): one matmul, one
-    column block per key sub-chunk, or one row block per sub-chunk; with `decayed`, also
+  """The chunk's [C, C] scores in the chunk's layout (_chunk_factors); with `decayed`, also
     qg and kg (_decayed_rows)."""
   b = rows(b_ref, 0, C)
   a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  anchors, factored_ok = factors.anchors(b_ref)
-  jax.lax.cond(factored_ok, lambda: _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, anchors),
-               lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
+  args = (q_ref, k_ref, b_ref, r_ref, a_ref)
+  factors.by_score_layout(b_ref, b, lambda: _factored(*args, b, True),
+                          lambda: _factored(*args, b, False), lambda: _by_sub_chunks(*args, cd))
 
 
-def _factored_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
-  """The first of two passes: A of the chunks whose decays factor (and qg, kg of every
-    chunk with `decayed`), and the chunk's flag (1: done here) for the second pass."""
+def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
+  """The first of three passes: A of the WHOLE_CHUNK chunks (and qg, kg of every chunk with
+    `decayed`), and every chunk's layout for the others."""
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  anchors, factored_ok = factors.anchors(b_ref)
-  factors.record_factored(flag_ref, factored_ok)
-  jax.lax.cond(factored_ok, lambda: _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, anchors),
-               lambda: None)
+  whole = factors.record_layout(flag_ref, b_ref, b)
+  jax.lax.cond(whole, lambda: _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, True), lambda: None)
 
 
-def _sub_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, cd):
-  """The second pass: A of the chunks the first left (its memory is the first pass's
-    output; the others' stay as it wrote them)."""
-  factors.unless_factored(flag_ref, lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
+def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, layout, cd):
+  """A later pass: A of the chunks in `layout` (HALVES or SUB_CHUNKS); its memory is the
+    first pass's output, the other chunks' stay as written."""
+  args = (q_ref, k_ref, b_ref, r_ref, a_ref)
+  if layout == factors.HALVES:
+    compute = lambda: _factored(*args, rows(b_ref, 0, C), False)
+  else:
+    compute = lambda: _by_sub_chunks(*args, cd)
+  factors.if_layout(flag_ref, layout, compute)
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
@@ -138,7 +140,7 @@ def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
   dat_ref[...] = jnp.where(same & (s >= t), scale * mm(v, do, cd, trans_b=True), 0.0)
 
 
-# The factored pass's warps (the one kernel's, four, hold it without spilling:
+# The first pass's warps (the one kernel's, four, hold it without spilling:
 # experiments/kernel_resources.py)
 FACTORED_WARPS = 4
 
@@ -149,10 +151,10 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     compute dtype: every use of A is a matmul operand in that dtype (A v, A^T do);
     num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
     decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
-    compute dtype (see _decayed_rows). by_layout: two kernels, the factored chunks'
-    (FACTORED_WARPS) and then the others' (num_warps), each holding the registers of its
-    own path alone, instead of one kernel that branches per chunk (num_warps): that one
-    spilled 228 bytes a thread, the factored pass alone none."""
+    compute dtype (see _decayed_rows). by_layout: three kernels, the WHOLE_CHUNK chunks'
+    (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps), instead
+    of one kernel that branches per chunk (num_warps), which spills more
+    (experiments/kernel_resources.py)."""
   B, Tp, H, Dk = q.shape
   g = Grid()
   cd = compute_dtype(q.dtype)
@@ -171,14 +173,15 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
                                        decayed=decayed), grid, specs, out_specs, outs,
                      num_warps=num_warps, name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
     return tuple(out) if decayed else out[0]
-  *out, layout = chunk_call(functools.partial(_factored_pass_kernel, decayed=decayed), grid, specs,
-                            out_specs + (g.layout_flag(),), outs + (jax.ShapeDtypeStruct(
+  *out, layout = chunk_call(functools.partial(_whole_chunk_pass_kernel, decayed=decayed), grid,
+                            specs, out_specs + (g.layout_flag(),), outs + (jax.ShapeDtypeStruct(
                                 (B, H, Tp // C, C), jnp.int32),), num_warps=FACTORED_WARPS,
-                            name="gla_chunk_scores_factored", **launch)(q, k, b, runs, *flags)
-  out[0] = chunk_call(functools.partial(_sub_chunk_pass_kernel, cd=cd), grid,
-                      specs[:4] + [g.layout_flag(), g.scores()], g.scores(), outs[0],
-                      num_warps=num_warps, name="gla_chunk_scores_sub_chunks",
-                      input_output_aliases={5: 0}, **launch)(q, k, b, runs, layout, out[0])
+                            name="gla_chunk_scores_whole_chunk", **launch)(q, k, b, runs, *flags)
+  for code, name in ((factors.HALVES, "halves"), (factors.SUB_CHUNKS, "sub_chunks")):
+    out[0] = chunk_call(functools.partial(_later_pass_kernel, layout=code, cd=cd), grid,
+                        specs[:4] + [g.layout_flag(), g.scores()], g.scores(), outs[0],
+                        num_warps=num_warps, name=f"gla_chunk_scores_{name}",
+                        input_output_aliases={5: 0}, **launch)(q, k, b, runs, layout, out[0])
   return tuple(out) if decayed else out[0]
 
 

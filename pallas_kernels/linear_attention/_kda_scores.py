@@ -5,14 +5,14 @@ With b the in-chunk cumulative log decay, the chunk's
                                                    T = (I + A_kk)^-1 amplifies rounding)
   A_qk[t, s] = q_t . (k_s exp(b_t - b_s))          s <= t, same run
 and qg = q exp(b) ci and kg = k exp(b_last - b) il (see _kda_intra). A chunk whose decays
-factor (_chunk_factors) takes one fp32-operand matmul for each score matrix, or one per
-key sub-chunk. Others go by
+factor (_chunk_factors: WHOLE_CHUNK, HALVES) takes one fp32-operand matmul for each score
+matrix, or two. Others go by
 16-token sub-chunks: keys of earlier sub-chunks are one block (_score_rows: one
 tensor-core matmul each for A_kk and A_qk); the diagonal block factors through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and is otherwise
-formed exactly, one key at a time. By default the two families run as two kernels
-(chunk_scores(by_layout=True)): the factored chunks' first, then the others' over its
-outputs, so that neither holds the registers of the other's path.
+formed exactly, one key at a time. By default each layout runs in its own kernel
+(chunk_scores(by_layout=True)): the WHOLE_CHUNK chunks' first, then the HALVES and the
+SUB_CHUNKS ones' over its outputs, so that none holds the registers of another's path.
 """
 import functools
 
@@ -25,7 +25,7 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, iota, masked_exp, rows,
-                                                            store_decayed_rows)
+                                                            store_decayed_rows, store_where)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -75,26 +75,23 @@ def _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, star
   store_diagonal(aqk_ref, jnp.where(same, qk_d, 0.0), start, out_row=start)
 
 
-def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, a_kk, a_qk):
-  """Columns [start, start + n) of A_kk and A_qk from their unmasked products [C, n]."""
+def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk):
+  """Columns [start, start + n) of A_kk and A_qk from their unmasked products [C, n], where
+    region (None: everywhere)."""
   n = a_kk.shape[1]
   t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
   same = r_ref[...][:, None] == r_ref[pl.ds(start, n)][None, :]
   beta = beta_ref[...].astype(F32)[:, None]
-  akk_ref[:, pl.ds(start, n)] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
-  aqk_ref[:, pl.ds(start, n)] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
+  store_where(akk_ref, start, region, jnp.where(same & (s < t), beta * a_kk, 0.0))
+  store_where(aqk_ref, start, region, jnp.where(same & (s <= t), a_qk, 0.0))
 
 
-def _factored(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, b, anchors):
-  """A_kk and A_qk of a chunk whose decays factor: two matmuls, or two per key sub-chunk."""
-  down = factors.factors(b, anchors.per_token())[0]
-
-  def products(start, keys, bridge):
-    _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start,
-                   diag.f32_mm(bridge(rows(k_ref, 0, C) * down), keys, trans_b=True),
-                   diag.f32_mm(bridge(rows(q_ref, 0, C) * down), keys, trans_b=True))
-
-  factors.by_key_blocks(anchors, k_ref, b_ref, b, products)
+def _factored(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, b, whole):
+  """A_kk and A_qk of a chunk whose decays factor (WHOLE_CHUNK, or HALVES where not whole):
+    one matmul each, or two."""
+  factors.decayed_products(
+      k_ref, b_ref, b, (k_ref, q_ref), whole, lambda start, region, a_kk, a_qk: _store_columns(
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk))
 
 
 def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
@@ -110,38 +107,39 @@ def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
 
 def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, akk_ref,
                    aqk_ref, *, cd):
-  """One chunk: qg, kg, and A_kk, A_qk in the chunk's layout (_chunk_factors): two
-    matmuls, two per key sub-chunk, or one row block per sub-chunk."""
+  """One chunk: qg, kg, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
   b = rows(b_ref, 0, C)
   store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  anchors, factored_ok = factors.anchors(b_ref)
-  jax.lax.cond(factored_ok, lambda: _factored(*refs, b, anchors), lambda: _by_sub_chunks(*refs, cd))
+  factors.by_score_layout(b_ref, b, lambda: _factored(*refs, b, True),
+                          lambda: _factored(*refs, b, False), lambda: _by_sub_chunks(*refs, cd))
 
 
-def _factored_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref,
-                          akk_ref, aqk_ref, flag_ref):
-  """The first of two passes: qg and kg of every chunk; A_kk and A_qk of the chunks
-    whose decays factor, and the chunk's flag (1: done here) for the second pass."""
+def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref,
+                             akk_ref, aqk_ref, flag_ref):
+  """The first of three passes: qg and kg of every chunk, A_kk and A_qk of the WHOLE_CHUNK
+    chunks, and every chunk's layout for the others."""
   b = rows(b_ref, 0, C)
   store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
-  anchors, factored_ok = factors.anchors(b_ref)
-  factors.record_factored(flag_ref, factored_ok)
+  whole = factors.record_layout(flag_ref, b_ref, b)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  jax.lax.cond(factored_ok, lambda: _factored(*refs, b, anchors), lambda: None)
+  jax.lax.cond(whole, lambda: _factored(*refs, b, True), lambda: None)
 
 
-def _sub_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in,
-                           akk_ref, aqk_ref, *, cd):
-  """The second pass: A_kk and A_qk of the chunks the first left (their memory is the
-    first pass's outputs; the others' stay as it wrote them)."""
+def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
+                       aqk_ref, *, layout, cd):
+  """A later pass: A_kk and A_qk of the chunks in `layout` (HALVES or SUB_CHUNKS); their
+    memory is the first pass's outputs, the other chunks' stay as written."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.unless_factored(flag_ref, lambda: _by_sub_chunks(*refs, cd))
+  if layout == factors.HALVES:
+    compute = lambda: _factored(*refs, rows(b_ref, 0, C), False)
+  else:
+    compute = lambda: _by_sub_chunks(*refs, cd)
+  factors.if_layout(flag_ref, layout, compute)
 
 
-# The factored pass's warps: four spill a little but fit two programs an SM, and ran
-# faster than eight, which hold its registers without spilling at one program an SM
-# (docs/kernel_tuning.md, "KDA in-chunk scores").
+# The first pass's warps: four ran faster than eight (docs/kernel_tuning.md, "KDA in-chunk
+# scores"), and hold its registers without spilling since it takes WHOLE_CHUNK chunks alone.
 FACTORED_WARPS = 4
 
 
@@ -149,10 +147,9 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
                  by_layout=True, factored_warps=FACTORED_WARPS):
   """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd).
 
-    by_layout: two kernels, the factored chunks' (factored_warps) and then the others'
-    (num_warps), each holding the registers of its own path alone, instead of one kernel
-    that branches per chunk (num_warps): that one spilled 1.3 KB a thread, the factored
-    pass alone none (experiments/kernel_resources.py)."""
+    by_layout: three kernels, the WHOLE_CHUNK chunks' (factored_warps), then the HALVES
+    ones' and the SUB_CHUNKS ones' (num_warps), instead of one kernel that branches per
+    chunk (num_warps), which spills more (experiments/kernel_resources.py)."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -165,17 +162,19 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n), inputs,
                   (keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
-  qg, kg, a_kk, a_qk, layout = L.call(_factored_pass_kernel, (B, H, n), inputs,
-                                      (keys, keys, square, square, L.chunk_layout_flag()),
-                                      outputs + (L.shape(jnp.int32, B, H, n, C),),
-                                      name="kda_chunk_scores_factored",
-                                      **(launch | dict(num_warps=factored_warps)))(q, k, b, beta,
-                                                                                   runs, carry_in,
-                                                                                   in_last)
-  a_kk, a_qk = L.call(functools.partial(_sub_chunk_pass_kernel, cd=cd), (B, H, n),
-                      inputs[:5] + [L.chunk_layout_flag(), square, square], (square, square),
-                      outputs[2:], name="kda_chunk_scores_sub_chunks", input_output_aliases={
-                          6: 0,
-                          7: 1
-                      }, **launch)(q, k, b, beta, runs, layout, a_kk, a_qk)
+  qg, kg, a_kk, a_qk, layout_flags = L.call(_whole_chunk_pass_kernel, (B, H, n), inputs,
+                                            (keys, keys, square, square, L.chunk_layout_flag()),
+                                            outputs + (L.shape(jnp.int32, B, H, n, C),),
+                                            name="kda_chunk_scores_whole_chunk",
+                                            **(launch | dict(num_warps=factored_warps)))(q, k, b,
+                                                                                         beta, runs,
+                                                                                         carry_in,
+                                                                                         in_last)
+  for layout, name in ((factors.HALVES, "halves"), (factors.SUB_CHUNKS, "sub_chunks")):
+    a_kk, a_qk = L.call(functools.partial(_later_pass_kernel, layout=layout, cd=cd), (B, H, n),
+                        inputs[:5] + [L.chunk_layout_flag(), square, square], (square, square),
+                        outputs[2:], name=f"kda_chunk_scores_{name}", input_output_aliases={
+                            6: 0,
+                            7: 1
+                        }, **launch)(q, k, b, beta, runs, layout_flags, a_kk, a_qk)
   return qg, kg, a_kk, a_qk

@@ -52,6 +52,16 @@ def store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b):
   kg_ref[...] = kg.astype(kg_ref.dtype)
 
 
+def store_where(ref, start, region, x):
+  """Columns [start, start + n) of the [C, C] ref take x [C, n] (in the ref's dtype) where
+    region, all of them when region is None."""
+  cols = (slice(None), pl.ds(start, x.shape[1]))
+  if region is None:
+    ref[cols] = x.astype(ref.dtype)
+  else:
+    plgpu.store(ref.at[cols], x.astype(ref.dtype), mask=region)
+
+
 def masked_exp(x):
   """exp(min(x, 0)): decays are only ever exponentiated as exp(x <= 0); the clamp keeps
     masked-out entries (exponents of the wrong sign) finite before they are zeroed."""

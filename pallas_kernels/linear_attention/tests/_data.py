@@ -38,7 +38,8 @@ def with_three_layouts(x, seed=0):
     upper half of the channels (g in [-5, -4.7], -12 on the first token of each sub-chunk:
     each decays by up to 75 of the 80 the layout allows, one anchor for the chunk would
     need exp(+-175)) and WHOLE_CHUNK on the lower half (mild: a key block of those
-    channels takes it); chunk 2 in SUB_CHUNKS (mild but g = -20 on every third token)."""
+    channels takes it); chunk 2 in SUB_CHUNKS (mild but g = -20 on every third token). The
+    scores take chunk 1 by sub-chunks too: its halves decay past HALF_LIMIT (with_halves)."""
   B, T, H, D = x["g"].shape
   assert T == 3 * CHUNK
   u = jax.random.uniform(jax.random.key(seed), x["g"].shape)
@@ -49,6 +50,22 @@ def with_three_layouts(x, seed=0):
   g = jnp.where(t < CHUNK, -u, jnp.where(t < 2 * CHUNK, strong, jnp.where(t % 3 == 0, -20.0, -u)))
   assert factors.chunk_layouts(g)[0, :, 0].tolist() == [
       factors.WHOLE_CHUNK, factors.PER_SUB_CHUNK, factors.SUB_CHUNKS
+  ]
+  return dict(x, g=g.astype(x["g"].dtype))
+
+
+def with_halves(x, seed=0):
+  """x (T = 192) whose scores take HALVES in chunks 0 and 1 and WHOLE_CHUNK in chunk 2:
+    g in [-4, -2] (a chunk decays by ~190 and no anchor holds it, a half's anchor does),
+    then g = -4.95 a token (the gate's lower bound of -5: its halves reach 79.2 of the
+    HALF_LIMIT of 80, factors of exp(+-79)), then mild gates."""
+  B, T, H, D = x["g"].shape
+  assert T == 3 * CHUNK
+  u = jax.random.uniform(jax.random.key(seed), x["g"].shape)
+  t = jnp.arange(T)[None, :, None, None]
+  g = jnp.where(t < CHUNK, -2.0 - 2.0 * u, jnp.where(t < 2 * CHUNK, -4.95, -u))
+  assert factors.score_layouts(g)[0, :, 0].tolist() == [
+      factors.HALVES, factors.HALVES, factors.WHOLE_CHUNK
   ]
   return dict(x, g=g.astype(x["g"].dtype))
 

@@ -96,3 +96,22 @@ def test_layouts_switch_at_twice_the_factor_limit():
             ((limit + 0.5) / (SUB - 1), factors.SUB_CHUNKS)]
   for g_3, layout in expect:
     assert int(factors.chunk_layouts(gates(-abs(g_3)))[0, 0, 0]) == layout, g_3
+
+
+def test_score_layouts_take_halves_up_to_the_half_limit_from_each_anchor():
+  """The scores' layouts: WHOLE_CHUNK up to 2 * FACTOR_LIMIT over the chunk, HALVES while
+    every token is within HALF_LIMIT of its half's anchor (its 16th token), SUB_CHUNKS past
+    it: one channel's 16 tokens after the second half's anchor are enough."""
+
+  def gates(per_token_after_anchor):
+    g = jnp.full((1, CHUNK, 1, 4), -2.0)  # 126 over the chunk: not WHOLE_CHUNK
+    return g.at[0, factors.HALF + factors.HALF_ANCHOR + 1:, 0, 1].set(per_token_after_anchor)
+
+  tokens = CHUNK - factors.HALF - factors.HALF_ANCHOR - 1
+  assert tokens == 16
+  expect = [((factors.HALF_LIMIT - 0.5) / tokens, factors.HALVES),
+            ((factors.HALF_LIMIT + 0.5) / tokens, factors.SUB_CHUNKS)]
+  for g_after, layout in expect:
+    assert int(factors.score_layouts(gates(-g_after))[0, 0, 0]) == layout, g_after
+  mild = jnp.full((1, CHUNK, 1, 4), -2 * FACTOR_LIMIT / CHUNK * 0.9)
+  assert int(factors.score_layouts(mild)[0, 0, 0]) == factors.WHOLE_CHUNK

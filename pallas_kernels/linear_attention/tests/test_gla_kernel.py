@@ -8,7 +8,8 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention.tests._data import (make_inputs, outputs_and_grads, rel_rms,
-                                                         with_strong_decay, with_three_layouts)
+                                                         with_halves, with_strong_decay,
+                                                         with_three_layouts)
 
 
 def _check(x, out_tol, grad_tol, **kernel_kw):
@@ -65,6 +66,16 @@ def test_key_gradients_in_two_kernels_one_per_layout_family(dtype, out_tol, grad
   _check(x, out_tol, grad_tol, tiling=Tiling(block_k=16, key_grads="by_layout"))
   with pytest.raises(ValueError, match=r"Tiling.key_grads = 'split': expected one of"):
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(key_grads="split"))
+
+
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
+                                                      (jnp.bfloat16, 5e-3, 1e-2)])
+@pytest.mark.parametrize("scores", ["by_layout", "one_kernel"])
+def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out_tol, grad_tol):
+  """Strong gates (down to -4.95 a token): the scores take HALVES, with factors up to
+  exp(79), in either form of the scores' kernels."""
+  x = with_halves(make_inputs(seed=20, T=192, Dk=32, Dv=32, dtype=dtype))
+  _check(x, out_tol, grad_tol, tiling=Tiling(scores=scores))
 
 
 def test_scores_in_one_kernel_branching_per_chunk():

@@ -7,7 +7,7 @@ import pytest
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
 from pallas_kernels.linear_attention.tests._data import (fast_jit, make_inputs, outputs_and_grads,
-                                                         rel_rms, with_strong_decay,
+                                                         rel_rms, with_halves, with_strong_decay,
                                                          with_three_layouts)
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -73,6 +73,16 @@ def test_every_chunk_layout_in_one_launch(dtype, out_tol, grad_tol):
   # key blocks of 16: in chunk 1 one block is WHOLE_CHUNK, the other PER_SUB_CHUNK
   x = with_three_layouts(make_inputs(seed=16, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
   _assert_within(_errors(x, block_k=16), out_tol, grad_tol)
+
+
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
+                                                      (jnp.bfloat16, 5e-3, 1e-2)])
+@pytest.mark.parametrize("scores", ["by_layout", "one_kernel"])
+def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out_tol, grad_tol):
+  """Strong gates (down to -4.95 a token): the scores take HALVES, with factors up to
+  exp(79), in either form of the scores' kernels."""
+  x = with_halves(make_inputs(seed=19, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
+  _assert_within(_errors(x, scores=scores), out_tol, grad_tol)
 
 
 def test_scores_in_one_kernel_branching_per_chunk():
