@@ -30,6 +30,7 @@ from experiments.timing import failed, interleaved_ratios, median_ms, peer, to_t
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
 from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS
 from pallas_kernels.linear_attention.gla import Tiling
+from pallas_kernels.linear_attention.kda import QK_NORMS
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
 REFERENCE_SKIP = {
@@ -322,6 +323,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
     return jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, **setting))
 
   scores = scores_with()
+  scores_normalizing = scores_with(normalize=True)
   scores_factored_8_warps = scores_with(factored_warps=8)
   scores_one_kernel = scores_with(by_layout=False)
   walks = available_state_walks(interp)
@@ -379,6 +381,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(lambda *a: intra(*a, e=True, warps=8), qp, kp, vp, b, beta), 3),
               "of_which_scores":
                   round(median_ms(scores, qp, kp, b, beta), 3),
+              "scores_normalizing_q_k":
+                  round(median_ms(scores_normalizing, qp, kp, b, beta), 3),
               "scores_factored_8_warps":
                   round(median_ms(scores_factored_8_warps, qp, kp, b, beta), 3),
               "scores_in_one_kernel":
@@ -444,7 +448,7 @@ def default_kda_forwards():
 
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
               walks=STATE_WALKS, forwards=("split",), correctness_shape=(1, 4096, 4, 128),
-              scores=("by_layout",), key_grads=("by_layout",)):
+              scores=("by_layout",), key_grads=("by_layout",), qk_norms=("kernel",)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
   from pallas_kernels.linear_attention import chunked_kda, kda_chunked
@@ -486,10 +490,12 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
     x = kda_inputs(shape, gates=regime)
     row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
     impls = []
-    for kind, key_kind in itertools.product(scores, key_grads):  # the defaults unnamed
-      named = ("" if kind == "by_layout" else f",scores={kind}") + ("" if key_kind == "by_layout"
-                                                                    else f",key_grads={key_kind}")
-      kernels = dict(scores=kind, key_grads=key_kind)
+    for kind, key_kind, norm in itertools.product(scores, key_grads,
+                                                  qk_norms):  # the defaults unnamed
+      named = (("" if kind == "by_layout" else f",scores={kind}") +
+               ("" if key_kind == "by_layout" else f",key_grads={key_kind}") +
+               ("" if norm == "kernel" else f",qk_norm={norm}"))
+      kernels = dict(scores=kind, key_grads=key_kind, qk_norm=norm)
       impls += [(f"pallas[state_walk={walk}{named}]",
                  functools.partial(chunked_kda, state_walk=walk, forward="split", **kernels))
                 for walk in walks
@@ -545,6 +551,10 @@ def main():
       "--kda-key-grads", nargs="+", choices=SCORE_KERNELS, default=["by_layout"],
       help="--op kda: the key gradients' kernels to time: the whole-chunk-anchored chunks' "
       "and then the others' (by_layout, the default), or one kernel branching per chunk")
+  ap.add_argument(
+      "--kda-qk-norms", nargs="+", choices=QK_NORMS, default=["kernel"],
+      help="--op kda: where the L2 norm of q and k runs: inside the first scores kernel "
+      "(kernel, the default) or as a plain-JAX pass before the kernels (xla)")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
@@ -552,7 +562,8 @@ def main():
   if args.op == "kda":
     return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
                      args.state_walks, args.kda_forwards or default_kda_forwards(),
-                     scores=args.kda_scores, key_grads=args.kda_key_grads)
+                     scores=args.kda_scores, key_grads=args.kda_key_grads,
+                     qk_norms=args.kda_qk_norms)
   correctness(args.tiling)
   for shape, regime in itertools.product(args.shapes, args.gates):
     x = inputs(*shape, gates=regime)

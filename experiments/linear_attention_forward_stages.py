@@ -6,7 +6,8 @@
 Each stage alone (`experiments.timing.median_ms`: one call at a time, so every figure
 carries a launch and a wait; compare stages, not sums), then the whole forward of each
 side. Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, the in-chunk
-scores, scores and solve together, the fused state walk and outputs. jla (when installed):
+scores (and the same normalising q and k on its way, as chunked_kda does by default),
+scores and solve together, the fused state walk and outputs. jla (when installed):
 its cumulative decay, its in-chunk kernel with the L2 norm inside and the decayed rows out
 (the forward's path when no gradient is asked), without the norm, without the rows, its
 solve and its state walk that applies T itself. One JSON line per gate regime.
@@ -40,6 +41,11 @@ def ours(q, k, v, g, beta):
   scores = jax.jit(
       lambda q, k, b, beta: chunk_scores(q, k, b, beta, runs, ci, il, cd=cd, interpret=interp))
   ms["scores"] = median_ms(scores, qp, kp, b, beta)
+  normalizing = jax.jit(lambda q, k, b, beta: chunk_scores(q, k, b, beta, runs, ci, il, cd=cd,
+                                                           interpret=interp, normalize=True))
+  ms["scores_normalizing_q_k"] = median_ms(normalizing,
+                                           *_chunk_prep.prepare(q, k, v, g, None, B, T)[:2], b,
+                                           beta)
   intra = jax.jit(lambda q, k, v, b, beta: chunk_intra(q, k, v, b, beta, runs, ci, il, cd=cd,
                                                        emit_inverse=False, interpret=interp))
   qg, kg, w, u0, aqk = intra(qp, kp, vp, b, beta)

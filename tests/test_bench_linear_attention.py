@@ -31,10 +31,10 @@ def test_kda_breakdown_runs_every_kernel(monkeypatch):
   monkeypatch.setattr(bench, "median_ms", _once)
   ms = bench.kda_kernel_breakdown((1, 64, 1, 64))["kernel_ms"]
   for name in ("intra", "intra_with_inverse", "intra_with_inverse_solve_8_warps", "of_which_scores",
-               "scores_factored_8_warps", "scores_in_one_kernel", "output", "dv_local", "wy_grads",
-               "key_grads", "key_grads_8_warps", "key_grads_in_one_kernel",
-               "key_grads_other_chunks_8_warps", "states_triton", "state_grads_triton",
-               "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
+               "scores_factored_8_warps", "scores_normalizing_q_k", "scores_in_one_kernel",
+               "output", "dv_local", "wy_grads", "key_grads", "key_grads_8_warps",
+               "key_grads_in_one_kernel", "key_grads_other_chunks_8_warps", "states_triton",
+               "state_grads_triton", "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 
@@ -103,5 +103,6 @@ def test_forward_stages_time_every_stage_of_ours(monkeypatch):
   x = bench.inputs(1, 128, 1, 64, gates="logsigmoid_strong")
   beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), (1, 128, 1)))
   ms = stages.ours(*x, beta)
-  for name in ("normalize", "cumsum", "scores", "scores_and_solve", "forward"):
+  for name in ("normalize", "cumsum", "scores", "scores_normalizing_q_k", "scores_and_solve",
+               "forward"):
     assert ms[name] > 0, (name, ms)

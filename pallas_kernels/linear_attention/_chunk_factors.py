@@ -133,40 +133,39 @@ def halves_bounded(b_ref):
   return ok
 
 
-def decayed_products(k_ref, b_ref, b, query_refs, whole, store):
-  """The in-chunk decayed products sum_d x_t[d] k_s[d] exp(b_t[d] - b_s[d]) of a chunk in
-    WHOLE_CHUNK (whole, a Python bool: one path compiled) or HALVES, for each x
-    of query_refs ([C, D] refs), by columns: store(col, region, *products) with products
-    [C, n] for columns [col, col + n) and region the entries to write (None: all); each is
-    meaningful on the pairs s <= t (the rest may be inf: the caller masks them). b: b_ref's
-    rows. WHOLE_CHUNK and HALVES each take one [C, D] x [D, C] product per query; HALVES
-    adds a [C, D] x [D, HALF] one for the pairs across the halves."""
+# The scores' decayed products sum_d x_t[d] k_s[d] exp(b_t[d] - b_s[d]) of a chunk, for each
+# query-side x, by columns: store(col, region, *products) with products [C, n] for columns
+# [col, col + n) and region the entries to write (None: all); each is meaningful on the
+# pairs s <= t only (the rest may be inf: the caller masks them).
 
-  def products(col, region, down, keys):
-    store(col, region, *(diag.f32_mm(rows(x, 0, C) * down, keys, trans_b=True) for x in query_refs))
 
-  def whole_chunk():
-    down, up = factors(b, midpoint(b)[0])
-    products(0, None, down, rows(k_ref, 0, C) * up)
+def whole_chunk_products(k, b, queries, store):
+  """WHOLE_CHUNK: one [C, D] x [D, C] product per query (k and queries: loaders of the
+    chunk's [C, D] fp32 rows, called at each use; b: its rows of b, loaded)."""
+  down, up = factors(b, midpoint(b)[0])
+  keys = k() * up
+  store(0, None, *(diag.f32_mm(x() * down, keys, trans_b=True) for x in queries))
 
-  def halves():
-    first = iota(C, 0, (C, 1)) < HALF
-    down, up = factors(
-        b, jnp.where(first, rows(b_ref, HALF_ANCHOR, 1), rows(b_ref, HALF + HALF_ANCHOR, 1)))
-    columns = iota(C, 1, (C, C))
-    products(0, first | (columns >= HALF), down, rows(k_ref, 0, C) * up)  # inside each half
-    # across: queries of the second half and keys of the first, both through the first
-    # half's last token (every exponent <= 0; clamped on the rows that do not pair)
-    edge = rows(b_ref, HALF - 1, 1)
-    products(0,
-             jnp.logical_not(first) & (iota(C, 1, (C, HALF)) < HALF),
-             jnp.exp(jnp.minimum(b - edge, 0.0)),
-             rows(k_ref, 0, HALF) * jnp.exp(edge - rows(b_ref, 0, HALF)))
 
-  if whole:
-    whole_chunk()
-  else:
-    halves()
+def halves_products(k_ref, b_ref, query_refs, store):
+  """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and a
+    [C, D] x [D, HALF] one for those across (k_ref, b_ref and query_refs: the chunk's [C, D]
+    refs)."""
+  b = rows(b_ref, 0, C)
+  first = iota(C, 0, (C, 1)) < HALF
+
+  def products(region, down, keys):
+    store(0, region, *(diag.f32_mm(rows(x, 0, C) * down, keys, trans_b=True) for x in query_refs))
+
+  down, up = factors(
+      b, jnp.where(first, rows(b_ref, HALF_ANCHOR, 1), rows(b_ref, HALF + HALF_ANCHOR, 1)))
+  products(first | (iota(C, 1, (C, C)) >= HALF), down, rows(k_ref, 0, C) * up)
+  # across: queries of the second half and keys of the first, both through the first
+  # half's last token (every exponent <= 0; clamped on the rows that do not pair)
+  edge = rows(b_ref, HALF - 1, 1)
+  products(
+      jnp.logical_not(first) & (iota(C, 1, (C, HALF)) < HALF), jnp.exp(jnp.minimum(b - edge, 0.0)),
+      rows(k_ref, 0, HALF) * jnp.exp(edge - rows(b_ref, 0, HALF)))
 
 
 def anchors(b_ref):

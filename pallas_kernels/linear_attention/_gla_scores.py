@@ -73,11 +73,17 @@ def _store_columns(r_ref, a_ref, start, region, a):
   store_where(a_ref, start, region, jnp.where(keep, a, 0.0))
 
 
-def _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, whole):
-  """A of a chunk whose decays factor (WHOLE_CHUNK, or HALVES where not whole): one
-    matmul, or two."""
-  factors.decayed_products(k_ref, b_ref, b, (q_ref,), whole,
-                           lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a))
+def _whole_chunk(q_ref, k_ref, b, r_ref, a_ref):
+  """A of a WHOLE_CHUNK chunk: one matmul (b: its rows, loaded)."""
+  factors.whole_chunk_products(
+      lambda: rows(k_ref, 0, C), b, (lambda: rows(q_ref, 0, C),),
+      lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a))
+
+
+def _halves(q_ref, k_ref, b_ref, r_ref, a_ref):
+  """A of a HALVES chunk: two matmuls."""
+  factors.halves_products(k_ref, b_ref, (q_ref,),
+                          lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a))
 
 
 def _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd):
@@ -97,7 +103,7 @@ def _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b):
   if not decayed:
     return refs[0], refs[1:]
   ci_ref, il_ref, a_ref, qg_ref, kg_ref, *rest = refs
-  store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  store_decayed_rows(rows(q_ref, 0, C), rows(k_ref, 0, C), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   return a_ref, rest
 
 
@@ -106,9 +112,9 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
     qg and kg (_decayed_rows)."""
   b = rows(b_ref, 0, C)
   a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  args = (q_ref, k_ref, b_ref, r_ref, a_ref)
-  factors.by_score_layout(b_ref, b, lambda: _factored(*args, b, True),
-                          lambda: _factored(*args, b, False), lambda: _by_sub_chunks(*args, cd))
+  factors.by_score_layout(b_ref, b, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
+                          lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref),
+                          lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
 
 def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
@@ -117,7 +123,7 @@ def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
   whole = factors.record_layout(flag_ref, b_ref, b)
-  jax.lax.cond(whole, lambda: _factored(q_ref, k_ref, b_ref, r_ref, a_ref, b, True), lambda: None)
+  jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref), lambda: None)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, layout, cd):
@@ -125,7 +131,7 @@ def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, la
     first pass's output, the other chunks' stay as written."""
   args = (q_ref, k_ref, b_ref, r_ref, a_ref)
   if layout == factors.HALVES:
-    compute = lambda: _factored(*args, rows(b_ref, 0, C), False)
+    compute = lambda: _halves(*args)
   else:
     compute = lambda: _by_sub_chunks(*args, cd)
   factors.if_layout(flag_ref, layout, compute)

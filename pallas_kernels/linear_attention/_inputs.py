@@ -68,7 +68,10 @@ def run_ids(segment_ids, B, T):
   return jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(change, axis=1)], axis=1)
 
 
-def l2_normalize(x, eps=1e-6):
+L2_EPS = 1e-6
+
+
+def l2_normalize(x, eps=L2_EPS):
   x = x.astype(jnp.float32)
   return x * jnp.reciprocal(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps))
 

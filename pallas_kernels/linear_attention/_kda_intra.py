@@ -93,14 +93,18 @@ SOLVE_WARPS = 4
 
 
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
-                scores_by_layout=True, solve_warps=SOLVE_WARPS):
+                scores_by_layout=True, solve_warps=SOLVE_WARPS, normalize=False):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
-    emit_inverse), all in the compute dtype cd."""
+    emit_inverse), all in the compute dtype cd; with `normalize`, q and k are L2-normalised
+    per token by the first scores kernel (chunk_scores), and the normalised q, k [B,Tp,H,Dk]
+    (in their dtypes) follow."""
   B, Tp, H, Dk = k.shape
   Dv = v.shape[-1]
   n = Tp // C
-  qg, kg, a_kk, a_qk = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
-                                    interpret=interpret, by_layout=scores_by_layout)
+  qg, kg, a_kk, a_qk, *normed = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
+                                             interpret=interpret, by_layout=scores_by_layout,
+                                             normalize=normalize)
+  q, k = normed or (q, k)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
   out_specs, out_shape = [keys, values], [L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)]
   if emit_inverse:
@@ -111,4 +115,4 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
                    L.chunk_beta(), L.chunk_flags()], tuple(out_specs), tuple(out_shape),
                   interpret=interpret, name="kda_chunk_solve",
                   num_warps=solve_warps)(a_kk, k, v, b, beta, carry_in)
-  return (qg, kg, solved[0], solved[1], a_qk, *solved[2:])
+  return (qg, kg, solved[0], solved[1], a_qk, *solved[2:], *normed)

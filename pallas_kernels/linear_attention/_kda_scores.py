@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
+from pallas_kernels.linear_attention._inputs import L2_EPS
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, iota, masked_exp, rows,
                                                             store_decayed_rows, store_where)
@@ -86,12 +87,37 @@ def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk)
   store_where(aqk_ref, start, region, jnp.where(same & (s <= t), a_qk, 0.0))
 
 
-def _factored(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, b, whole):
-  """A_kk and A_qk of a chunk whose decays factor (WHOLE_CHUNK, or HALVES where not whole):
-    one matmul each, or two."""
-  factors.decayed_products(
-      k_ref, b_ref, b, (k_ref, q_ref), whole, lambda start, region, a_kk, a_qk: _store_columns(
+def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref):
+  """A_kk and A_qk of a WHOLE_CHUNK chunk: one matmul each (q, k: loaders of its rows; b:
+    its rows, loaded)."""
+  factors.whole_chunk_products(
+      k, b, (k, q), lambda start, region, a_kk, a_qk: _store_columns(
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk))
+
+
+def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref):
+  """A_kk and A_qk of a HALVES chunk: two matmuls each."""
+  factors.halves_products(
+      k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk))
+
+
+def _chunk_rows(q_ref, k_ref, normed_refs):
+  """(q, k): loaders of the chunk's [C, D] fp32 rows, which load them at each use (held
+    across the pass they spill); with normed_refs, of the rows L2-normalised per token and
+    rounded to their inputs' dtypes (as _inputs.l2_normalize and the cast back give them:
+    one pass through memory fewer), written there first."""
+  if not normed_refs:
+    return (lambda: rows(q_ref, 0, C)), (lambda: rows(k_ref, 0, C))
+  loaders = []
+  for ref, out in zip((q_ref, k_ref), normed_refs):
+    x = rows(ref, 0, C)
+    inverse_norm = jnp.reciprocal(jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS))
+    normed = lambda ref=ref, s=inverse_norm, dtype=out.dtype: (rows(ref, 0, C) * s).astype(
+        dtype).astype(F32)
+    out[...] = normed().astype(out.dtype)
+    loaders.append(normed)
+  return tuple(loaders)
 
 
 def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
@@ -109,21 +135,24 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
                    aqk_ref, *, cd):
   """One chunk: qg, kg, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
   b = rows(b_ref, 0, C)
-  store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  q, k = _chunk_rows(q_ref, k_ref, ())
+  store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.by_score_layout(b_ref, b, lambda: _factored(*refs, b, True),
-                          lambda: _factored(*refs, b, False), lambda: _by_sub_chunks(*refs, cd))
+  factors.by_score_layout(b_ref, b, lambda: _whole_chunk(q, k, b, *refs[3:]),
+                          lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
 
 
 def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref,
-                             akk_ref, aqk_ref, flag_ref):
+                             akk_ref, aqk_ref, flag_ref, *normed_refs):
   """The first of three passes: qg and kg of every chunk, A_kk and A_qk of the WHOLE_CHUNK
-    chunks, and every chunk's layout for the others."""
+    chunks, and every chunk's layout for the others; with normed_refs, q and k normalised
+    first (_chunk_rows) for this pass and the others."""
   b = rows(b_ref, 0, C)
-  store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  q, k = _chunk_rows(q_ref, k_ref, normed_refs)
+  store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   whole = factors.record_layout(flag_ref, b_ref, b)
-  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  jax.lax.cond(whole, lambda: _factored(*refs, b, True), lambda: None)
+  jax.lax.cond(whole, lambda: _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref),
+               lambda: None)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
@@ -132,7 +161,7 @@ def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, 
     memory is the first pass's outputs, the other chunks' stay as written."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   if layout == factors.HALVES:
-    compute = lambda: _factored(*refs, rows(b_ref, 0, C), False)
+    compute = lambda: _halves(*refs)
   else:
     compute = lambda: _by_sub_chunks(*refs, cd)
   factors.if_layout(flag_ref, layout, compute)
@@ -144,8 +173,10 @@ FACTORED_WARPS = 4
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
-                 by_layout=True, factored_warps=FACTORED_WARPS):
-  """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd).
+                 by_layout=True, factored_warps=FACTORED_WARPS, normalize=False):
+  """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd),
+    and with `normalize` q and k L2-normalised per token (in their dtypes), from which all
+    of it is formed: the first kernel normalises them on its way (by_layout only).
 
     by_layout: three kernels, the WHOLE_CHUNK chunks' (factored_warps), then the HALVES
     ones' and the SUB_CHUNKS ones' (num_warps), instead of one kernel that branches per
@@ -159,17 +190,18 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   # two stages keep the sub-chunk path's loads over earlier sub-chunks in flight
   launch = dict(interpret=interpret, num_warps=num_warps, num_stages=2)
   if not by_layout:
+    if normalize:
+      raise ValueError("chunk_scores(normalize=True) needs by_layout=True")
     return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n), inputs,
                   (keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
-  qg, kg, a_kk, a_qk, layout_flags = L.call(_whole_chunk_pass_kernel, (B, H, n), inputs,
-                                            (keys, keys, square, square, L.chunk_layout_flag()),
-                                            outputs + (L.shape(jnp.int32, B, H, n, C),),
-                                            name="kda_chunk_scores_whole_chunk",
-                                            **(launch | dict(num_warps=factored_warps)))(q, k, b,
-                                                                                         beta, runs,
-                                                                                         carry_in,
-                                                                                         in_last)
+  normed = (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)) if normalize else ()
+  qg, kg, a_kk, a_qk, layout_flags, *normed = L.call(
+      _whole_chunk_pass_kernel, (B, H, n), inputs,
+      (keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(normed),
+      outputs + (L.shape(jnp.int32, B, H, n, C),) + normed, name="kda_chunk_scores_whole_chunk",
+      **(launch | dict(num_warps=factored_warps)))(q, k, b, beta, runs, carry_in, in_last)
+  q, k = normed or (q, k)
   for layout, name in ((factors.HALVES, "halves"), (factors.SUB_CHUNKS, "sub_chunks")):
     a_kk, a_qk = L.call(functools.partial(_later_pass_kernel, layout=layout, cd=cd), (B, H, n),
                         inputs[:5] + [L.chunk_layout_flag(), square, square], (square, square),
@@ -177,4 +209,4 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
                             6: 0,
                             7: 1
                         }, **launch)(q, k, b, beta, runs, layout_flags, a_kk, a_qk)
-  return qg, kg, a_kk, a_qk
+  return (qg, kg, a_kk, a_qk) + ((q, k) if normalize else ())

@@ -42,13 +42,11 @@ def flag_column(ref, start, n=SUB):
   return ref[pl.ds(start, n)].astype(F32)[:, None]
 
 
-def store_decayed_rows(q_ref, k_ref, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b):
+def store_decayed_rows(q, k, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b):
   """The chunk's decayed rows, in qg_ref's and kg_ref's dtype: qg = q exp(b) carry_in and
-    kg = k exp(b_last - b) in_last (b: the chunk's rows of b_ref, already loaded)."""
-  qg = rows(q_ref, 0, CHUNK) * jnp.exp(b) * flag_column(ci_ref, 0, CHUNK)
-  qg_ref[...] = qg.astype(qg_ref.dtype)
-  kg = (rows(k_ref, 0, CHUNK) * masked_exp(rows(b_ref, CHUNK - 1, 1) - b) *
-        flag_column(il_ref, 0, CHUNK))
+    kg = k exp(b_last - b) in_last (q, k, b: the chunk's [C, D] rows, fp32)."""
+  qg_ref[...] = (q * jnp.exp(b) * flag_column(ci_ref, 0, CHUNK)).astype(qg_ref.dtype)
+  kg = k * masked_exp(rows(b_ref, CHUNK - 1, 1) - b) * flag_column(il_ref, 0, CHUNK)
   kg_ref[...] = kg.astype(kg_ref.dtype)
 
 

@@ -2,7 +2,9 @@
 backward (custom_vjp). Same contract as reference.kda_chunked.
 
 Forward, per 64-token chunk (see _kda_intra for the chunk form):
-  kda_chunk_scores (parallel) A_kk, A_qk, qg, kg
+  kda_chunk_scores (parallel) A_kk, A_qk, qg, kg, one kernel per in-chunk layout; the
+               first also L2-normalises q and k (qk_norm="kernel") and writes them for
+               the others and the backward
   kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
                (_kda_states, or _kda_states_mosaic on Hopper)
@@ -55,6 +57,7 @@ class Tiling(NamedTuple):
   forward: str = "split"
   scores: str = "by_layout"
   key_grads: str = "by_layout"
+  normalize: bool = False  # q, k L2-normalised by the first scores kernel (qk_norm="kernel")
 
 
 def available_state_walks(interpret):
@@ -121,17 +124,25 @@ def check_forward(forward, fits, interpret, requirement):
 
 
 def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
-  """(the in-chunk quantities, (o, final state), per-chunk states, v_new): the last two
-    None where the fused forward is not asked for them (not for_backward)."""
+  """(q and k as the kernels read them, normalised where t.normalize; the in-chunk
+    quantities; (o, final state); per-chunk states; v_new): the last two None where the
+    fused forward is not asked for them (not for_backward)."""
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
                       emit_inverse=for_backward, interpret=t.interpret,
-                      scores_by_layout=t.scores == "by_layout")
-  return intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
+                      scores_by_layout=t.scores == "by_layout", normalize=t.normalize)
+  if t.normalize:
+    *intra, q, k = intra
+  return q, k, intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
+
+
+def _normalize_vjp(x, dy):
+  """The gradient of x through l2_normalize(x) (cast to x's dtype) for the cotangent dy."""
+  return jax.vjp(l2_normalize, x)[1](dy.astype(jnp.float32))[0].astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
-  return _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, False)[1]
+  return _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, False)[3]
 
 
 def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
@@ -139,14 +150,16 @@ def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
   # in-chunk results as residuals"), so its results are kept for the backward
   # (bf16, 1.8 KB per token and head at D = 128 with the chunk states) instead of
   # recomputed; tagged so that a remat policy keeping "attention" keeps them too.
-  intra, out, h, vn = _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, True)
+  # With t.normalize the inputs q, k are kept too, for the normalisation's gradient.
+  qn, kn, intra, out, h, vn = _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, True)
   qg, kg, w, _, aqk, inverse = intra
   qg, kg, w, aqk, inverse, h, vn = residuals.keep(qg, kg, w, aqk, inverse, h, vn)
-  return out, (q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn)
+  raw = (q, k) if t.normalize else ()
+  return out, (qn, kn, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn, raw)
 
 
 def _kda_core_bwd(scale, t, res, cts):
-  q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn = res
+  q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn, raw = res
   do, dht = cts
   do = do.astype(v.dtype)
   cd = compute_dtype(q.dtype)
@@ -158,15 +171,21 @@ def _kda_core_bwd(scale, t, res, cts):
   dq, dk, db, dbeta_k = chunk_key_grads(q, k, b, beta, *masks, h, dh, do, vn, dx, dp, da,
                                         scale=scale, block_k=t.block_k,
                                         by_layout=t.key_grads == "by_layout", **kw)
+  if raw:
+    dq, dk = _normalize_vjp(raw[0], dq), _normalize_vjp(raw[1], dk)
   return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None
 
 
 _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
+# Where chunked_kda's L2 norm of q and k runs (qk_norm)
+QK_NORMS = ("kernel", "xla")
+
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
-                state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout"):
+                state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
+                qk_norm="kernel"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -180,11 +199,17 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores, key_grads: the
     in-chunk scores' and the key gradients' kernels, each one of
     _chunk_factors.SCORE_KERNELS (one kernel branching per chunk, or one per layout
-    family)."""
+    family). qk_norm: where normalize_qk's L2 norm runs, one of QK_NORMS: "kernel", inside
+    the first scores kernel, which writes the normalised q and k the later kernels read
+    (one pass through memory fewer; with scores="by_layout", else as "xla"), or "xla", a
+    plain-JAX pass before the kernels."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
-  if normalize_qk:  # plain JAX (autodiff) outside the kernels, back to the input dtype
+  if qk_norm not in QK_NORMS:
+    raise ValueError(f"qk_norm = {qk_norm!r}: expected one of {list(QK_NORMS)}")
+  in_kernel = normalize_qk and qk_norm == "kernel" and scores == "by_layout"
+  if normalize_qk and not in_kernel:  # plain JAX (autodiff), back to the input dtype
     q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
   # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)
   qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T, decay)
@@ -204,6 +229,6 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     if choice not in SCORE_KERNELS:
       raise ValueError(f"{name} = {choice!r}: expected one of {list(SCORE_KERNELS)}")
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
-             scores=scores, key_grads=key_grads)
+             scores=scores, key_grads=key_grads, normalize=in_kernel)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

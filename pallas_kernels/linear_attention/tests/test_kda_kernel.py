@@ -85,6 +85,22 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
   _assert_within(_errors(x, scores=scores), out_tol, grad_tol)
 
 
+def test_qk_norm_in_the_first_scores_kernel_as_the_plain_jax_pass():
+  """qk_norm="kernel" (the default): the first scores kernel normalises q and k and writes
+  them for the others; the outputs and every gradient (through the normalisation's own
+  gradient in the backward) as with the plain-JAX pass, on unnormalised bf16 inputs."""
+  x = make_inputs(seed=21, T=150, Dk=32, Dv=32, dtype=jnp.bfloat16, min_log_decay=-5.0)
+  args = [3.0 * x[n] if n in "qk" else x[n] for n in NAMES]
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
+  (o, s), grads = outputs_and_grads(
+      lambda *a: chunked_kda(*a[:5], initial_state=a[5], qk_norm="kernel", **kw), *args)
+  (o_x, s_x), grads_x = outputs_and_grads(
+      lambda *a: chunked_kda(*a[:5], initial_state=a[5], qk_norm="xla", **kw), *args)
+  assert rel_rms(o_x, o) < 1e-3 and rel_rms(s_x, s) < 1e-3
+  for name, a, b in zip(NAMES, grads_x, grads):
+    assert rel_rms(a, b) < 1e-3, name
+
+
 def test_scores_in_one_kernel_branching_per_chunk():
   """scores="one_kernel": the in-chunk scores of every layout from one kernel (the
   default takes the factored chunks' kernel, then the others')."""
@@ -173,5 +189,7 @@ def test_bad_keywords_and_head_dims(small):
     chunked_kda(*args, block_v=12)
   with pytest.raises(ValueError, match=r"scores = 'fused': expected one of \['by_layout'"):
     chunked_kda(*args, scores="fused")
+  with pytest.raises(ValueError, match=r"qk_norm = 'triton': expected one of \['kernel', 'xla'\]"):
+    chunked_kda(*args, qk_norm="triton")
   with pytest.raises(ValueError, match=r"key_grads = 'split': expected one of \['by_layout'"):
     chunked_kda(*args, key_grads="split")
