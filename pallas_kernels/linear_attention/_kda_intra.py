@@ -10,9 +10,10 @@ in_last flags (see _chunk_prep.segment_masks) and beta the per-token write stren
 so that, with S the chunk's start state, v_new = u0 - w S, o = scale (qg S + A_qk v_new)
 and the next state is keep exp(b_last) S + kg^T v_new.
 
-Two kernels: the scores A_kk, A_qk and qg, kg, one program per chunk (_kda_scores);
-then, one program per chunk, T by recursive doubling (ten whole-chunk fp32-accurate
-products, no serial substitution) and w, u0 as [C, C] x [C, 64] products. Live tiles are
+Two kernels: the scores A_kk, A_qk, qg, kg and the write keys kw = diag(beta) k exp(b) ci,
+one program per chunk (_kda_scores); then, one program per chunk, T by recursive doubling
+(ten whole-chunk fp32-accurate products, no serial substitution) and w = T kw, u0 as
+[C, C] x [C, 64] products. Live tiles are
 [C, C] and [C, 64] fp32, at any D <= 256.
 """
 import functools
@@ -24,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_scores import chunk_scores
-from pallas_kernels.linear_attention._pallas_common import F32, flag_column, iota, mm
+from pallas_kernels.linear_attention._pallas_common import F32, iota, mm
 
 
 def exact_dot(a, b, interpret):
@@ -70,16 +71,13 @@ def _column_blocks(d):
   return [pl.ds(j, block) for j in range(0, d, block)]
 
 
-def _solve_kernel(akk_ref, k_ref, v_ref, b_ref, beta_ref, ci_ref, w_ref, u0_ref, *inverse_ref, cd,
-                  interpret):
-  """One chunk: T, then w and u0 a block of columns at a time, and T itself for the
-    backward when asked (inverse_ref)."""
+def _solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, *inverse_ref, cd, interpret):
+  """One chunk: T, then w = T kw and u0 = T diag(beta) v a block of columns at a time, and
+    T itself for the backward when asked (inverse_ref)."""
   t = unit_lower_inverse(akk_ref[...].astype(F32), interpret=interpret)
   beta = beta_ref[...].astype(F32)[:, None]
-  write_keys = beta * flag_column(ci_ref, 0, C)
-  for cols in _column_blocks(k_ref.shape[1]):
-    k = k_ref[:, cols].astype(F32) * jnp.exp(b_ref[:, cols].astype(F32))
-    w_ref[:, cols] = mm(t, write_keys * k, cd).astype(w_ref.dtype)
+  for cols in _column_blocks(kw_ref.shape[1]):
+    w_ref[:, cols] = mm(t, kw_ref[:, cols], cd).astype(w_ref.dtype)
   for cols in _column_blocks(v_ref.shape[1]):
     u0_ref[:, cols] = mm(t, beta * v_ref[:, cols].astype(F32), cd).astype(u0_ref.dtype)
   if inverse_ref:
@@ -101,18 +99,16 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
   B, Tp, H, Dk = k.shape
   Dv = v.shape[-1]
   n = Tp // C
-  qg, kg, a_kk, a_qk, *normed = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
-                                             interpret=interpret, by_layout=scores_by_layout,
-                                             normalize=normalize)
-  q, k = normed or (q, k)
+  qg, kg, kw, a_kk, a_qk, *normed = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
+                                                 interpret=interpret, by_layout=scores_by_layout,
+                                                 normalize=normalize)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
   out_specs, out_shape = [keys, values], [L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)]
   if emit_inverse:
     out_specs.append(square)
     out_shape.append(L.shape(cd, B, H, n, C, C))
-  solved = L.call(functools.partial(_solve_kernel, cd=cd, interpret=interpret), (B, H, n),
-                  [square, keys, values, keys,
-                   L.chunk_beta(), L.chunk_flags()], tuple(out_specs), tuple(out_shape),
-                  interpret=interpret, name="kda_chunk_solve",
-                  num_warps=solve_warps)(a_kk, k, v, b, beta, carry_in)
+  solved = L.call(functools.partial(_solve_kernel, cd=cd, interpret=interpret),
+                  (B, H, n), [square, keys, values, L.chunk_beta()], tuple(out_specs),
+                  tuple(out_shape), interpret=interpret, name="kda_chunk_solve",
+                  num_warps=solve_warps)(a_kk, kw, v, beta)
   return (qg, kg, solved[0], solved[1], a_qk, *solved[2:], *normed)

@@ -25,8 +25,9 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._inputs import L2_EPS
 from pallas_kernels.linear_attention._kda_layout import C
-from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, iota, masked_exp, rows,
-                                                            store_decayed_rows, store_where)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota,
+                                                            masked_exp, rows, store_decayed_rows,
+                                                            store_where)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -120,6 +121,13 @@ def _chunk_rows(q_ref, k_ref, normed_refs):
   return tuple(loaders)
 
 
+def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
+  """kw = beta k exp(b) carry_in, the keys the solve turns into w (kw_ref's dtype, that of
+    its product's operands), so that the solve reads neither k nor b."""
+  kw = beta_ref[...].astype(F32)[:, None] * k * jnp.exp(b) * flag_column(ci_ref, 0, C)
+  kw_ref[...] = kw.astype(kw_ref.dtype)
+
+
 def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
   """A_kk and A_qk of any chunk: one row block per sub-chunk."""
 
@@ -131,25 +139,27 @@ def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
   jax.lax.fori_loop(0, N_SUB, row_block, 0)
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, akk_ref,
-                   aqk_ref, *, cd):
-  """One chunk: qg, kg, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
+def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
+                   akk_ref, aqk_ref, *, cd):
+  """One chunk: qg, kg, kw, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
   b = rows(b_ref, 0, C)
   q, k = _chunk_rows(q_ref, k_ref, ())
   store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   factors.by_score_layout(b_ref, b, lambda: _whole_chunk(q, k, b, *refs[3:]),
                           lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
 
 
 def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref,
-                             akk_ref, aqk_ref, flag_ref, *normed_refs):
-  """The first of three passes: qg and kg of every chunk, A_kk and A_qk of the WHOLE_CHUNK
-    chunks, and every chunk's layout for the others; with normed_refs, q and k normalised
-    first (_chunk_rows) for this pass and the others."""
+                             kw_ref, akk_ref, aqk_ref, flag_ref, *normed_refs):
+  """The first of three passes: qg, kg and kw of every chunk, A_kk and A_qk of the
+    WHOLE_CHUNK chunks, and every chunk's layout for the others; with normed_refs, q and k
+    normalised first (_chunk_rows) for this pass and the others."""
   b = rows(b_ref, 0, C)
   q, k = _chunk_rows(q_ref, k_ref, normed_refs)
   store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
   whole = factors.record_layout(flag_ref, b_ref, b)
   jax.lax.cond(whole, lambda: _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref),
                lambda: None)
@@ -174,8 +184,8 @@ FACTORED_WARPS = 4
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
                  by_layout=True, factored_warps=FACTORED_WARPS, normalize=False):
-  """(qg, kg [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32, A_qk [B, H, n, C, C] in cd),
-    and with `normalize` q and k L2-normalised per token (in their dtypes), from which all
+  """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
+    A_qk [B, H, n, C, C] in cd), and with `normalize` q and k L2-normalised per token (in their dtypes), from which all
     of it is formed: the first kernel normalises them on its way (by_layout only).
 
     by_layout: three kernels, the WHOLE_CHUNK chunks' (factored_warps), then the HALVES
@@ -184,7 +194,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
-  outputs = (L.shape(cd, B, Tp, H, Dk),) * 2 + (L.shape(F32, B, H, n, C,
+  outputs = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(F32, B, H, n, C,
                                                         C), L.shape(cd, B, H, n, C, C))
   inputs = [keys, keys, keys, L.chunk_beta(), flag, flag, flag]
   # two stages keep the sub-chunk path's loads over earlier sub-chunks in flight
@@ -193,20 +203,20 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     if normalize:
       raise ValueError("chunk_scores(normalize=True) needs by_layout=True")
     return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n), inputs,
-                  (keys, keys, square, square), outputs, name="kda_chunk_scores",
+                  (keys, keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
   normed = (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)) if normalize else ()
-  qg, kg, a_kk, a_qk, layout_flags, *normed = L.call(
+  qg, kg, kw, a_kk, a_qk, layout_flags, *normed = L.call(
       _whole_chunk_pass_kernel, (B, H, n), inputs,
-      (keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(normed),
+      (keys, keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(normed),
       outputs + (L.shape(jnp.int32, B, H, n, C),) + normed, name="kda_chunk_scores_whole_chunk",
       **(launch | dict(num_warps=factored_warps)))(q, k, b, beta, runs, carry_in, in_last)
   q, k = normed or (q, k)
   for layout, name in ((factors.HALVES, "halves"), (factors.SUB_CHUNKS, "sub_chunks")):
     a_kk, a_qk = L.call(functools.partial(_later_pass_kernel, layout=layout, cd=cd), (B, H, n),
                         inputs[:5] + [L.chunk_layout_flag(), square, square], (square, square),
-                        outputs[2:], name=f"kda_chunk_scores_{name}", input_output_aliases={
+                        outputs[3:], name=f"kda_chunk_scores_{name}", input_output_aliases={
                             6: 0,
                             7: 1
                         }, **launch)(q, k, b, beta, runs, layout_flags, a_kk, a_qk)
-  return (qg, kg, a_kk, a_qk) + ((q, k) if normalize else ())
+  return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize else ())
