@@ -226,8 +226,8 @@ def unless_whole_chunk(b_ref, compute):
 # WHOLE_CHUNK chunks' scores and records every chunk's layout in a [C] int32 block; a
 # second pass forms the HALVES chunks', a third the SUB_CHUNKS ones', each compiled with its
 # own path alone (one kernel holding two or three of them spills more: experiments/
-# kernel_resources.py). The GLA and
-# KDA ops' choice of scores kernels: these two passes, or one kernel that branches per chunk.
+# kernel_resources.py). The GLA and KDA ops' choice of scores kernels: these passes, or one
+# kernel that branches per chunk.
 SCORE_KERNELS = ("by_layout", "one_kernel")
 
 

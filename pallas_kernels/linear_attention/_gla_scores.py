@@ -1,16 +1,16 @@
 """The in-chunk GLA scores A (kept for the backward's dv) and their gradient, per chunk.
 
-A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay,
-s <= t in one segment), one program per chunk. A chunk whose decays factor
+A[t, s] = sum_d q_t[d] k_s[d] exp(b_t[d] - b_s[d]) (b: in-chunk cumulative log decay, s
+<= t in one segment), one program per chunk. A chunk whose decays factor
 (_chunk_factors: WHOLE_CHUNK, HALVES) takes one [64, D] x [D, 64] matmul, or two. Others
-are built per 16-token sub-chunk: blocks below the diagonal factor the decay through the sub-chunk boundary (_score_rows: both factors
-<= 1, so one tensor-core matmul per 16x16 block); diagonal blocks factor through the
-sub-chunk's first token where its decays allow (_diagonal_blocks) and otherwise form
-each exp(b_t - b_s <= 0) exactly, one key at a time, so decays down to g = -20 per
-token stay finite. By default each layout runs in its own kernel (chunk_scores(
-by_layout=True)): the WHOLE_CHUNK chunks' first, then the HALVES and the SUB_CHUNKS
-ones' over its output. dA =
-scale * do v^T needs no decay at all.
+are built per 16-token sub-chunk: blocks below the diagonal factor the decay through the
+sub-chunk boundary (_score_rows: both factors <= 1, so one tensor-core matmul per 16x16
+block); diagonal blocks factor through the sub-chunk's first token where its decays
+allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly, one key at
+a time, so decays down to g = -20 per token stay finite. By default each layout runs in
+its own kernel (chunk_scores(by_layout=True)): the WHOLE_CHUNK chunks' first, then the
+HALVES and the SUB_CHUNKS ones' over its output. dA = scale * do v^T needs no decay at
+all.
 """
 import functools
 

@@ -178,15 +178,16 @@ def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, 
 
 
 # The first pass's warps: four ran faster than eight (docs/kernel_tuning.md, "KDA in-chunk
-# scores"), and hold its registers without spilling since it takes WHOLE_CHUNK chunks alone.
+# scores"); it spills little since it takes WHOLE_CHUNK chunks alone.
 FACTORED_WARPS = 4
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
                  by_layout=True, factored_warps=FACTORED_WARPS, normalize=False):
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
-    A_qk [B, H, n, C, C] in cd), and with `normalize` q and k L2-normalised per token (in their dtypes), from which all
-    of it is formed: the first kernel normalises them on its way (by_layout only).
+    A_qk [B, H, n, C, C] in cd), and with `normalize` q and k L2-normalised per token (in
+    their dtypes), from which all of it is formed: the first kernel normalises them on its
+    way (by_layout only).
 
     by_layout: three kernels, the WHOLE_CHUNK chunks' (factored_warps), then the HALVES
     ones' and the SUB_CHUNKS ones' (num_warps), instead of one kernel that branches per
