@@ -68,12 +68,15 @@ def run_ids(segment_ids, B, T):
   return jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(change, axis=1)], axis=1)
 
 
-L2_EPS = 1e-6
-
-
-def l2_normalize(x, eps=L2_EPS):
+def inverse_l2_norm(x, eps=1e-6):
+  """1 / sqrt(sum(x^2) + eps) over the last axis (kept), fp32: the one definition of the
+    norm that l2_normalize and the KDA scores kernel (which normalises in place) share."""
   x = x.astype(jnp.float32)
-  return x * jnp.reciprocal(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps))
+  return jnp.reciprocal(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps))
+
+
+def l2_normalize(x, eps=1e-6):
+  return x.astype(jnp.float32) * inverse_l2_norm(x, eps)
 
 
 def pad_time(x, t_pad, mode="zero"):

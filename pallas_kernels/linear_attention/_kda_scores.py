@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
-from pallas_kernels.linear_attention._inputs import L2_EPS
+from pallas_kernels.linear_attention._inputs import inverse_l2_norm
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota,
                                                             masked_exp, rows, store_decayed_rows,
@@ -112,9 +112,8 @@ def _chunk_rows(q_ref, k_ref, normed_refs):
     return (lambda: rows(q_ref, 0, C)), (lambda: rows(k_ref, 0, C))
   loaders = []
   for ref, out in zip((q_ref, k_ref), normed_refs):
-    x = rows(ref, 0, C)
-    inverse_norm = jnp.reciprocal(jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS))
-    normed = lambda ref=ref, s=inverse_norm, dtype=out.dtype: (rows(ref, 0, C) * s).astype(
+    scale = inverse_l2_norm(rows(ref, 0, C))  # [C, 1]: held, the rows reloaded
+    normed = lambda ref=ref, scale=scale, dtype=out.dtype: (rows(ref, 0, C) * scale).astype(
         dtype).astype(F32)
     out[...] = normed().astype(out.dtype)
     loaders.append(normed)
