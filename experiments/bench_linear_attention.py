@@ -4,7 +4,8 @@ peers, all in the same process.
     PYTHONPATH=src:. python3 experiments/bench_linear_attention.py [--peers jla,fla]
     PYTHONPATH=src:. python3 experiments/bench_linear_attention.py --op kda [--shapes 1,8192,64,128] [--breakdown]
 
-Prints a correctness check against the reference, then per shape forward and
+Prints a correctness check of each setting against the fp32 reference in each gate
+regime (at CORRECTNESS_SHAPE), then per shape forward and
 forward+backward milliseconds of each Pallas setting (`experiments.timing.median_ms`;
 forward+backward as training runs it: the output, which the loss reads, and every
 input's gradient, see `fwd_and_fwdbwd`),
@@ -19,6 +20,7 @@ A peer that is not installed is reported as missing; one that fails at a shape, 
 import argparse
 import functools
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 
 from experiments.timing import failed, interleaved_ratios, median_ms, peer, to_torch
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
-from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS
+from pallas_kernels.linear_attention._chunk_factors import KEY_GRAD_KERNELS, SCORE_KERNELS
 from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention.kda import QK_NORMS
 
@@ -85,6 +87,16 @@ def inputs(B, T, H, D, seed=0, gates="logsigmoid"):
   mean = -3.0 if gates == "logsigmoid_strong" else 0.0
   g = jax.nn.log_sigmoid(mean + jax.random.normal(ks[3], (B, T, H, D), jnp.float32))
   return q, k, v, g
+
+
+def inputs_at(shape, seed=0, gates="logsigmoid"):
+  """inputs() of a (B, T, H, D) shape."""
+  return inputs(*shape, seed=seed, gates=gates)
+
+
+# The correctness check's shape: small enough for the fp32 reference's gradients, long
+# enough for every layout to occur in the strong and KDA-initialisation regimes.
+CORRECTNESS_SHAPE = (1, 4096, 4, 128)
 
 
 def fwd_and_fwdbwd(fn, inputs=4):
@@ -175,31 +187,38 @@ def rel_rms(a, b):
   return float(jnp.sqrt(jnp.mean((a - b)**2) / jnp.mean(a**2)))
 
 
-def correctness(tilings, shape=(1, 4096, 4, 128)):
-  """Each setting's output and gradients against the fp32 plain-JAX chunked version."""
-  q, k, v, g = inputs(*shape, seed=1)
-  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+def correctness(op, impls, reference, make_inputs, gates, shape=CORRECTNESS_SHAPE):
+  """Each setting's output and gradients against the fp32 plain-JAX chunked version, in
+    each gate regime (strong gates take other in-chunk layouts than mild ones): one JSON
+    line per regime and setting. make_inputs(shape, seed, gates) -> the op's inputs, the
+    first three q, k, v (the reference takes those in fp32)."""
   loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
-  o_ref = jax.jit(lambda *a: gla_chunked(*a)[0])(*f32, g)
-  g_ref = jax.jit(jax.grad(loss(gla_chunked), (0, 1, 2, 3)))(*f32, g)
-  for name, tiling in tilings:
-    kernel = functools.partial(chunked_gla, tiling=tiling)
-    try:
-      o = jax.jit(lambda *a: kernel(*a)[0])(q, k, v, g)
-      g_pal = jax.jit(jax.grad(loss(kernel), (0, 1, 2, 3)))(q, k, v, g)
-      errs = {
-          "o": rel_rms(o_ref, o)
-      } | {
-          f"d{n}": rel_rms(a, b) for n, a, b in zip("qkvg", g_ref, g_pal)
-      }
-    except Exception as e:  # a setting that fails here is timed (and fails) on its own below
-      errs = failed(e)
-    print(
-        json.dumps({
-            "correctness_vs_fp32_reference": list(shape),
-            "setting": name,
-            "rel_rms": errs
-        }), flush=True)
+  for regime in gates:
+    x = make_inputs(shape, seed=1, gates=regime)
+    n = len(x)
+    f32 = [a.astype(jnp.float32) for a in x[:3]] + list(x[3:])
+    o_ref = jax.jit(lambda *a: reference(*a)[0])(*f32)
+    g_ref = jax.jit(jax.grad(loss(reference), tuple(range(n))))(*f32)
+    names = ("q", "k", "v", "g", "beta")[:n]
+    for name, kernel in impls:
+      try:
+        o = jax.jit(lambda *a, kernel=kernel: kernel(*a)[0])(*x)
+        g_pal = jax.jit(jax.grad(loss(kernel), tuple(range(n))))(*x)
+        errs = {
+            "o": rel_rms(o_ref, o)
+        } | {
+            f"d{v}": rel_rms(a, b) for v, a, b in zip(names, g_ref, g_pal)
+        }
+      except Exception as e:  # a setting that fails here is timed (and fails) on its own below
+        errs = failed(e)
+      print(
+          json.dumps({
+              "correctness_vs_fp32_reference": list(shape),
+              "op": op,
+              "gates": regime,
+              "setting": name,
+              "rel_rms": errs
+          }), flush=True)
 
 
 # Settings that choose between kernels the breakdown times side by side anyway.
@@ -247,7 +266,9 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   ds, _ = dstates(qp, b, vp)
   sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
   scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
-  scores_one_kernel = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, by_layout=False, **sk))
+  scores_by_layout = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, form="by_layout", **sk))
+  scores_sub_chunks_first = jax.jit(
+      lambda q, k, b: chunk_scores(q, k, b, runs, form="sub_chunks_first", **sk))
   a = scores(qp, kp, b)
   outputs = jax.jit(
       lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale, block_v=t.block_v, **ck))
@@ -267,7 +288,8 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
       "prepare": round(median_ms(jax.jit(lambda *a: prep(*a)[3:]), q, k, v, g), 3),
       "states": round(median_ms(states, kp, vp, b), 3),
       "scores": round(median_ms(scores, qp, kp, b), 3),
-      "scores_in_one_kernel": round(median_ms(scores_one_kernel, qp, kp, b), 3),
+      "scores_by_layout": round(median_ms(scores_by_layout, qp, kp, b), 3),
+      "scores_sub_chunks_first": round(median_ms(scores_sub_chunks_first, qp, kp, b), 3),
       "outputs": round(median_ms(outputs, qp, vp, b, h, a), 3),
       "state_grads": round(median_ms(dstates, qp, b, vp), 3),
       "score_grads": round(median_ms(dscores, vp, vp), 3),
@@ -323,9 +345,9 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
     return jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, **setting))
 
   scores = scores_with()
-  scores_normalizing = scores_with(normalize=True)
-  scores_factored_8_warps = scores_with(factored_warps=8)
-  scores_one_kernel = scores_with(by_layout=False)
+  scores_by_layout = scores_with(form="by_layout")
+  scores_normalizing = scores_with(form="by_layout", normalize=True)
+  scores_sub_chunks_first = scores_with(form="sub_chunks_first")
   walks = available_state_walks(interp)
   chunk_states, chunk_state_grads = walks["triton"]
   states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
@@ -345,10 +367,11 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
         q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64),
         **(kw | setting)))
 
-  key = key_with()
+  key = key_with()  # one kernel, chunked_kda's default
   key_8_warps = key_with(num_warps=8)
-  key_one_kernel = key_with(by_layout=False)
-  key_other_chunks_8_warps = key_with(other_warps=8)
+  key_by_layout = key_with(form="by_layout")
+  key_other_chunks_first = key_with(form="other_chunks_first")
+  key_other_chunks_8_warps = key_with(form="other_chunks_first", other_warps=8)
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
@@ -383,10 +406,10 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(scores, qp, kp, b, beta), 3),
               "scores_normalizing_q_k":
                   round(median_ms(scores_normalizing, qp, kp, b, beta), 3),
-              "scores_factored_8_warps":
-                  round(median_ms(scores_factored_8_warps, qp, kp, b, beta), 3),
-              "scores_in_one_kernel":
-                  round(median_ms(scores_one_kernel, qp, kp, b, beta), 3),
+              "scores_by_layout":
+                  round(median_ms(scores_by_layout, qp, kp, b, beta), 3),
+              "scores_sub_chunks_first":
+                  round(median_ms(scores_sub_chunks_first, qp, kp, b, beta), 3),
               "output":
                   round(median_ms(output, qg, aqk, h, vn), 3),
               "dv_local":
@@ -401,8 +424,12 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(
                       median_ms(key_other_chunks_8_warps, qp, kp, b, beta, h, dh, vp, vn, dx, dp,
                                 da), 3),
-              "key_grads_in_one_kernel":
-                  round(median_ms(key_one_kernel, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3)
+              "key_grads_by_layout":
+                  round(median_ms(key_by_layout, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
+              "key_grads_other_chunks_first":
+                  round(
+                      median_ms(key_other_chunks_first, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da),
+                      3)
           }
   }
 
@@ -446,63 +473,52 @@ def default_kda_forwards():
   return ["fused"] if on_hopper() else ["split"]
 
 
+def _kda_defaults():
+  """chunked_kda's own choice of scores and key-gradient kernels and of where the norm runs."""
+  from pallas_kernels.linear_attention import chunked_kda
+  params = inspect.signature(chunked_kda).parameters
+  return {name: params[name].default for name in ("scores", "key_grads", "qk_norm")}
+
+
+KDA_DEFAULTS = _kda_defaults()
+
+
+def kda_settings(walks, forwards, scores, key_grads, qk_norms):
+  """[(name, chunked_kda with those settings)]: every combination asked for, the op's
+    defaults unnamed."""
+  from pallas_kernels.linear_attention import chunked_kda
+  impls = []
+  for kind, key_kind, norm in itertools.product(scores, key_grads, qk_norms):
+    kernels = dict(scores=kind, key_grads=key_kind, qk_norm=norm)
+    named = "".join(
+        f",{name}={value}" for name, value in kernels.items() if value != KDA_DEFAULTS[name])
+    impls += [(f"pallas[state_walk={walk}{named}]",
+               functools.partial(chunked_kda, state_walk=walk, forward="split", **kernels))
+              for walk in walks
+              if "split" in forwards]
+    if "fused" in forwards:  # its backward's walk: "auto"
+      impls.append((f"pallas[forward=fused{named}]",
+                    functools.partial(chunked_kda, forward="fused", **kernels)))
+  return impls
+
+
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
-              walks=STATE_WALKS, forwards=("split",), correctness_shape=(1, 4096, 4, 128),
-              scores=("by_layout",), key_grads=("by_layout",), qk_norms=("kernel",)):
+              walks=STATE_WALKS, forwards=("split",), correctness_shape=CORRECTNESS_SHAPE,
+              scores=(KDA_DEFAULTS["scores"],), key_grads=(KDA_DEFAULTS["key_grads"],),
+              qk_norms=(KDA_DEFAULTS["qk_norm"],)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd."""
-  from pallas_kernels.linear_attention import chunked_kda, kda_chunked
+  from pallas_kernels.linear_attention import kda_chunked
 
   def kda_inputs(shape, seed=0, gates="logsigmoid"):
     beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
     return (*inputs(*shape, seed=seed, gates=gates), beta)
 
-  x = kda_inputs(correctness_shape, seed=1)
-  f32 = [a.astype(jnp.float32) for a in x]
-  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
-  o_ref = jax.jit(lambda *a: kda_chunked(*a)[0])(*f32)
-  g_ref = jax.jit(jax.grad(loss(kda_chunked), range(5)))(*f32)
-  for forward in forwards:  # each forward's output and gradients against the fp32 reference
-    kernel = functools.partial(chunked_kda, forward=forward)
-    try:
-      o = jax.jit(lambda *a: kernel(*a)[0])(*x)
-      g_pal = jax.jit(jax.grad(loss(kernel), range(5)))(*x)
-    except Exception as e:  # e.g. the fused forward off Hopper: the other rows still run
-      print(
-          json.dumps({
-              "kda_correctness_vs_fp32_reference": list(correctness_shape),
-              "forward": forward,
-              "failed": failed(e)
-          }), flush=True)
-      continue
-    errs = {
-        "o": rel_rms(o_ref, o)
-    } | {
-        f"d{n}": rel_rms(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta"), g_ref, g_pal)
-    }
-    print(
-        json.dumps({
-            "kda_correctness_vs_fp32_reference": list(correctness_shape),
-            "forward": forward,
-            "rel_rms": errs
-        }), flush=True)
+  impls = kda_settings(walks, forwards, scores, key_grads, qk_norms)
+  correctness("kda", impls, kda_chunked, kda_inputs, gates, correctness_shape)
   for shape, regime in itertools.product(shapes, gates):
     x = kda_inputs(shape, gates=regime)
     row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
-    impls = []
-    for kind, key_kind, norm in itertools.product(scores, key_grads,
-                                                  qk_norms):  # the defaults unnamed
-      named = (("" if kind == "by_layout" else f",scores={kind}") +
-               ("" if key_kind == "by_layout" else f",key_grads={key_kind}") +
-               ("" if norm == "kernel" else f",qk_norm={norm}"))
-      kernels = dict(scores=kind, key_grads=key_kind, qk_norm=norm)
-      impls += [(f"pallas[state_walk={walk}{named}]",
-                 functools.partial(chunked_kda, state_walk=walk, forward="split", **kernels))
-                for walk in walks
-                if "split" in forwards]
-      if "fused" in forwards:  # its backward's walk: "auto"
-        impls.append((f"pallas[forward=fused{named}]",
-                      functools.partial(chunked_kda, forward="fused", **kernels)))
     bench_shape(row, "kda", impls, kda_chunked, x, shape, skip_reference, peers)
     del x
   if breakdown:  # after the comparisons: a run cut short keeps those
@@ -539,22 +555,26 @@ def main():
   ap.add_argument("--state-walks", nargs="+", choices=STATE_WALKS, default=list(STATE_WALKS),
                   help="--op kda: the state walks to time (auto: mosaic where it runs)")
   ap.add_argument(
-      "--kda-scores", nargs="+", choices=SCORE_KERNELS, default=list(SCORE_KERNELS),
-      help="--op kda: the in-chunk scores' kernels to time: the factored chunks' and then "
-      "the others' (by_layout, the default), or one kernel branching per chunk")
+      "--kda-scores", nargs="+", choices=SCORE_KERNELS, default=[KDA_DEFAULTS["scores"]],
+      help="--op kda: the in-chunk scores' kernels to time: one kernel branching per chunk "
+      "(one_kernel), one per layout (by_layout), or the SUB_CHUNKS chunks' and then the "
+      "others' (sub_chunks_first); default: the op's own")
   ap.add_argument(
       "--kda-forwards", nargs="+", choices=("split", "fused"), default=None,
       help="--op kda: the forwards to time: split (with each of --state-walks) "
       "and fused (walk and outputs in one Mosaic GPU kernel, Hopper); by default the "
       "op's own: fused on Hopper, else split")
   ap.add_argument(
-      "--kda-key-grads", nargs="+", choices=SCORE_KERNELS, default=["by_layout"],
-      help="--op kda: the key gradients' kernels to time: the whole-chunk-anchored chunks' "
-      "and then the others' (by_layout, the default), or one kernel branching per chunk")
+      "--kda-key-grads", nargs="+", choices=KEY_GRAD_KERNELS, default=[KDA_DEFAULTS["key_grads"]],
+      help="--op kda: the key gradients' kernels to time: one kernel branching per chunk "
+      "(one_kernel), the whole-chunk-anchored chunks' and then the others' (by_layout), or "
+      "the others' and then the whole-chunk-anchored ones' (other_chunks_first); default: "
+      "the op's own")
   ap.add_argument(
-      "--kda-qk-norms", nargs="+", choices=QK_NORMS, default=["kernel"],
-      help="--op kda: where the L2 norm of q and k runs: inside the first scores kernel "
-      "(kernel, the default) or as a plain-JAX pass before the kernels (xla)")
+      "--kda-qk-norms", nargs="+", choices=QK_NORMS, default=[KDA_DEFAULTS["qk_norm"]],
+      help="--op kda: where the L2 norm of q and k runs: as a plain-JAX pass before the "
+      "kernels (xla) or inside the first scores kernel (kernel, with --kda-scores "
+      "by_layout); default: the op's own")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
@@ -564,13 +584,13 @@ def main():
                      args.state_walks, args.kda_forwards or default_kda_forwards(),
                      scores=args.kda_scores, key_grads=args.kda_key_grads,
                      qk_norms=args.kda_qk_norms)
-  correctness(args.tiling)
+  gla_impls = [(f"pallas{name}", functools.partial(chunked_gla, tiling=tiling))
+               for name, tiling in args.tiling]
+  correctness("gla", gla_impls, gla_chunked, inputs_at, args.gates)
   for shape, regime in itertools.product(args.shapes, args.gates):
     x = inputs(*shape, gates=regime)
     row = {"op": "gla", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
-    impls = [(f"pallas{name}", lambda *a, t=tiling: chunked_gla(*a, tiling=t))
-             for name, tiling in args.tiling]
-    bench_shape(row, "gla", impls, gla_chunked, x, shape, args.skip_reference, args.peers)
+    bench_shape(row, "gla", gla_impls, gla_chunked, x, shape, args.skip_reference, args.peers)
     del x
   if args.breakdown:  # after the comparisons: a run cut short keeps those
     for tiling, regime in itertools.product(breakdown_tilings(args.tiling), args.gates):

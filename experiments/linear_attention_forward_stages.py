@@ -6,7 +6,9 @@
 Each stage alone (`experiments.timing.median_ms`: one call at a time, so every figure
 carries a launch and a wait; compare stages, not sums), then the whole forward of each
 side. Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, the in-chunk
-scores (and the same normalising q and k on its way, as chunked_kda does by default),
+scores in each form (one kernel, chunked_kda's default; one kernel per layout, and the
+same normalising q and k on its way, as chunked_kda(scores="by_layout", qk_norm="kernel")
+does; the SUB_CHUNKS chunks' kernel first),
 scores and solve together, the fused state walk and outputs. jla (when installed):
 its cumulative decay, its in-chunk kernel with the L2 norm inside and the decayed rows out
 (the forward's path when no gradient is asked), without the norm, without the rows, its
@@ -38,11 +40,13 @@ def ours(q, k, v, g, beta):
   qp, kp, vp, b, runs = _chunk_prep.prepare(*norm(q, k), v, g, None, B, T)
   ci, il = _chunk_prep.segment_masks(runs)
   ms["cumsum"] = median_ms(jax.jit(chunk_cumsum), g)
-  scores = jax.jit(
-      lambda q, k, b, beta: chunk_scores(q, k, b, beta, runs, ci, il, cd=cd, interpret=interp))
-  ms["scores"] = median_ms(scores, qp, kp, b, beta)
-  normalizing = jax.jit(lambda q, k, b, beta: chunk_scores(q, k, b, beta, runs, ci, il, cd=cd,
-                                                           interpret=interp, normalize=True))
+  for name, form in (("scores", "one_kernel"), ("scores_by_layout", "by_layout"),
+                     ("scores_sub_chunks_first", "sub_chunks_first")):
+    scores = jax.jit(lambda q, k, b, beta, form=form: chunk_scores(q, k, b, beta, runs, ci, il, cd=
+                                                                   cd, interpret=interp, form=form))
+    ms[name] = median_ms(scores, qp, kp, b, beta)
+  normalizing = jax.jit(lambda q, k, b, beta: chunk_scores(
+      q, k, b, beta, runs, ci, il, cd=cd, interpret=interp, form="by_layout", normalize=True))
   ms["scores_normalizing_q_k"] = median_ms(normalizing,
                                            *_chunk_prep.prepare(q, k, v, g, None, B, T)[:2], b,
                                            beta)

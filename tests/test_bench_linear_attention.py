@@ -1,13 +1,15 @@
 """experiments/bench_linear_attention.py at a tiny shape on CPU (kernels interpreted): the
 per-kernel breakdowns call every GLA and KDA kernel, the fused forwards' included, and the
-correctness checks report each GLA setting and each KDA forward, so the benchmark keeps
+correctness checks report each setting of either op in each gate regime, so the benchmark keeps
 up with the kernels' signatures. Each kernel runs once here (the GPU run repeats them)."""
+import functools
 import json
 import time
 
 import jax
 
 from experiments import bench_linear_attention as bench
+from pallas_kernels.linear_attention import chunked_gla, gla_chunked
 from pallas_kernels.linear_attention.gla import Tiling
 
 
@@ -21,9 +23,10 @@ def _once(f, *args, **timing):
 def test_breakdown_runs_every_kernel(monkeypatch):
   monkeypatch.setattr(bench, "median_ms", _once)
   ms = bench.kernel_breakdown((1, 128, 2, 64), Tiling())["kernel_ms"]
-  for name in ("prepare", "states", "scores", "outputs", "state_grads", "score_grads",
-               "value_grads", "key_grads", "key_grads_by_layout", "fused.scores_with_decayed_rows",
-               "fused.decayed_rows_xla", "fused.state_outputs"):
+  for name in ("prepare", "states", "scores", "scores_by_layout", "scores_sub_chunks_first",
+               "outputs", "state_grads", "score_grads", "value_grads", "key_grads",
+               "key_grads_by_layout", "fused.scores_with_decayed_rows", "fused.decayed_rows_xla",
+               "fused.state_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 
@@ -31,28 +34,42 @@ def test_kda_breakdown_runs_every_kernel(monkeypatch):
   monkeypatch.setattr(bench, "median_ms", _once)
   ms = bench.kda_kernel_breakdown((1, 64, 1, 64))["kernel_ms"]
   for name in ("intra", "intra_with_inverse", "intra_with_inverse_solve_8_warps", "of_which_scores",
-               "scores_factored_8_warps", "scores_normalizing_q_k", "scores_in_one_kernel",
-               "output", "dv_local", "wy_grads", "key_grads", "key_grads_8_warps",
-               "key_grads_in_one_kernel", "key_grads_other_chunks_8_warps", "states_triton",
+               "scores_by_layout", "scores_sub_chunks_first", "scores_normalizing_q_k", "output",
+               "dv_local", "wy_grads", "key_grads", "key_grads_8_warps", "key_grads_by_layout",
+               "key_grads_other_chunks_first", "key_grads_other_chunks_8_warps", "states_triton",
                "state_grads_triton", "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 
-def test_correctness_reports_each_setting(capsys):
-  bench.correctness([("", Tiling()), ("[block_k=32]", Tiling(block_k=32))], shape=(1, 64, 1, 64))
+def test_correctness_reports_each_setting_in_each_gate_regime(capsys):
+  impls = [("", Tiling()), ("[block_k=32]", Tiling(block_k=32))]
+  impls = [(name, functools.partial(chunked_gla, tiling=t)) for name, t in impls]
+  bench.correctness("gla", impls, gla_chunked, bench.inputs_at, ["logsigmoid", "logsigmoid_strong"],
+                    shape=(1, 128, 1, 64))
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-  assert [r["setting"] for r in rows] == ["", "[block_k=32]"]
+  assert [(r["gates"], r["setting"]) for r in rows] == [("logsigmoid", ""),
+                                                        ("logsigmoid", "[block_k=32]"),
+                                                        ("logsigmoid_strong", ""),
+                                                        ("logsigmoid_strong", "[block_k=32]")]
   for r in rows:
     assert set(r["rel_rms"]) == {"o", "dq", "dk", "dv", "dg"}
     assert all(e < 1e-2 for e in r["rel_rms"].values()), r
 
 
-def test_kda_correctness_reports_each_forward(capsys):
-  bench.bench_kda([], skip_reference=True, forwards=("fused",), correctness_shape=(1, 64, 1, 64))
+def test_kda_correctness_reports_each_setting(capsys):
+  """Each setting asked for, named by how it differs from chunked_kda's defaults."""
+  bench.bench_kda([], skip_reference=True, forwards=("fused",), gates=("logsigmoid_strong",),
+                  scores=("one_kernel", "by_layout"), qk_norms=("kernel",),
+                  correctness_shape=(1, 64, 1, 64))
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-  assert [r["forward"] for r in rows] == ["fused"]
-  assert set(rows[0]["rel_rms"]) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
-  assert all(e < 1e-2 for e in rows[0]["rel_rms"].values()), rows[0]
+  assert [r["setting"] for r in rows] == [
+      "pallas[forward=fused,qk_norm=kernel]",
+      "pallas[forward=fused,scores=by_layout,qk_norm=kernel]"
+  ]
+  for r in rows:
+    assert r["gates"] == "logsigmoid_strong"
+    assert set(r["rel_rms"]) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
+    assert all(e < 1e-2 for e in r["rel_rms"].values()), r
 
 
 def test_kda_init_gates_put_some_chunks_past_one_anchor():
@@ -103,6 +120,35 @@ def test_forward_stages_time_every_stage_of_ours(monkeypatch):
   x = bench.inputs(1, 128, 1, 64, gates="logsigmoid_strong")
   beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), (1, 128, 1)))
   ms = stages.ours(*x, beta)
-  for name in ("normalize", "cumsum", "scores", "scores_normalizing_q_k", "scores_and_solve",
-               "forward"):
+  for name in ("normalize", "cumsum", "scores", "scores_by_layout", "scores_sub_chunks_first",
+               "scores_normalizing_q_k", "scores_and_solve", "forward"):
     assert ms[name] > 0, (name, ms)
+
+
+def test_scores_check_finds_every_scores_kernel_exact_in_every_regime():
+  """experiments/linear_attention_scores_check.py at a tiny shape (interpreted): each
+  scores kernel form within rounding of the per-channel plain-JAX products, in the
+  regimes that take WHOLE_CHUNK and HALVES chunks; a wrong A (half of A_qk) is told."""
+  from experiments import linear_attention_scores_check as check
+  for gates in ("logsigmoid", "logsigmoid_strong"):
+    row = check.check((1, 128, 1, 64), gates)
+    for form in ("by_layout", "one_kernel", "sub_chunks_first"):
+      assert max(row[form].values()) < 1e-2, (gates, form, row)
+  q, k, v, g = bench.inputs(1, 128, 1, 64, gates="logsigmoid_strong")
+  from pallas_kernels.linear_attention import _chunk_prep
+  q, k, v, b, _ = _chunk_prep.prepare(q, k, v, g, None, 1, 128)
+  beta = jax.numpy.ones((1, 128, 1))
+  a_kk, a_qk = check.plain_scores(q, k, b, beta)
+  assert check.max_error(a_qk / 2, a_qk) > 1e-2
+
+
+def test_two_pass_writes_keep_both_kernels_blocks_interpreted():
+  """The scores check's probe of two kernels writing one output (through
+  input_output_aliases): every form right where it is interpreted; on the GPU it says
+  which form, if any, loses writes."""
+  from experiments import linear_attention_scores_check as check
+  assert check.two_pass_writes(n=4, size=16) == {
+      "flag": True,
+      "program_id": True,
+      "flag_masked_stores": True
+  }

@@ -208,11 +208,11 @@ def factored_or(factored_ok, factored, others):
     jax.lax.cond(factored_ok, factored, others)
 
 
-def if_whole_chunk(b_ref, compute):
-  """The first pass: compute() for a chunk whose decays factor over one anchor, with only
-    that path compiled; else nothing."""
+def if_whole_chunk(b_ref, compute, otherwise=lambda: None):
+  """compute() for a chunk whose decays factor over one anchor, with only that path
+    compiled; else otherwise()."""
   anchors, whole = whole_chunk_anchors(b_ref)
-  jax.lax.cond(whole, lambda: compute(lambda: (anchors, True)), lambda: None)
+  jax.lax.cond(whole, lambda: compute(lambda: (anchors, True)), otherwise)
 
 
 def unless_whole_chunk(b_ref, compute):
@@ -222,13 +222,29 @@ def unless_whole_chunk(b_ref, compute):
   jax.lax.cond(whole, lambda: None, lambda: compute(lambda: sub_chunk_anchors(b_ref)))
 
 
-# The scores kernels by layout (chunk_scores(by_layout=True)): the first pass forms the
-# WHOLE_CHUNK chunks' scores and records every chunk's layout in a [C] int32 block; a
-# second pass forms the HALVES chunks', a third the SUB_CHUNKS ones', each compiled with its
-# own path alone (one kernel holding two or three of them spills more: experiments/
-# kernel_resources.py). The GLA and KDA ops' choice of scores kernels: these passes, or one
-# kernel that branches per chunk.
-SCORE_KERNELS = ("by_layout", "one_kernel")
+# The forms of the scores' kernels (chunk_scores(form=...)), the GLA and KDA ops' choice:
+#   one_kernel        one kernel that branches per chunk on its layout;
+#   by_layout         the first kernel forms the WHOLE_CHUNK chunks' scores and records
+#                     every chunk's layout in a [C] int32 block; a second forms the HALVES
+#                     chunks', a third the SUB_CHUNKS ones', each into the first one's
+#                     output (input_output_aliases) and compiled with its own path alone
+#                     (one kernel holding two or three of them spills more:
+#                     experiments/kernel_resources.py). Wrong on the GPU where a chunk is
+#                     not WHOLE_CHUNK (docs/performance.md): kept to find out why;
+#   sub_chunks_first  the SUB_CHUNKS chunks' kernel first, into arrays of its own; then
+#                     one kernel for the WHOLE_CHUNK and HALVES chunks that copies the
+#                     SUB_CHUNKS chunks' blocks in. Every output is written by one kernel,
+#                     without aliasing, and the exact path's registers stay out of the
+#                     kernel that takes the common layouts. Both kernels decide a chunk's
+#                     layout by bounds_from_ends.
+SCORE_KERNELS = ("one_kernel", "by_layout", "sub_chunks_first")
+# The forms of the key gradients' kernels (KDA: _kda_key_grads.chunk_key_grads(form=...);
+# GLA: one_kernel and by_layout): one kernel branching per chunk; the whole-chunk-anchored
+# chunks' kernel, then the others' into its outputs (by_layout, the scores' by_layout
+# pattern); or the others' kernel first, into arrays of its own, then the whole-chunk
+# chunks' that copies their rows in (other_chunks_first, KDA only, the pattern of the
+# scores' sub_chunks_first).
+KEY_GRAD_KERNELS = ("one_kernel", "by_layout", "other_chunks_first")
 
 
 def by_score_layout(b_ref, b, whole_chunk, halves, sub_chunks):
@@ -236,6 +252,33 @@ def by_score_layout(b_ref, b, whole_chunk, halves, sub_chunks):
     (WHOLE_CHUNK, HALVES, SUB_CHUNKS); b: b_ref's rows, already loaded."""
   jax.lax.cond(
       midpoint(b)[1], whole_chunk, lambda: jax.lax.cond(halves_bounded(b_ref), halves, sub_chunks))
+
+
+def bounds_from_ends(b_ref):
+  """(whole, halves): whether the chunk takes WHOLE_CHUNK, and HALVES, for the scores, from
+    the six rows of b_ref [C, D] that bound it: with log decays g <= 0, b falls in every
+    channel, so a span's range is the gap between its ends, and these are the bounds
+    by_score_layout and score_layouts test on every token, for a sixth of the loads."""
+  row = lambda t: rows(b_ref, t, 1)
+  whole = jnp.max(row(0) - row(C - 1)) <= 2.0 * FACTOR_LIMIT
+  gap = None
+  for start in (0, HALF):
+    anchor = row(start + HALF_ANCHOR)
+    widest = jnp.maximum(row(start) - anchor, anchor - row(start + HALF - 1))
+    gap = widest if gap is None else jnp.maximum(gap, widest)
+  return whole, jnp.max(gap) <= HALF_LIMIT
+
+
+def if_sub_chunks_from_ends(b_ref, sub_chunks):
+  """sub_chunks() for a chunk that takes SUB_CHUNKS by bounds_from_ends, else nothing."""
+  whole, halves = bounds_from_ends(b_ref)
+  jax.lax.cond(whole | halves, lambda: None, sub_chunks)
+
+
+def by_layout_from_ends(b_ref, whole_chunk, halves, sub_chunks):
+  """whole_chunk(), halves() or sub_chunks() by the chunk's layout (bounds_from_ends)."""
+  whole, halved = bounds_from_ends(b_ref)
+  jax.lax.cond(whole, whole_chunk, lambda: jax.lax.cond(halved, halves, sub_chunks))
 
 
 def record_layout(flag_ref, b_ref, b):

@@ -7,10 +7,10 @@ are built per 16-token sub-chunk: blocks below the diagonal factor the decay thr
 sub-chunk boundary (_score_rows: both factors <= 1, so one tensor-core matmul per 16x16
 block); diagonal blocks factor through the sub-chunk's first token where its decays
 allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly, one key at
-a time, so decays down to g = -20 per token stay finite. By default each layout runs in
-its own kernel (chunk_scores(by_layout=True)): the WHOLE_CHUNK chunks' first, then the
-HALVES and the SUB_CHUNKS ones' over its output. dA = scale * do v^T needs no decay at
-all.
+a time, so decays down to g = -20 per token stay finite. The kernels come in the forms of
+_chunk_factors.SCORE_KERNELS (chunk_scores(form=...)): one kernel branching per chunk (the
+default), one kernel per layout over the first one's output, or the SUB_CHUNKS chunks'
+kernel first and one for the others after it. dA = scale * do v^T needs no decay at all.
 """
 import functools
 
@@ -137,6 +137,26 @@ def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, la
   factors.if_layout(flag_ref, layout, compute)
 
 
+def _sub_chunks_first_kernel(q_ref, k_ref, b_ref, r_ref, a_ref, *, cd):
+  """form="sub_chunks_first", the first kernel: A of the SUB_CHUNKS chunks, into an array of
+    its own (the other chunks' blocks are left unwritten and never read)."""
+  factors.if_sub_chunks_from_ends(b_ref,
+                                  lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
+
+
+def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, r_ref, a_sub_ref, *refs, decayed):
+  """form="sub_chunks_first", the second kernel: A of the WHOLE_CHUNK and HALVES chunks and
+    the first kernel's blocks of the others (and qg, kg of every chunk with `decayed`)."""
+  b = rows(b_ref, 0, C)
+  a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
+
+  def copied():
+    a_ref[...] = a_sub_ref[...]
+
+  factors.by_layout_from_ends(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
+                              lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref), copied)
+
+
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
   """dA = scale * do v^T on the causal same-segment pairs, and its transpose."""
   v, do, r = v_ref[...], do_ref[...], r_ref[...]
@@ -152,15 +172,18 @@ FACTORED_WARPS = 4
 
 
 def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None,
-                 by_layout=True):
+                 form="one_kernel"):
   """The in-chunk scores A [B, H, NT, C, C] (unscaled, zero above the diagonal) in the
     compute dtype: every use of A is a matmul operand in that dtype (A v, A^T do);
     num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
     decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
-    compute dtype (see _decayed_rows). by_layout: three kernels, the WHOLE_CHUNK chunks'
-    (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps), instead
-    of one kernel that branches per chunk (num_warps), which spills more
-    (experiments/kernel_resources.py)."""
+    compute dtype (see _decayed_rows). form (_chunk_factors.SCORE_KERNELS): one kernel
+    that branches per chunk (num_warps); by_layout, three kernels, the WHOLE_CHUNK
+    chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
+    sub_chunks_first, the SUB_CHUNKS chunks' kernel (num_warps), then the others'
+    (FACTORED_WARPS)."""
+  if form not in factors.SCORE_KERNELS:
+    raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   B, Tp, H, Dk = q.shape
   g = Grid()
   cd = compute_dtype(q.dtype)
@@ -174,10 +197,20 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     out_specs += (g.chunk(Dk), g.chunk(Dk))
     outs += (jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
   grid, launch = (B, H, Tp // C, 1), dict(interpret=interpret, num_stages=num_stages)
-  if not by_layout:
+  if form == "one_kernel":
     out = chunk_call(functools.partial(_scores_kernel, cd=cd,
                                        decayed=decayed), grid, specs, out_specs, outs,
                      num_warps=num_warps, name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
+    return tuple(out) if decayed else out[0]
+  if form == "sub_chunks_first":
+    (exact,) = chunk_call(functools.partial(_sub_chunks_first_kernel, cd=cd), grid, specs[:4],
+                          (g.scores(),), outs[:1], num_warps=num_warps,
+                          name="gla_chunk_scores_sub_chunks_first", **launch)(q, k, b, runs)
+    out = chunk_call(functools.partial(_after_sub_chunks_kernel,
+                                       decayed=decayed), grid, specs[:4] + [g.scores()] + specs[4:],
+                     out_specs, outs, num_warps=FACTORED_WARPS,
+                     name="gla_chunk_scores_after_sub_chunks", **launch)(q, k, b, runs, exact,
+                                                                         *flags)
     return tuple(out) if decayed else out[0]
   *out, layout = chunk_call(functools.partial(_whole_chunk_pass_kernel, decayed=decayed), grid,
                             specs, out_specs + (g.layout_flag(),), outs + (jax.ShapeDtypeStruct(

@@ -91,7 +91,7 @@ SOLVE_WARPS = 4
 
 
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
-                scores_by_layout=True, solve_warps=SOLVE_WARPS, normalize=False):
+                scores="one_kernel", solve_warps=SOLVE_WARPS, normalize=False):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd; with `normalize`, q and k are L2-normalised
     per token by the first scores kernel (chunk_scores), and the normalised q, k [B,Tp,H,Dk]
@@ -100,7 +100,7 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
   Dv = v.shape[-1]
   n = Tp // C
   qg, kg, kw, a_kk, a_qk, *normed = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
-                                                 interpret=interpret, by_layout=scores_by_layout,
+                                                 interpret=interpret, form=scores,
                                                  normalize=normalize)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
   out_specs, out_shape = [keys, values], [L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)]

@@ -232,21 +232,47 @@ def _other_chunks_pass_kernel(*refs, **kw):
   factors.unless_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
 
 
+def _other_chunks_first_kernel(*refs, **kw):
+  """form="other_chunks_first", the first kernel: the chunks not anchored whole (in this
+    key block's channels), into arrays of its own (the others' rows are left unwritten
+    and never read)."""
+  ins, outs = refs[:13], refs[13:]
+  factors.unless_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
+
+
+def _after_other_chunks_kernel(*refs, **kw):
+  """form="other_chunks_first", the second kernel: the chunks anchored whole, and the first
+    kernel's rows of the others."""
+  ins, firsts, outs = refs[:13], refs[13:17], refs[17:]
+
+  def copied():
+    for first, out in zip(firsts, outs):
+      out[...] = first[...]
+
+  factors.if_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw),
+                         copied)
+
+
 # 4 warps: two programs an SM (by shared memory), with spills on the factored path; 8:
 # none, one program; they tied (docs/kernel_tuning.md, "KDA key gradients").
 WARPS = 4
 
 
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale, block_k,
-                    block_v, cd, interpret, num_warps=WARPS, by_layout=True, other_warps=None):
+                    block_v, cd, interpret, num_warps=WARPS, form="one_kernel", other_warps=None):
   """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
 
-    by_layout: two kernels, the whole-chunk-anchored chunks' and then the others', each
-    compiled with its own path alone (the one kernel holds the bridged per-sub-chunk
-    operands beside the loop-invariant ones wherever it runs, and spills), or (False) one
-    kernel that branches per chunk; docs/kernel_tuning.md, "KDA key gradients".
-    other_warps: the second kernel's warps (default num_warps): at eight it holds its
-    registers without spilling, at one program an SM (experiments/kernel_resources.py)."""
+    form (_chunk_factors.KEY_GRAD_KERNELS): one kernel that branches per chunk; by_layout,
+    two kernels, the whole-chunk-anchored chunks' and then the others' into its outputs,
+    each compiled with its own path alone (the one kernel holds the bridged per-sub-chunk
+    operands beside the loop-invariant ones wherever it runs, and spills;
+    docs/kernel_tuning.md, "KDA key gradients"); other_chunks_first, the others' kernel
+    first, into arrays of its own, then the whole-chunk-anchored chunks' kernel, which
+    copies their rows in. other_warps: the kernel of the chunks not anchored whole
+    (default num_warps): at eight it holds its registers without spilling, at one program
+    an SM (experiments/kernel_resources.py)."""
+  if form not in factors.KEY_GRAD_KERNELS:
+    raise ValueError(f"form = {form!r}: expected one of {list(factors.KEY_GRAD_KERNELS)}")
   B, Tp, H, Dk = q.shape
   Dv = do.shape[-1]
   nk = Dk // block_k
@@ -266,16 +292,22 @@ def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da,
   kw = dict(scale=scale, cd=cd, block_v=block_v)
   args = (q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da)
   grid = (B, H, Tp // C, nk)
-  if not by_layout:
+  others = launch | dict(num_warps=other_warps or num_warps)
+  if form == "one_kernel":
     outs = L.call(functools.partial(_key_grads_kernel, **kw), grid, in_specs, out_specs, out_shape,
                   name="kda_key_grads", **launch)(*args)
+  elif form == "other_chunks_first":
+    first = L.call(functools.partial(_other_chunks_first_kernel, **kw), grid, in_specs, out_specs,
+                   out_shape, name="kda_key_grads_other_chunks_first", **others)(*args)
+    outs = L.call(functools.partial(_after_other_chunks_kernel,
+                                    **kw), grid, in_specs + list(out_specs), out_specs, out_shape,
+                  name="kda_key_grads_after_other_chunks", **launch)(*args, *first)
   else:
     first = L.call(functools.partial(_whole_chunk_pass_kernel, **kw), grid, in_specs, out_specs,
                    out_shape, name="kda_key_grads_whole_chunk", **launch)(*args)
     outs = L.call(functools.partial(_other_chunks_pass_kernel,
                                     **kw), grid, in_specs + list(out_specs), out_specs, out_shape,
                   name="kda_key_grads_other_chunks",
-                  input_output_aliases={13 + i: i for i in range(4)},
-                  **(launch | dict(num_warps=other_warps or num_warps)))(*args, *first)
+                  input_output_aliases={13 + i: i for i in range(4)}, **others)(*args, *first)
   dq, dk, db, dbeta = outs
   return dq, dk, db, jnp.sum(dbeta, axis=1)

@@ -10,9 +10,10 @@ matrix, or two. Others go by
 16-token sub-chunks: keys of earlier sub-chunks are one block (_score_rows: one
 tensor-core matmul each for A_kk and A_qk); the diagonal block factors through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and is otherwise
-formed exactly, one key at a time. By default each layout runs in its own kernel
-(chunk_scores(by_layout=True)): the WHOLE_CHUNK chunks' first, then the HALVES and the
-SUB_CHUNKS ones' over its outputs, so that none holds the registers of another's path.
+formed exactly, one key at a time. The kernels come in the forms of
+_chunk_factors.SCORE_KERNELS: one kernel branching per chunk (the default), one kernel per
+layout over the first one's outputs, or the SUB_CHUNKS chunks' kernel first and one for the
+others after it.
 """
 import functools
 
@@ -176,21 +177,51 @@ def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, 
   factors.if_layout(flag_ref, layout, compute)
 
 
+def _sub_chunks_first_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, *, cd):
+  """form="sub_chunks_first", the first kernel: A_kk and A_qk of the SUB_CHUNKS chunks, into
+    arrays of its own (the other chunks' blocks are left unwritten and never read)."""
+  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
+  factors.if_sub_chunks_from_ends(b_ref, lambda: _by_sub_chunks(*refs, cd))
+
+
+def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, akk_sub_ref,
+                             aqk_sub_ref, qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref):
+  """form="sub_chunks_first", the second kernel: qg, kg and kw of every chunk, A_kk and A_qk
+    of the WHOLE_CHUNK and HALVES chunks, and the first kernel's blocks of the others."""
+  b = rows(b_ref, 0, C)
+  q, k = _chunk_rows(q_ref, k_ref, ())
+  store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
+  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
+
+  def copied():
+    akk_ref[...] = akk_sub_ref[...]
+    aqk_ref[...] = aqk_sub_ref[...]
+
+  factors.by_layout_from_ends(b_ref, lambda: _whole_chunk(q, k, b, *refs[3:]),
+                              lambda: _halves(*refs), copied)
+
+
 # The first pass's warps: four ran faster than eight (docs/kernel_tuning.md, "KDA in-chunk
 # scores"); it spills little since it takes WHOLE_CHUNK chunks alone.
 FACTORED_WARPS = 4
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
-                 by_layout=True, factored_warps=FACTORED_WARPS, normalize=False):
+                 form="one_kernel", factored_warps=FACTORED_WARPS, normalize=False):
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), and with `normalize` q and k L2-normalised per token (in
     their dtypes), from which all of it is formed: the first kernel normalises them on its
-    way (by_layout only).
+    way (form="by_layout" only).
 
-    by_layout: three kernels, the WHOLE_CHUNK chunks' (factored_warps), then the HALVES
-    ones' and the SUB_CHUNKS ones' (num_warps), instead of one kernel that branches per
-    chunk (num_warps), which spills more (experiments/kernel_resources.py)."""
+    form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
+    by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps), then the HALVES
+    ones' and the SUB_CHUNKS ones' (num_warps); sub_chunks_first, the SUB_CHUNKS chunks'
+    kernel (num_warps), then the others' (factored_warps)."""
+  if form not in factors.SCORE_KERNELS:
+    raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
+  if normalize and form != "by_layout":
+    raise ValueError(f"chunk_scores(normalize=True) needs form='by_layout', not {form!r}")
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -199,12 +230,19 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   inputs = [keys, keys, keys, L.chunk_beta(), flag, flag, flag]
   # two stages keep the sub-chunk path's loads over earlier sub-chunks in flight
   launch = dict(interpret=interpret, num_warps=num_warps, num_stages=2)
-  if not by_layout:
-    if normalize:
-      raise ValueError("chunk_scores(normalize=True) needs by_layout=True")
+  if form == "one_kernel":
     return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n), inputs,
                   (keys, keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
+  if form == "sub_chunks_first":
+    exact = L.call(functools.partial(_sub_chunks_first_kernel,
+                                     cd=cd), (B, H, n), inputs[:5], (square, square), outputs[3:],
+                   name="kda_chunk_scores_sub_chunks_first", **launch)(q, k, b, beta, runs)
+    return L.call(_after_sub_chunks_kernel, (B, H, n), inputs + [square, square],
+                  (keys, keys, keys, square, square), outputs,
+                  name="kda_chunk_scores_after_sub_chunks",
+                  **(launch | dict(num_warps=factored_warps)))(q, k, b, beta, runs, carry_in,
+                                                               in_last, *exact)
   normed = (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)) if normalize else ()
   qg, kg, kw, a_kk, a_qk, layout_flags, *normed = L.call(
       _whole_chunk_pass_kernel, (B, H, n), inputs,

@@ -57,13 +57,19 @@ class Tiling(NamedTuple):
   # the fused forward's decayed rows qg, kg: written by the scores kernel ("scores", the
   # faster) or by one XLA fusion beside it ("xla"); docs/kernel_tuning.md, "GLA tiling"
   decayed_rows: str = "scores"
-  # the scores' kernels: the factored chunks', then the others' ("by_layout"), or one that
-  # branches per chunk ("one_kernel"); _gla_scores.chunk_scores
-  scores: str = "by_layout"
+  # the scores' kernels, a form of _chunk_factors.SCORE_KERNELS: one that branches per
+  # chunk ("one_kernel"), the WHOLE_CHUNK chunks', then the others' into its output
+  # ("by_layout", wrong on the GPU where a chunk is not WHOLE_CHUNK: docs/performance.md),
+  # or the SUB_CHUNKS chunks', then the others' ("sub_chunks_first"); _gla_scores
+  scores: str = "one_kernel"
   # the key gradients' kernels: one that branches per chunk ("one_kernel") or the
   # one-anchor chunks', then the others' ("by_layout"); _gla_chunks.chunk_key_grads
   key_grads: str = "one_kernel"
   interpret: bool = False
+
+
+# GLA's key gradients come in two of _chunk_factors.KEY_GRAD_KERNELS' forms
+_KEY_GRAD_FORMS = ("one_kernel", "by_layout")
 
 
 def state_walk_kind(t: Tiling, dtypes, Dk, Dv):
@@ -107,7 +113,7 @@ def _split_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
   del with_states  # the outputs kernel reads them: always in memory
   h, ht = _states(k, v, b, masks, h0, t)
   a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
-                   num_stages=t.score_stages, by_layout=t.scores == "by_layout")
+                   num_stages=t.score_stages, form=t.scores)
   o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v, interpret=t.interpret,
                     num_warps=t.chunk_warps)
   return (o, ht), a, h
@@ -115,7 +121,7 @@ def _split_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
 
 def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
   kw = dict(interpret=t.interpret, num_warps=t.score_warps, num_stages=t.score_stages,
-            by_layout=t.scores == "by_layout")
+            form=t.scores)
   if t.decayed_rows == "scores":
     a, qg, kg = chunk_scores(q, k, b, runs, decayed_with=masks, **kw)
   else:
@@ -146,10 +152,10 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
   if t.decayed_rows not in _DECAYED_ROWS:
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
-  for name in ("scores", "key_grads"):
-    if getattr(t, name) not in SCORE_KERNELS:
+  for name, known in (("scores", SCORE_KERNELS), ("key_grads", _KEY_GRAD_FORMS)):
+    if getattr(t, name) not in known:
       raise ValueError(f"Tiling.{name} = {getattr(t, name)!r}: expected one of "
-                       f"{list(SCORE_KERNELS)}")
+                       f"{list(known)}")
   fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
           Dv % _gla_forward_mosaic.BLOCK_V == 0)
   forward = choose_mosaic_or(

@@ -2,9 +2,10 @@
 backward (custom_vjp). Same contract as reference.kda_chunked.
 
 Forward, per 64-token chunk (see _kda_intra for the chunk form):
-  kda_chunk_scores (parallel) A_kk, A_qk, qg, kg, one kernel per in-chunk layout; the
-               first also L2-normalises q and k (qk_norm="kernel") and writes them for
-               the others and the backward
+  kda_chunk_scores (parallel) A_kk, A_qk, qg, kg: one kernel branching per chunk on its
+               in-chunk layout, or two or three (the forms of
+               _chunk_factors.SCORE_KERNELS); with scores="by_layout" the first can
+               also L2-normalise q and k (qk_norm="kernel")
   kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
                (_kda_states, or _kda_states_mosaic on Hopper)
@@ -15,8 +16,13 @@ Backward: the forward's in-chunk quantities and chunk states are its residuals, 
   kda_dv_local (parallel)   dv_local = scale A_qk^T do, dP = scale do v_new^T
   kda_state_grads (sequential, reverse) end-state gradients and dv_new
   kda_wy_grads (parallel)   dv, dX = T^T dv_new, dA, part of dbeta
-  kda_key_grads_whole_chunk, then kda_key_grads_other_chunks (parallel over chunks and
-               key-channel blocks; or kda_key_grads, one kernel) dq, dk, db, rest of dbeta
+  kda_key_grads (parallel over chunks and key-channel blocks; or two kernels, the forms of
+               _chunk_factors.KEY_GRAD_KERNELS) dq, dk, db, rest of dbeta
+The one-kernel forms are the defaults: the by_layout ones, whose later kernels write into
+the first one's outputs, gave wrong scores on the GPU where a chunk is not WHOLE_CHUNK
+(docs/performance.md, "Scores by layout: wrong on the GPU"); the forms whose first kernel
+takes the exact path into arrays of its own (sub_chunks_first, other_chunks_first) write
+each output from one kernel and are yet to be checked and timed there.
 """
 import functools
 from typing import NamedTuple
@@ -27,7 +33,7 @@ import jax.numpy as jnp
 from pallas_kernels import residuals
 from pallas_kernels.linear_attention import (_chunk_prep, _kda_forward_mosaic, _kda_states,
                                              _kda_states_mosaic)
-from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS
+from pallas_kernels.linear_attention._chunk_factors import KEY_GRAD_KERNELS, SCORE_KERNELS
 from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
                                                      l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
@@ -55,8 +61,8 @@ class Tiling(NamedTuple):
   state_walks: tuple[str, str]
   interpret: bool
   forward: str = "split"
-  scores: str = "by_layout"
-  key_grads: str = "by_layout"
+  scores: str = "one_kernel"
+  key_grads: str = "one_kernel"
   normalize: bool = False  # q, k L2-normalised by the first scores kernel (qk_norm="kernel")
 
 
@@ -128,8 +134,8 @@ def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
     quantities; (o, final state); per-chunk states; v_new): the last two None where the
     fused forward is not asked for them (not for_backward)."""
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
-                      emit_inverse=for_backward, interpret=t.interpret,
-                      scores_by_layout=t.scores == "by_layout", normalize=t.normalize)
+                      emit_inverse=for_backward, interpret=t.interpret, scores=t.scores,
+                      normalize=t.normalize)
   if t.normalize:
     *intra, q, k = intra
   return q, k, intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
@@ -169,8 +175,7 @@ def _kda_core_bwd(scale, t, res, cts):
                                                    scale=scale, **kw)
   dv, dx, da, dbeta_v = chunk_wy_grads(inverse, dvn, vn, v, beta, runs, **kw)
   dq, dk, db, dbeta_k = chunk_key_grads(q, k, b, beta, *masks, h, dh, do, vn, dx, dp, da,
-                                        scale=scale, block_k=t.block_k,
-                                        by_layout=t.key_grads == "by_layout", **kw)
+                                        scale=scale, block_k=t.block_k, form=t.key_grads, **kw)
   if raw:
     dq, dk = _normalize_vjp(raw[0], dq), _normalize_vjp(raw[1], dk)
   return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None
@@ -184,8 +189,8 @@ QK_NORMS = ("kernel", "xla")
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
-                state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
-                qk_norm="kernel"):
+                state_walk="auto", forward="auto", scores="one_kernel", key_grads="one_kernel",
+                qk_norm="xla"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -197,12 +202,13 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     "split" (state kernel, then outputs kernel), "fused" (both in one Mosaic GPU kernel:
     Hopper, or interpreted; where the Mosaic GPU walk fits) or "auto" ("fused" where it
     compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores, key_grads: the
-    in-chunk scores' and the key gradients' kernels, each one of
-    _chunk_factors.SCORE_KERNELS (one kernel branching per chunk, or one per layout
-    family). qk_norm: where normalize_qk's L2 norm runs, one of QK_NORMS: "kernel", inside
-    the first scores kernel, which writes the normalised q and k the later kernels read
-    (one pass through memory fewer; with scores="by_layout", else as "xla"), or "xla", a
-    plain-JAX pass before the kernels."""
+    in-chunk scores' and the key gradients' kernels, one of _chunk_factors.SCORE_KERNELS
+    and of KEY_GRAD_KERNELS (one kernel branching per chunk, the default, or two or three,
+    see the module's docstring). qk_norm: where normalize_qk's L2 norm
+    runs, one of QK_NORMS: "xla", a plain-JAX pass before the kernels (the default: the
+    faster, docs/performance.md), or "kernel", inside the first scores kernel, which
+    writes the normalised q and k the later kernels read (with scores="by_layout", else
+    as "xla")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -225,9 +231,10 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   walks = state_walk_kinds(state_walk, dtypes, Dk, bv, interpret)
   forward = check_forward(forward, mosaic_fits(dtypes, Dk, bv), interpret,
                           mosaic_requirement(dtypes, Dk, bv))
-  for name, choice in (("scores", scores), ("key_grads", key_grads)):
-    if choice not in SCORE_KERNELS:
-      raise ValueError(f"{name} = {choice!r}: expected one of {list(SCORE_KERNELS)}")
+  for name, choice, known in (("scores", scores, SCORE_KERNELS), ("key_grads", key_grads,
+                                                                  KEY_GRAD_KERNELS)):
+    if choice not in known:
+      raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
              scores=scores, key_grads=key_grads, normalize=in_kernel)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)

@@ -115,3 +115,42 @@ def test_score_layouts_take_halves_up_to_the_half_limit_from_each_anchor():
     assert int(factors.score_layouts(gates(-g_after))[0, 0, 0]) == layout, g_after
   mild = jnp.full((1, CHUNK, 1, 4), -2 * FACTOR_LIMIT / CHUNK * 0.9)
   assert int(factors.score_layouts(mild)[0, 0, 0]) == factors.WHOLE_CHUNK
+
+
+def test_bounds_from_ends_give_the_layout_of_every_token():
+  """bounds_from_ends (six rows of b) give score_layouts' layout (every token) for decays
+    that fall, chunk by chunk, on both sides of each limit."""
+  from jax.experimental import pallas as pl
+
+  def from_ends(g):
+    b = jnp.cumsum(g[0, :, 0].astype(jnp.float32), axis=0)  # [C, D]
+
+    def kernel(b_ref, out_ref):
+      whole, halves = factors.bounds_from_ends(b_ref)
+      layout = jnp.where(whole, factors.WHOLE_CHUNK,
+                         jnp.where(halves, factors.HALVES, factors.SUB_CHUNKS))
+      out_ref[...] = jnp.full((1,), layout, jnp.int32)
+
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), interpret=True)(b)
+    return int(out[0])
+
+  half, anchor = factors.HALF, factors.HALF_ANCHOR
+  cases = []
+  for scale in (0.9, 1.1):  # around WHOLE_CHUNK's limit, mild in every half
+    cases.append(jnp.full((1, CHUNK, 1, 4), -2 * FACTOR_LIMIT / (CHUNK - 1) * scale))
+  for start, stop in ((1, anchor + 1), (anchor + 1, half), (half + 1, half + anchor + 1),
+                      (half + anchor + 1, CHUNK)):  # each of the four gaps past HALF_LIMIT
+    for over in (-0.5, 0.5):
+      g = jnp.zeros((1, CHUNK, 1, 4)).at[0, start:stop, 0,
+                                         2].set(-(factors.HALF_LIMIT + over) / (stop - start))
+      cases.append(g)
+  key = jax.random.key(5)
+  for mean in (0.0, -3.0, -6.0):  # random gates in the three regimes
+    key, sub = jax.random.split(key)
+    cases.append(jax.nn.log_sigmoid(mean + jax.random.normal(sub, (1, CHUNK, 1, 16))))
+  seen = set()
+  for g in cases:
+    expected = int(factors.score_layouts(g)[0, 0, 0])
+    assert from_ends(g) == expected
+    seen.add(expected)
+  assert seen == {factors.WHOLE_CHUNK, factors.HALVES, factors.SUB_CHUNKS}

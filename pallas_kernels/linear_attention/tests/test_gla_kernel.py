@@ -78,13 +78,31 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
   _check(x, out_tol, grad_tol, tiling=Tiling(scores=scores))
 
 
-def test_scores_in_one_kernel_branching_per_chunk():
-  """Tiling(scores="one_kernel"): the scores of every layout from one kernel (the default
-  takes the factored chunks' kernel, then the others'); a name it does not know is
-  refused."""
+@pytest.mark.parametrize("layouts", ["three", "halves"])
+def test_scores_with_the_sub_chunks_kernel_first(layouts):
+  """Tiling(scores="sub_chunks_first"): the SUB_CHUNKS chunks' kernel into an array of its
+  own, then one for the others that copies them in; over WHOLE_CHUNK and SUB_CHUNKS chunks
+  (three) and HALVES ones at the gate bound (halves); with the fused forward's decayed rows
+  qg, kg too, as the one kernel writes them."""
+  from pallas_kernels.linear_attention import _chunk_prep, _gla_scores
+  data = with_three_layouts if layouts == "three" else with_halves
+  x = data(make_inputs(seed=23, T=192, Dk=32, Dv=32))
+  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="sub_chunks_first"))
+  q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], 1, 192)
+  masks = _chunk_prep.segment_masks(runs)
+  first, one = (_gla_scores.chunk_scores(q, k, b, runs, interpret=True, decayed_with=masks,
+                                         form=form) for form in ("sub_chunks_first", "one_kernel"))
+  for a, b in zip(first, one):
+    chex.assert_trees_all_close(a, b, atol=1e-6)
+
+
+def test_scores_in_one_kernel_per_layout():
+  """Tiling(scores="by_layout"): the WHOLE_CHUNK chunks' scores kernel, then the HALVES
+  and the SUB_CHUNKS ones' into its output (the default, one kernel branching per chunk,
+  runs in every other test); a name it does not know is refused."""
   x = with_three_layouts(make_inputs(seed=18, T=192, Dk=32, Dv=32))
-  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="one_kernel"))
-  with pytest.raises(ValueError, match=r"Tiling.scores = 'fused': expected one of \['by_layout'"):
+  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="by_layout"))
+  with pytest.raises(ValueError, match=r"Tiling.scores = 'fused': expected one of \['one_kernel'"):
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(scores="fused"))
 
 

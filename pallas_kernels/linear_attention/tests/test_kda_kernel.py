@@ -86,12 +86,13 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
 
 
 def test_qk_norm_in_the_first_scores_kernel_as_the_plain_jax_pass():
-  """qk_norm="kernel" (the default): the first scores kernel normalises q and k and writes
-  them for the others; the outputs and every gradient (through the normalisation's own
-  gradient in the backward) as with the plain-JAX pass, on unnormalised bf16 inputs."""
+  """qk_norm="kernel" (with scores="by_layout"): the first scores kernel normalises q and k
+  and writes them for the others; the outputs and every gradient (through the
+  normalisation's own gradient in the backward) as with the plain-JAX pass (the default),
+  on unnormalised bf16 inputs."""
   x = make_inputs(seed=21, T=150, Dk=32, Dv=32, dtype=jnp.bfloat16, min_log_decay=-5.0)
   args = [3.0 * x[n] if n in "qk" else x[n] for n in NAMES]
-  kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True, scores="by_layout")
   (o, s), grads = outputs_and_grads(
       lambda *a: chunked_kda(*a[:5], initial_state=a[5], qk_norm="kernel", **kw), *args)
   (o_x, s_x), grads_x = outputs_and_grads(
@@ -101,21 +102,35 @@ def test_qk_norm_in_the_first_scores_kernel_as_the_plain_jax_pass():
     assert rel_rms(a, b) < 1e-3, name
 
 
-def test_scores_in_one_kernel_branching_per_chunk():
-  """scores="one_kernel": the in-chunk scores of every layout from one kernel (the
-  default takes the factored chunks' kernel, then the others')."""
+@pytest.mark.parametrize("layouts", ["three", "halves"])
+def test_scores_with_the_sub_chunks_kernel_first(layouts):
+  """scores="sub_chunks_first": the SUB_CHUNKS chunks' kernel into arrays of its own, then
+  one for the others that copies them in; over WHOLE_CHUNK and SUB_CHUNKS chunks (three)
+  and HALVES ones at the gate bound (halves)."""
+  data = with_three_layouts if layouts == "three" else with_halves
+  x = data(make_inputs(seed=22, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  _assert_within(_errors(x, scores="sub_chunks_first"), 1e-4, 1e-4)
+
+
+def test_scores_in_one_kernel_per_layout():
+  """scores="by_layout": the WHOLE_CHUNK chunks' scores kernel, then the HALVES and the
+  SUB_CHUNKS ones' into its outputs (the default, one kernel branching per chunk, runs in
+  every other test)."""
   x = with_three_layouts(make_inputs(seed=17, T=192, Dk=32, Dv=32, segment_rate=0.03))
-  _assert_within(_errors(x, scores="one_kernel"), 1e-4, 1e-4)
+  _assert_within(_errors(x, scores="by_layout"), 1e-4, 1e-4)
 
 
 @pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
                                                       (jnp.bfloat16, 5e-3, 1e-2)])
-def test_key_gradients_in_one_kernel_branching_per_chunk(dtype, out_tol, grad_tol):
-  """key_grads="one_kernel": every layout from one kernel (and, in chunk 1, key blocks of
-  different layouts); the default, two kernels (the whole-chunk-anchored chunks', then the
-  others' into its outputs), runs in every other test."""
+@pytest.mark.parametrize("form", ["by_layout", "other_chunks_first"])
+def test_key_gradients_in_two_kernels_one_per_layout_family(form, dtype, out_tol, grad_tol):
+  """key_grads="by_layout" (the whole-chunk-anchored chunks' kernel, then the others' into
+  its outputs) and "other_chunks_first" (the others' kernel into arrays of its own, then
+  the whole-chunk-anchored chunks' that copies their rows in), over every layout (and, in
+  chunk 1, key blocks of different layouts); the default, one kernel branching per chunk,
+  runs in every other test."""
   x = with_three_layouts(make_inputs(seed=18, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
-  _assert_within(_errors(x, block_k=16, key_grads="one_kernel"), out_tol, grad_tol)
+  _assert_within(_errors(x, block_k=16, key_grads=form), out_tol, grad_tol)
 
 
 def test_fp32_exact_at_the_widest_key_head():
@@ -187,9 +202,9 @@ def test_bad_keywords_and_head_dims(small):
     chunked_kda(q[..., :12], k[..., :12], v, g[..., :12], beta)
   with pytest.raises(ValueError, match="block_v"):
     chunked_kda(*args, block_v=12)
-  with pytest.raises(ValueError, match=r"scores = 'fused': expected one of \['by_layout'"):
+  with pytest.raises(ValueError, match=r"scores = 'fused': expected one of \['one_kernel'"):
     chunked_kda(*args, scores="fused")
   with pytest.raises(ValueError, match=r"qk_norm = 'triton': expected one of \['kernel', 'xla'\]"):
     chunked_kda(*args, qk_norm="triton")
-  with pytest.raises(ValueError, match=r"key_grads = 'split': expected one of \['by_layout'"):
+  with pytest.raises(ValueError, match=r"key_grads = 'split': expected one of \['one_kernel'"):
     chunked_kda(*args, key_grads="split")
