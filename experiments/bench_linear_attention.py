@@ -367,11 +367,11 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
         q, k, b, beta, ci, il, h, dh, do, vn, dx, dp, da, scale=scale, block_k=min(D, 64),
         **(kw | setting)))
 
-  key = key_with()  # one kernel, chunked_kda's default
+  key = key_with()  # by layout, chunked_kda's default
   key_8_warps = key_with(num_warps=8)
-  key_by_layout = key_with(form="by_layout")
+  key_one_kernel = key_with(form="one_kernel")
   key_other_chunks_first = key_with(form="other_chunks_first")
-  key_other_chunks_8_warps = key_with(form="other_chunks_first", other_warps=8)
+  key_other_chunks_8_warps = key_with(other_warps=8)
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
@@ -424,8 +424,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(
                       median_ms(key_other_chunks_8_warps, qp, kp, b, beta, h, dh, vp, vn, dx, dp,
                                 da), 3),
-              "key_grads_by_layout":
-                  round(median_ms(key_by_layout, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
+              "key_grads_in_one_kernel":
+                  round(median_ms(key_one_kernel, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
               "key_grads_other_chunks_first":
                   round(
                       median_ms(key_other_chunks_first, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da),

@@ -35,7 +35,7 @@ def test_kda_breakdown_runs_every_kernel(monkeypatch):
   ms = bench.kda_kernel_breakdown((1, 64, 1, 64))["kernel_ms"]
   for name in ("intra", "intra_with_inverse", "intra_with_inverse_solve_8_warps", "of_which_scores",
                "scores_by_layout", "scores_sub_chunks_first", "scores_normalizing_q_k", "output",
-               "dv_local", "wy_grads", "key_grads", "key_grads_8_warps", "key_grads_by_layout",
+               "dv_local", "wy_grads", "key_grads", "key_grads_8_warps", "key_grads_in_one_kernel",
                "key_grads_other_chunks_first", "key_grads_other_chunks_8_warps", "states_triton",
                "state_grads_triton", "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
@@ -142,13 +142,16 @@ def test_scores_check_finds_every_scores_kernel_exact_in_every_regime():
   assert check.max_error(a_qk / 2, a_qk) > 1e-2
 
 
-def test_two_pass_writes_keep_both_kernels_blocks_interpreted():
+def test_two_pass_writes_keep_both_kernels_blocks_interpreted_and_lower_for_hopper():
   """The scores check's probe of two kernels writing one output (through
-  input_output_aliases): every form right where it is interpreted; on the GPU it says
-  which form, if any, loses writes."""
+  input_output_aliases): every form right where it is interpreted (on the GPU it says which
+  form, if any, loses writes), and every form's two kernels lower for Hopper here."""
+  from experiments import kernel_resources as kr
   from experiments import linear_attention_scores_check as check
-  assert check.two_pass_writes(n=4, size=16) == {
-      "flag": True,
-      "program_id": True,
-      "flag_masked_stores": True
-  }
+  assert check.two_pass_writes(n=4, size=16) == {form: True for form in check.TWO_PASS_FORMS}
+  x = jax.ShapeDtypeStruct((4, 16, 16), jax.numpy.float32)
+  for form in check.TWO_PASS_FORMS:
+    kernels = []
+    with kr._lowering_for_cuda(kernels):
+      jax.jit(check.two_pass_write(form, 4, 16)).trace(x).lower(lowering_platforms=("cuda",))
+    assert [k.name for k in kernels] == ["two_pass_first", "two_pass_second"], form

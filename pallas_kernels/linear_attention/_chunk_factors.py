@@ -229,8 +229,9 @@ def unless_whole_chunk(b_ref, compute):
 #                     chunks', a third the SUB_CHUNKS ones', each into the first one's
 #                     output (input_output_aliases) and compiled with its own path alone
 #                     (one kernel holding two or three of them spills more:
-#                     experiments/kernel_resources.py). Wrong on the GPU where a chunk is
-#                     not WHOLE_CHUNK (docs/performance.md): kept to find out why;
+#                     experiments/kernel_resources.py). It was wrong on the GPU where a
+#                     chunk is not WHOLE_CHUNK until the flags' codes became int32
+#                     (_code; docs/performance.md): to be checked there again;
 #   sub_chunks_first  the SUB_CHUNKS chunks' kernel first, into arrays of its own; then
 #                     one kernel for the WHOLE_CHUNK and HALVES chunks that copies the
 #                     SUB_CHUNKS chunks' blocks in. Every output is written by one kernel,
@@ -285,9 +286,17 @@ def record_layout(flag_ref, b_ref, b):
   """Writes the chunk's flag, its layout for the scores (WHOLE_CHUNK, HALVES, SUB_CHUNKS),
     and returns whether it is WHOLE_CHUNK; b: b_ref's rows, already loaded."""
   whole = midpoint(b)[1]
-  layout = jnp.where(whole, WHOLE_CHUNK, jnp.where(halves_bounded(b_ref), HALVES, SUB_CHUNKS))
+  layout = jnp.where(whole, _code(WHOLE_CHUNK),
+                     jnp.where(halves_bounded(b_ref), _code(HALVES), _code(SUB_CHUNKS)))
   flag_ref[...] = jnp.full((C,), layout, jnp.int32)
   return whole
+
+
+def _code(layout):
+  """A layout code as an int32 scalar, not a Python int: the Triton lowering of a select
+    between two Python-int literals (weakly typed) gives them the predicate's type, i1, so
+    that jnp.where(p, HALVES, SUB_CHUNKS) in a kernel yields 1 or 0, not 3 or 2."""
+  return jnp.int32(layout)
 
 
 def if_layout(flag_ref, layout, fn):

@@ -259,7 +259,7 @@ WARPS = 4
 
 
 def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da, *, scale, block_k,
-                    block_v, cd, interpret, num_warps=WARPS, form="one_kernel", other_warps=None):
+                    block_v, cd, interpret, num_warps=WARPS, form="by_layout", other_warps=None):
   """(dq, dk in their input dtypes, db fp32 [B,Tp,H,Dk], dbeta partial fp32 [B,Tp,H]).
 
     form (_chunk_factors.KEY_GRAD_KERNELS): one kernel that branches per chunk; by_layout,

@@ -58,9 +58,10 @@ class Tiling(NamedTuple):
   # faster) or by one XLA fusion beside it ("xla"); docs/kernel_tuning.md, "GLA tiling"
   decayed_rows: str = "scores"
   # the scores' kernels, a form of _chunk_factors.SCORE_KERNELS: one that branches per
-  # chunk ("one_kernel"), the WHOLE_CHUNK chunks', then the others' into its output
-  # ("by_layout", wrong on the GPU where a chunk is not WHOLE_CHUNK: docs/performance.md),
-  # or the SUB_CHUNKS chunks', then the others' ("sub_chunks_first"); _gla_scores
+  # chunk ("one_kernel"); the WHOLE_CHUNK chunks', then the others' into its output
+  # ("by_layout": its layout flags were wrong on the GPU until fixed, to be checked there,
+  # docs/performance.md); or the SUB_CHUNKS chunks', then the others'
+  # ("sub_chunks_first"); _gla_scores
   scores: str = "one_kernel"
   # the key gradients' kernels: one that branches per chunk ("one_kernel") or the
   # one-anchor chunks', then the others' ("by_layout"); _gla_chunks.chunk_key_grads

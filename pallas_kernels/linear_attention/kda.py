@@ -18,11 +18,11 @@ Backward: the forward's in-chunk quantities and chunk states are its residuals, 
   kda_wy_grads (parallel)   dv, dX = T^T dv_new, dA, part of dbeta
   kda_key_grads (parallel over chunks and key-channel blocks; or two kernels, the forms of
                _chunk_factors.KEY_GRAD_KERNELS) dq, dk, db, rest of dbeta
-The one-kernel forms are the defaults: the by_layout ones, whose later kernels write into
-the first one's outputs, gave wrong scores on the GPU where a chunk is not WHOLE_CHUNK
-(docs/performance.md, "Scores by layout: wrong on the GPU"); the forms whose first kernel
-takes the exact path into arrays of its own (sub_chunks_first, other_chunks_first) write
-each output from one kernel and are yet to be checked and timed there.
+The scores default to one kernel: their by_layout form gave wrong scores on the GPU where a
+chunk is not WHOLE_CHUNK (its layout flags lowered as 0 or 1: docs/performance.md, "Scores
+by layout: wrong on the GPU"), fixed since, and is to be checked and timed there again,
+beside sub_chunks_first. The key gradients' by_layout form (the default) decides each
+chunk's layout from its decays, without flags.
 """
 import functools
 from typing import NamedTuple
@@ -62,7 +62,7 @@ class Tiling(NamedTuple):
   interpret: bool
   forward: str = "split"
   scores: str = "one_kernel"
-  key_grads: str = "one_kernel"
+  key_grads: str = "by_layout"
   normalize: bool = False  # q, k L2-normalised by the first scores kernel (qk_norm="kernel")
 
 
@@ -189,7 +189,7 @@ QK_NORMS = ("kernel", "xla")
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
-                state_walk="auto", forward="auto", scores="one_kernel", key_grads="one_kernel",
+                state_walk="auto", forward="auto", scores="one_kernel", key_grads="by_layout",
                 qk_norm="xla"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
@@ -203,8 +203,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     Hopper, or interpreted; where the Mosaic GPU walk fits) or "auto" ("fused" where it
     compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores, key_grads: the
     in-chunk scores' and the key gradients' kernels, one of _chunk_factors.SCORE_KERNELS
-    and of KEY_GRAD_KERNELS (one kernel branching per chunk, the default, or two or three,
-    see the module's docstring). qk_norm: where normalize_qk's L2 norm
+    and of KEY_GRAD_KERNELS (scores: one kernel branching per chunk by default; key
+    gradients: two kernels, one per layout family; see the module's docstring). qk_norm: where normalize_qk's L2 norm
     runs, one of QK_NORMS: "xla", a plain-JAX pass before the kernels (the default: the
     faster, docs/performance.md), or "kernel", inside the first scores kernel, which
     writes the normalised q and k the later kernels read (with scores="by_layout", else

@@ -154,3 +154,26 @@ def test_bounds_from_ends_give_the_layout_of_every_token():
     assert from_ends(g) == expected
     seen.add(expected)
   assert seen == {factors.WHOLE_CHUNK, factors.HALVES, factors.SUB_CHUNKS}
+
+
+def test_recorded_layout_codes_lower_for_hopper_as_int32():
+  """record_layout's codes reach the compiled kernel as int32 constants (HALVES = 3,
+    SUB_CHUNKS = 2). With Python-int literals the Triton lowering typed them as the
+    predicate, i1, and the flags read 1 or 0: the per-layout scores kernels then skipped
+    every chunk that was not WHOLE_CHUNK on the GPU (exact only when interpreted)."""
+  from jax.experimental import pallas as pl
+
+  from experiments import kernel_resources as kr
+
+  def kernel(b_ref, flag_ref):
+    factors.record_layout(flag_ref, b_ref, b_ref[...])
+
+  kernels = []
+  b = jax.ShapeDtypeStruct((CHUNK, 16), jnp.float32)
+  with kr._lowering_for_cuda(kernels):
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((CHUNK,), jnp.int32),
+                          name="record_layout")
+    jax.jit(call).trace(b).lower(lowering_platforms=("cuda",))
+  (ttir,) = [k.ttir for k in kernels]
+  for code in (factors.HALVES, factors.SUB_CHUNKS):
+    assert f"arith.constant {code} : i32" in ttir, code

@@ -122,13 +122,12 @@ def test_scores_in_one_kernel_per_layout():
 
 @pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
                                                       (jnp.bfloat16, 5e-3, 1e-2)])
-@pytest.mark.parametrize("form", ["by_layout", "other_chunks_first"])
-def test_key_gradients_in_two_kernels_one_per_layout_family(form, dtype, out_tol, grad_tol):
-  """key_grads="by_layout" (the whole-chunk-anchored chunks' kernel, then the others' into
-  its outputs) and "other_chunks_first" (the others' kernel into arrays of its own, then
-  the whole-chunk-anchored chunks' that copies their rows in), over every layout (and, in
-  chunk 1, key blocks of different layouts); the default, one kernel branching per chunk,
-  runs in every other test."""
+@pytest.mark.parametrize("form", ["one_kernel", "other_chunks_first"])
+def test_key_gradients_in_the_other_forms(form, dtype, out_tol, grad_tol):
+  """key_grads="one_kernel" (one kernel branching per chunk) and "other_chunks_first" (the
+  chunks not anchored whole into arrays of their own, then the whole-chunk-anchored
+  chunks' kernel that copies their rows in), over every layout (and, in chunk 1, key
+  blocks of different layouts); the default, by_layout, runs in every other test."""
   x = with_three_layouts(make_inputs(seed=18, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
   _assert_within(_errors(x, block_k=16, key_grads=form), out_tol, grad_tol)
 
