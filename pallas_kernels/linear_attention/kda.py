@@ -204,11 +204,11 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores, key_grads: the
     in-chunk scores' and the key gradients' kernels, one of _chunk_factors.SCORE_KERNELS
     and of KEY_GRAD_KERNELS (scores: one kernel branching per chunk by default; key
-    gradients: two kernels, one per layout family; see the module's docstring). qk_norm: where normalize_qk's L2 norm
-    runs, one of QK_NORMS: "xla", a plain-JAX pass before the kernels (the default: the
-    faster, docs/performance.md), or "kernel", inside the first scores kernel, which
-    writes the normalised q and k the later kernels read (with scores="by_layout", else
-    as "xla")."""
+    gradients: two kernels, one per layout family; see the module's docstring). qk_norm:
+    where normalize_qk's L2 norm runs, one of QK_NORMS: "xla", a plain-JAX pass before the
+    kernels (the default: the faster, docs/performance.md), or "kernel", inside the first
+    scores kernel, which writes the normalised q and k the later kernels read (with
+    scores="by_layout", else as "xla")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
