@@ -225,19 +225,22 @@ def _whole_chunk_pass_kernel(*refs, **kw):
   factors.if_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
 
 
+def _other_chunks(ins, outs, **kw):
+  """The chunks not anchored whole (in this key block's channels) into outs; the others'
+    rows are left as they are."""
+  factors.unless_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
+
+
 def _other_chunks_pass_kernel(*refs, **kw):
   """The second pass: the chunks the first left (its outputs are the first pass's,
     aliased; the first pass's rows stay)."""
-  ins, outs = refs[:13], refs[17:]  # refs[13:17]: the first pass's outputs, aliased
-  factors.unless_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
+  _other_chunks(refs[:13], refs[17:], **kw)  # refs[13:17]: the first pass's outputs, aliased
 
 
 def _other_chunks_first_kernel(*refs, **kw):
-  """form="other_chunks_first", the first kernel: the chunks not anchored whole (in this
-    key block's channels), into arrays of its own (the others' rows are left unwritten
-    and never read)."""
-  ins, outs = refs[:13], refs[13:]
-  factors.unless_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
+  """form="other_chunks_first", the first kernel: the chunks not anchored whole, into
+    arrays of its own (the others' rows are left unwritten and never read)."""
+  _other_chunks(refs[:13], refs[13:], **kw)
 
 
 def _after_other_chunks_kernel(*refs, **kw):

@@ -128,6 +128,17 @@ def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
   kw_ref[...] = kw.astype(kw_ref.dtype)
 
 
+def _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
+                  normed_refs=()):
+  """(b, q, k): the chunk's rows of b (loaded) and loaders of q, k (_chunk_rows, with
+    normed_refs written first), after qg, kg and kw are written."""
+  b = rows(b_ref, 0, C)
+  q, k = _chunk_rows(q_ref, k_ref, normed_refs)
+  store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
+  return b, q, k
+
+
 def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
   """A_kk and A_qk of any chunk: one row block per sub-chunk."""
 
@@ -142,10 +153,7 @@ def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
 def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                    akk_ref, aqk_ref, *, cd):
   """One chunk: qg, kg, kw, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
-  b = rows(b_ref, 0, C)
-  q, k = _chunk_rows(q_ref, k_ref, ())
-  store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
-  _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
+  b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   factors.by_score_layout(b_ref, b, lambda: _whole_chunk(q, k, b, *refs[3:]),
                           lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
@@ -156,10 +164,8 @@ def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_re
   """The first of three passes: qg, kg and kw of every chunk, A_kk and A_qk of the
     WHOLE_CHUNK chunks, and every chunk's layout for the others; with normed_refs, q and k
     normalised first (_chunk_rows) for this pass and the others."""
-  b = rows(b_ref, 0, C)
-  q, k = _chunk_rows(q_ref, k_ref, normed_refs)
-  store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
-  _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
+  b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
+                          normed_refs)
   whole = factors.record_layout(flag_ref, b_ref, b)
   jax.lax.cond(whole, lambda: _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref),
                lambda: None)
@@ -188,10 +194,7 @@ def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_re
                              aqk_sub_ref, qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref):
   """form="sub_chunks_first", the second kernel: qg, kg and kw of every chunk, A_kk and A_qk
     of the WHOLE_CHUNK and HALVES chunks, and the first kernel's blocks of the others."""
-  b = rows(b_ref, 0, C)
-  q, k = _chunk_rows(q_ref, k_ref, ())
-  store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
-  _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
+  b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
 
   def copied():
