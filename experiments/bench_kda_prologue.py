@@ -6,12 +6,13 @@ The prologue of q and of k: a short causal depthwise convolution (4 taps, docume
 apart by segment ids), SiLU and the per-head L2 norm. The baseline is the XLA path,
 `pallas_kernels.short_conv.short_conv_silu_reference(normalize=True)` (the convolution
 and SiLU in one fusion, rounded to bf16, the norm in plain JAX); against it, in the same
-alternating rounds, `short_conv_silu` (one Pallas pass each way) and jla's
-`short_conv_l2norm` (one Mosaic GPU kernel each way). Each shape prints one JSON row:
-forward and forward+backward (the gradients of x and the conv weight) milliseconds,
-ratios to the XLA path and fused against jla (medians of per-round ratios, > 1: the
-first named is slower), and each output's relative RMS difference from the XLA path's.
-jla missing or failing is reported, and the row still has the rest.
+alternating rounds, `short_conv_silu` (one Pallas pass each way, and its backward as two
+kernels: `backward="two_kernels"`) and jla's `short_conv_l2norm` (one Mosaic GPU kernel
+each way). Each shape prints one JSON row: forward and forward+backward (the gradients of
+x and the conv weight) milliseconds, ratios to the XLA path and fused against jla
+(medians of per-round ratios, > 1: the first named is slower), and each output's relative
+RMS difference from the XLA path's. jla missing or failing is reported, and the row still
+has the rest.
 
 The row's `gate_*` entries time the decay the same way: the XLA path computes g from the
 gate projection f in one fusion (DecayGate, Kimi Linear's form), writes it in fp32 and
@@ -50,13 +51,19 @@ def ours(x, w, segment_ids):
   return short_conv_silu_reference(x, w, segment_ids, normalize=True)
 
 
-def fused(x, w, segment_ids, block_tokens=(None, None)):
-  return short_conv_silu(x, w, segment_ids, normalize=True, block_tokens=block_tokens)
+def fused(x, w, segment_ids, **options):
+  return short_conv_silu(x, w, segment_ids, normalize=True, **options)
 
 
-# the kernel's default blocks, and a forward of 64-token blocks (fewer halo reads, one
-# program per SM: experiments/kernel_resources.py)
-FUSED = {"fused": (None, None), "fused_fwd64": (64, None)}
+# short_conv_silu's options: the kernel's defaults, a forward of 64-token blocks (fewer halo
+# reads, one program per SM: experiments/kernel_resources.py), the two-kernel backward at
+# the default blocks and at 16 tokens (more programs per SM, more halo reads)
+FUSED = {
+    "fused": {},
+    "fused_fwd64": dict(block_tokens=(64, None)),
+    "fused_bwd_two_kernels": dict(backward="two_kernels"),
+    "fused_bwd_two_kernels16": dict(backward="two_kernels", block_tokens=(None, 16)),
+}
 
 
 def jla_prologue():
@@ -132,8 +139,7 @@ def bench_shape(shape, rounds=15, calls=10):
   x = inputs(*shape)
   row = {"shape": list(shape), "taps": TAPS, "documents_per_row": DOCUMENTS}
   sides = {
-      name: fwd_and_fwdbwd(functools.partial(fused, block_tokens=blocks))
-      for name, blocks in FUSED.items()
+      name: fwd_and_fwdbwd(functools.partial(fused, **options)) for name, options in FUSED.items()
   }
   theirs, missing = peer(jla_prologue)
   if missing:

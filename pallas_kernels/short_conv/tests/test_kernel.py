@@ -1,7 +1,7 @@
 """The fused short convolution + SiLU (+ L2 norm) against the plain-JAX reference, forward
 and backward, on fresh random inputs: documents that start on a block boundary, one token
 after it, one token long, an id repeated after a different one; several blocks, so that
-the halos on both sides are read."""
+the halos on both sides are read. Both backward forms."""
 
 import functools
 
@@ -36,12 +36,13 @@ def _rel(a, b):
   return np.sqrt(np.mean((a - b)**2) / np.mean(b**2))
 
 
+@pytest.mark.parametrize("backward", ["one_kernel", "two_kernels"])
 @pytest.mark.parametrize("T,taps,normalize,blocks", [(192, 4, True, (None, None)),
                                                      (48, 3, False, (None, None)),
                                                      (128, 2, True, (64, 16))])
-def test_fp32_matches_the_reference_forward_and_backward(T, taps, normalize, blocks):
+def test_fp32_matches_the_reference_forward_and_backward(T, taps, normalize, blocks, backward):
   x, w, seg, probe = _inputs(2, T, 2, 32, taps, jnp.float32, seed=T + taps)
-  fused = functools.partial(short_conv_silu, block_tokens=blocks)
+  fused = functools.partial(short_conv_silu, block_tokens=blocks, backward=backward)
   got = _value_and_grads(fused, x, w, seg, probe, normalize)
   want = _value_and_grads(short_conv_silu_reference, x, w, seg, probe, normalize)
   for name, a, b in zip(("out", "dx", "dw"), got, want):
@@ -58,6 +59,18 @@ def test_bf16_is_as_close_to_fp32_as_the_xla_path():
   assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
   for name, a, b, t in zip(("out", "dx", "dw"), got, xla, truth):
     assert _rel(a, t) < 1e-2 and _rel(a, t) <= 1.2 * _rel(b, t) + 1e-4, name
+
+
+def test_the_two_backward_forms_agree_in_bf16_and_a_bad_one_is_named():
+  x, w, seg, probe = _inputs(1, 96, 2, 32, 4, jnp.bfloat16, seed=11)
+  one, two = (_value_and_grads(functools.partial(short_conv_silu, backward=form), x, w, seg, probe,
+                               True) for form in ("one_kernel", "two_kernels"))
+  np.testing.assert_array_equal(one[0], two[0])  # the same forward
+  assert two[1].dtype == jnp.bfloat16
+  for name, a, b in zip(("dx", "dw"), one[1:], two[1:]):
+    assert _rel(a, b) < 1e-2, name
+  with pytest.raises(ValueError, match="backward='two_kernel'"):
+    short_conv_silu(x, w, seg, backward="two_kernel")
 
 
 def test_reach_counts_earlier_tokens_of_the_same_document():
