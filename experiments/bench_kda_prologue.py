@@ -10,8 +10,8 @@ alternating rounds, `short_conv_silu` (one Pallas pass each way, and its backwar
 kernels: `backward="two_kernels"`) and jla's `short_conv_l2norm` (one Mosaic GPU kernel
 each way). Each shape prints one JSON row: forward and forward+backward (the gradients of
 x and the conv weight) milliseconds, ratios to the XLA path and fused against jla
-(medians of per-round ratios, > 1: the first named is slower), and each output's relative
-RMS difference from the XLA path's. jla missing or failing is reported, and the row still
+(medians of per-round ratios, > 1: the first named is slower), and the relative RMS
+difference of each output and of its gradients (dx, dw) from the XLA path's. jla missing or failing is reported, and the row still
 has the rest.
 
 The row's `gate_*` entries time the decay the same way: the XLA path computes g from the
@@ -76,6 +76,11 @@ def jla_prologue():
     return y.reshape(B, T, H, D)
 
   return fn
+
+
+def rel_rms(got, want):
+  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+  return float(jnp.sqrt(jnp.mean((got - want)**2) / jnp.mean(want**2)))
 
 
 def fwd_and_fwdbwd(fn):
@@ -147,12 +152,13 @@ def bench_shape(shape, rounds=15, calls=10):
   else:
     sides["jla"] = fwd_and_fwdbwd(theirs)
   xla = fwd_and_fwdbwd(ours)
-  ref = xla[0](*x).astype(jnp.float32)
+  ref, (_, ref_grads) = xla[0](*x), xla[1](*x)
   for name, fns in list(sides.items()):
     try:
-      diff = ref - fns[0](*x).astype(jnp.float32)
-      row[f"rel_rms_{name}_vs_xla"] = float(jnp.sqrt(jnp.mean(diff**2) / jnp.mean(ref**2)))
-      jax.block_until_ready(fns[1](*x))  # the backward compiles and runs too
+      row[f"rel_rms_{name}_vs_xla"] = rel_rms(fns[0](*x), ref)
+      _, (dx, dw) = fns[1](*x)
+      row[f"rel_rms_{name}_dx_vs_xla"] = rel_rms(dx, ref_grads[0])
+      row[f"rel_rms_{name}_dw_vs_xla"] = rel_rms(dw, ref_grads[1])
     except Exception as e:  # a failing side does not hide the others' figures
       row[name] = failed(e)
       del sides[name]

@@ -5,7 +5,8 @@ peers, all in the same process.
     PYTHONPATH=src:. python3 experiments/bench_linear_attention.py --op kda [--shapes 1,8192,64,128] [--breakdown]
 
 Prints a correctness check of each setting against the fp32 reference in each gate
-regime (at CORRECTNESS_SHAPE), then per shape forward and
+regime (at CORRECTNESS_SHAPE; `--skip-correctness`: not, for a timing run whose settings an
+earlier run checked), then per shape forward and
 forward+backward milliseconds of each Pallas setting (`experiments.timing.median_ms`;
 forward+backward as training runs it: the output, which the loss reads, and every
 input's gradient, see `fwd_and_fwdbwd`),
@@ -507,7 +508,7 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
               scores=(KDA_DEFAULTS["scores"],), key_grads=(KDA_DEFAULTS["key_grads"],),
               qk_norms=(KDA_DEFAULTS["qk_norm"],)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
-    fwd+bwd."""
+    fwd+bwd; first each setting's correctness at correctness_shape (None: none)."""
   from pallas_kernels.linear_attention import kda_chunked
 
   def kda_inputs(shape, seed=0, gates="logsigmoid"):
@@ -515,7 +516,8 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
     return (*inputs(*shape, seed=seed, gates=gates), beta)
 
   impls = kda_settings(walks, forwards, scores, key_grads, qk_norms)
-  correctness("kda", impls, kda_chunked, kda_inputs, gates, correctness_shape)
+  if correctness_shape:
+    correctness("kda", impls, kda_chunked, kda_inputs, gates, correctness_shape)
   for shape, regime in itertools.product(shapes, gates):
     x = kda_inputs(shape, gates=regime)
     row = {"op": "kda", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}
@@ -546,6 +548,9 @@ def main():
   ap.add_argument("--shapes", nargs="*", type=lambda s: tuple(map(int, s.split(","))),
                   default=SHAPES, help="B,T,H,D")
   ap.add_argument("--skip-reference", action="store_true")
+  ap.add_argument(
+      "--skip-correctness", action="store_true",
+      help="no correctness rows: the timed shapes only (their settings checked by an earlier run)")
   ap.add_argument("--breakdown", action="store_true", help="also time each kernel alone")
   ap.add_argument("--op", choices=("gla", "kda"), default="gla")
   ap.add_argument(
@@ -582,11 +587,12 @@ def main():
   if args.op == "kda":
     return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
                      args.state_walks, args.kda_forwards or default_kda_forwards(),
-                     scores=args.kda_scores, key_grads=args.kda_key_grads,
-                     qk_norms=args.kda_qk_norms)
+                     None if args.skip_correctness else CORRECTNESS_SHAPE, scores=args.kda_scores,
+                     key_grads=args.kda_key_grads, qk_norms=args.kda_qk_norms)
   gla_impls = [(f"pallas{name}", functools.partial(chunked_gla, tiling=tiling))
                for name, tiling in args.tiling]
-  correctness("gla", gla_impls, gla_chunked, inputs_at, args.gates)
+  if not args.skip_correctness:
+    correctness("gla", gla_impls, gla_chunked, inputs_at, args.gates)
   for shape, regime in itertools.product(args.shapes, args.gates):
     x = inputs(*shape, gates=regime)
     row = {"op": "gla", "shape": list(shape), "gates": regime, "layouts": layout_shares(x[3])}

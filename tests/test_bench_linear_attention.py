@@ -63,13 +63,21 @@ def test_kda_correctness_reports_each_setting(capsys):
                   correctness_shape=(1, 64, 1, 64))
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [r["setting"] for r in rows] == [
-      "pallas[forward=fused,qk_norm=kernel]",
-      "pallas[forward=fused,scores=by_layout,qk_norm=kernel]"
+      "pallas[forward=fused,scores=one_kernel,qk_norm=kernel]",
+      "pallas[forward=fused,qk_norm=kernel]"
   ]
   for r in rows:
     assert r["gates"] == "logsigmoid_strong"
     assert set(r["rel_rms"]) == {"o", "dq", "dk", "dv", "dg", "dbeta"}
     assert all(e < 1e-2 for e in r["rel_rms"].values()), r
+
+
+def test_skip_correctness_leaves_only_the_timed_shapes(capsys, monkeypatch):
+  for op in ("gla", "kda"):
+    monkeypatch.setattr("sys.argv",
+                        ["bench", "--op", op, "--peers", "none", "--shapes", "--skip-correctness"])
+    bench.main()
+    assert capsys.readouterr().out.splitlines() == [str(jax.devices())]
 
 
 def test_kda_init_gates_put_some_chunks_past_one_anchor():

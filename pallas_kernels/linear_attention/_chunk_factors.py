@@ -229,9 +229,9 @@ def unless_whole_chunk(b_ref, compute):
 #                     chunks', a third the SUB_CHUNKS ones', each into the first one's
 #                     output (input_output_aliases) and compiled with its own path alone
 #                     (one kernel holding two or three of them spills more:
-#                     experiments/kernel_resources.py). It was wrong on the GPU where a
-#                     chunk is not WHOLE_CHUNK until the flags' codes became int32
-#                     (_code; docs/performance.md): to be checked there again;
+#                     experiments/kernel_resources.py). The flags' codes are int32
+#                     (_code): as weak literals they lowered to 0 or 1 on the GPU, and
+#                     the later kernels skipped their chunks (docs/performance.md);
 #   sub_chunks_first  the SUB_CHUNKS chunks' kernel first, into arrays of its own; then
 #                     one kernel for the WHOLE_CHUNK and HALVES chunks that copies the
 #                     SUB_CHUNKS chunks' blocks in. Every output is written by one kernel,

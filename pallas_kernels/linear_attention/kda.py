@@ -2,10 +2,9 @@
 backward (custom_vjp). Same contract as reference.kda_chunked.
 
 Forward, per 64-token chunk (see _kda_intra for the chunk form):
-  kda_chunk_scores (parallel) A_kk, A_qk, qg, kg: one kernel branching per chunk on its
-               in-chunk layout, or two or three (the forms of
-               _chunk_factors.SCORE_KERNELS); with scores="by_layout" the first can
-               also L2-normalise q and k (qk_norm="kernel")
+  kda_chunk_scores (parallel) A_kk, A_qk, qg, kg: one kernel per in-chunk layout, or
+               the other forms of _chunk_factors.SCORE_KERNELS; with scores="by_layout"
+               the first can also L2-normalise q and k (qk_norm="kernel")
   kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
                (_kda_states, or _kda_states_mosaic on Hopper)
@@ -18,11 +17,10 @@ Backward: the forward's in-chunk quantities and chunk states are its residuals, 
   kda_wy_grads (parallel)   dv, dX = T^T dv_new, dA, part of dbeta
   kda_key_grads (parallel over chunks and key-channel blocks; or two kernels, the forms of
                _chunk_factors.KEY_GRAD_KERNELS) dq, dk, db, rest of dbeta
-The scores default to one kernel: their by_layout form gave wrong scores on the GPU where a
-chunk is not WHOLE_CHUNK (its layout flags lowered as 0 or 1: docs/performance.md, "Scores
-by layout: wrong on the GPU"), fixed since, and is to be checked and timed there again,
-beside sub_chunks_first. The key gradients' by_layout form (the default) decides each
-chunk's layout from its decays, without flags.
+The scores default to by_layout: on the GPU it is exact in every gate regime, and with
+strong gates its kernels take less than half the one kernel's time (docs/performance.md,
+"Scores by layout, checked and timed on the GPU"). The key gradients' by_layout form
+(also the default) decides each chunk's layout from its decays, without flags.
 """
 import functools
 from typing import NamedTuple
@@ -61,7 +59,7 @@ class Tiling(NamedTuple):
   state_walks: tuple[str, str]
   interpret: bool
   forward: str = "split"
-  scores: str = "one_kernel"
+  scores: str = "by_layout"
   key_grads: str = "by_layout"
   normalize: bool = False  # q, k L2-normalised by the first scores kernel (qk_norm="kernel")
 
@@ -189,7 +187,7 @@ QK_NORMS = ("kernel", "xla")
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
-                state_walk="auto", forward="auto", scores="one_kernel", key_grads="by_layout",
+                state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
                 qk_norm="xla"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
@@ -203,8 +201,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     Hopper, or interpreted; where the Mosaic GPU walk fits) or "auto" ("fused" where it
     compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores, key_grads: the
     in-chunk scores' and the key gradients' kernels, one of _chunk_factors.SCORE_KERNELS
-    and of KEY_GRAD_KERNELS (scores: one kernel branching per chunk by default; key
-    gradients: two kernels, one per layout family; see the module's docstring). qk_norm:
+    and of KEY_GRAD_KERNELS (by default one kernel per layout family for each; see the module's
+    docstring). qk_norm:
     where normalize_qk's L2 norm runs, one of QK_NORMS: "xla", a plain-JAX pass before the
     kernels (the default: the faster, docs/performance.md), or "kernel", inside the first
     scores kernel, which writes the normalised q and k the later kernels read (with
