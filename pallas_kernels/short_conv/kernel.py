@@ -34,8 +34,7 @@ from pallas_kernels.short_conv.reference import short_conv_silu_reference, token
 
 F32 = jnp.float32
 HALO = 16  # tokens next to a block that a shift may read: the smallest matmul side
-NUM_WARPS = 8
-DY_WARPS = DX_WARPS = 8  # the two-kernel backward's (at 4 each program holds more registers)
+NUM_WARPS = 8  # every kernel here: at 4 each program holds more registers
 BACKWARDS = ("one_kernel", "two_kernels")
 BLOCK_TOKENS = (32, HALO)  # the largest dividing the length
 EPS = 1e-6  # that of the reference's l2_normalize
@@ -110,18 +109,6 @@ def _pre_activation_grad(y, dout, dtype, normalize):
   return du * sig * (1.0 + y * (1.0 - sig))
 
 
-def _weight_grad(dy, x, halo, reach, taps, rows):
-  """The block's partial of the weight's gradient, fp32 [rows, D]: row K-1-s sums dy times
-    the input s tokens earlier."""
-  row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-  dw = jnp.zeros((rows, dy.shape[1]), F32)
-  for s in range(taps):
-    # the shifted input again, not held from the one-kernel form's forward: registers
-    dw = dw + jnp.where(row == taps - 1 - s,
-                        jnp.sum(dy * _past(x, halo, reach, s), axis=0)[None, :], 0.0)
-  return dw
-
-
 def _forward_kernel(x_ref, halo_ref, reach_ref, w_ref, out_ref, *, taps, normalize):
   y = _conv(x_ref[...], halo_ref[...], reach_ref[...], w_ref, taps)
   out_ref[...] = _activate(y, out_ref.dtype, normalize)[0].astype(out_ref.dtype)
@@ -141,12 +128,17 @@ def _backward_kernel(x_ref, halo_ref, next_ref, reach_ref, reach_next_ref, w_ref
   dy_next = jnp.where(
       has_next, _pre_activation_grad(y_next, dout_next_ref[...].astype(F32), dtype, normalize), 0.0)
   dx = dy * _tap(w_ref, taps - 1)
+  rows = jax.lax.broadcasted_iota(jnp.int32, (dw_ref.shape[0], 1), 0)
+  dw = jnp.where(rows == taps - 1, jnp.sum(dy * x.astype(F32), axis=0)[None, :], 0.0)
   for s in range(1, taps):
     tap = _tap(w_ref, taps - 1 - s)
     dx = dx + _apply(_shift(bt, bt, s, 0, reach[None, :], False), *_halves(dy * tap))
     dx = dx + _apply(_shift(bt, HALO, s, bt, reach_next[None, :], False), *_halves(dy_next * tap))
+    # the shifted input again rather than held from the forward's recomputation: registers
+    past = jnp.sum(dy * _past(x, halo, reach, s), axis=0)
+    dw = dw + jnp.where(rows == taps - 1 - s, past[None, :], 0.0)
   dx_ref[...] = dx.astype(dtype)
-  dw_ref[...] = _weight_grad(dy, x, halo, reach, taps, dw_ref.shape[0])
+  dw_ref[...] = dw
 
 
 def _dy_kernel(x_ref, halo_ref, reach_ref, w_ref, dout_ref, dy_hi_ref, dy_lo_ref, *, taps,
@@ -210,7 +202,7 @@ def _specs(B, T, H, D, bt):
   return block, before, after, reach, reach_after
 
 
-def _call(kernel, name, x, bt, in_specs, out_specs, out_shape, interpret, num_warps=NUM_WARPS):
+def _call(kernel, name, x, bt, in_specs, out_specs, out_shape, interpret):
   """One program per (row, block of bt tokens, head) of x."""
   B, T, H, _ = x.shape
   return pl.pallas_call(
@@ -219,7 +211,7 @@ def _call(kernel, name, x, bt, in_specs, out_specs, out_shape, interpret, num_wa
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret,
       name=name,
   )
@@ -254,11 +246,11 @@ def _backward(x, w_taps, reach, dout, taps, normalize, interpret, bt, form):
     specs = [block, before, reach_spec, weights, block]
     halves = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)] * 2
     dy_hi, dy_lo = _call(kernel, "short_conv_silu_bwd_dy", x, bt, specs, [block, block], halves,
-                         interpret, DY_WARPS)(x, x, reach, w_taps, dout)
+                         interpret)(x, x, reach, w_taps, dout)
     kernel = functools.partial(_dx_kernel, taps=taps, blocks=T // bt)
     specs = [block, reach_spec, reach_after, weights, block, block, after, after]
     dx, dw = _call(kernel, "short_conv_silu_bwd_dx", x, bt, specs, [block, partial], grads,
-                   interpret, DX_WARPS)(x, reach, reach, w_taps, dy_hi, dy_lo, dy_hi, dy_lo)
+                   interpret)(x, reach, reach, w_taps, dy_hi, dy_lo, dy_hi, dy_lo)
   return dx, jnp.sum(dw, axis=(0, 1))
 
 
