@@ -192,7 +192,10 @@ def correctness(op, impls, reference, make_inputs, gates, shape=CORRECTNESS_SHAP
   """Each setting's output and gradients against the fp32 plain-JAX chunked version, in
     each gate regime (strong gates take other in-chunk layouts than mild ones): one JSON
     line per regime and setting. make_inputs(shape, seed, gates) -> the op's inputs, the
-    first three q, k, v (the reference takes those in fp32)."""
+    first three q, k, v (the reference takes those in fp32). Each regime's first row is the
+    floor: the reference itself on the inputs as given (setting "reference[bf16]" for bf16
+    inputs), what rounding them and its output to that dtype costs (gradients through the
+    loss's sin(o) grow with |o|)."""
   loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)[0].astype(jnp.float32)))
   for regime in gates:
     x = make_inputs(shape, seed=1, gates=regime)
@@ -201,7 +204,8 @@ def correctness(op, impls, reference, make_inputs, gates, shape=CORRECTNESS_SHAP
     o_ref = jax.jit(lambda *a: reference(*a)[0])(*f32)
     g_ref = jax.jit(jax.grad(loss(reference), tuple(range(n))))(*f32)
     names = ("q", "k", "v", "g", "beta")[:n]
-    for name, kernel in impls:
+    floor = (f"reference[{jnp.dtype(x[0].dtype).name}]", reference)
+    for name, kernel in [floor, *impls]:
       try:
         o = jax.jit(lambda *a, kernel=kernel: kernel(*a)[0])(*x)
         g_pal = jax.jit(jax.grad(loss(kernel), tuple(range(n))))(*x)

@@ -47,8 +47,11 @@ def test_correctness_reports_each_setting_in_each_gate_regime(capsys):
   bench.correctness("gla", impls, gla_chunked, bench.inputs_at, ["logsigmoid", "logsigmoid_strong"],
                     shape=(1, 128, 1, 64))
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-  assert [(r["gates"], r["setting"]) for r in rows] == [("logsigmoid", ""),
+  assert [(r["gates"], r["setting"]) for r in rows] == [("logsigmoid", "reference[bfloat16]"),
+                                                        ("logsigmoid", ""),
                                                         ("logsigmoid", "[block_k=32]"),
+                                                        ("logsigmoid_strong",
+                                                         "reference[bfloat16]"),
                                                         ("logsigmoid_strong", ""),
                                                         ("logsigmoid_strong", "[block_k=32]")]
   for r in rows:
@@ -63,7 +66,7 @@ def test_kda_correctness_reports_each_setting(capsys):
                   correctness_shape=(1, 64, 1, 64))
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [r["setting"] for r in rows] == [
-      "pallas[forward=fused,scores=one_kernel,qk_norm=kernel]",
+      "reference[bfloat16]", "pallas[forward=fused,scores=one_kernel,qk_norm=kernel]",
       "pallas[forward=fused,qk_norm=kernel]"
   ]
   for r in rows:

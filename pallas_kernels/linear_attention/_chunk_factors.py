@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
@@ -147,25 +148,44 @@ def whole_chunk_products(k, b, queries, store):
   store(0, None, *(diag.f32_mm(x() * down, keys, trans_b=True) for x in queries))
 
 
-def halves_products(k_ref, b_ref, query_refs, store):
+def halves_products(k_ref, b_ref, query_refs, store, block_d=None):
   """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and a
     [C, D] x [D, HALF] one for those across (k_ref, b_ref and query_refs: the chunk's [C, D]
-    refs)."""
-  b = rows(b_ref, 0, C)
+    refs). block_d: the channels taken at a time, each block's products summed (fewer
+    operands live at once than the whole width's); None: all D at once."""
+  D = k_ref.shape[-1]
+  block_d = min(block_d or D, D)
   first = iota(C, 0, (C, 1)) < HALF
+  # per block, a loader of rows [start, start + n) of a ref's block_d channels (fp32)
+  blocks = [rows] if block_d == D else [
+      (lambda ref, start, n, d=d: ref[pl.ds(start, n), pl.ds(d, block_d)].astype(jnp.float32))
+      for d in range(0, D, block_d)
+  ]
 
-  def products(region, down, keys):
-    store(0, region, *(diag.f32_mm(rows(x, 0, C) * down, keys, trans_b=True) for x in query_refs))
+  def products(region, operands):
+    """operands(load) -> (query-side factor, keys) of the channels `load` reads."""
+    sums = None
+    for load in blocks:
+      down, keys = operands(load)
+      parts = [diag.f32_mm(load(x, 0, C) * down, keys, trans_b=True) for x in query_refs]
+      sums = parts if sums is None else [a + p for a, p in zip(sums, parts)]
+    store(0, region, *sums)
 
-  down, up = factors(
-      b, jnp.where(first, rows(b_ref, HALF_ANCHOR, 1), rows(b_ref, HALF + HALF_ANCHOR, 1)))
-  products(first | (iota(C, 1, (C, C)) >= HALF), down, rows(k_ref, 0, C) * up)
-  # across: queries of the second half and keys of the first, both through the first
-  # half's last token (every exponent <= 0; clamped on the rows that do not pair)
-  edge = rows(b_ref, HALF - 1, 1)
-  products(
-      jnp.logical_not(first) & (iota(C, 1, (C, HALF)) < HALF), jnp.exp(jnp.minimum(b - edge, 0.0)),
-      rows(k_ref, 0, HALF) * jnp.exp(edge - rows(b_ref, 0, HALF)))
+  def inside(load):
+    down, up = factors(
+        load(b_ref, 0, C),
+        jnp.where(first, load(b_ref, HALF_ANCHOR, 1), load(b_ref, HALF + HALF_ANCHOR, 1)))
+    return down, load(k_ref, 0, C) * up
+
+  def across(load):
+    # queries of the second half and keys of the first, both through the first half's last
+    # token (every exponent <= 0; clamped on the rows that do not pair)
+    b, edge = load(b_ref, 0, C), load(b_ref, HALF - 1, 1)
+    return jnp.exp(jnp.minimum(b - edge,
+                               0.0)), load(k_ref, 0, HALF) * jnp.exp(edge - load(b_ref, 0, HALF))
+
+  products(first | (iota(C, 1, (C, C)) >= HALF), inside)
+  products(jnp.logical_not(first) & (iota(C, 1, (C, HALF)) < HALF), across)
 
 
 def anchors(b_ref):

@@ -7,7 +7,8 @@ chunk's [64, 64] score gradients dP (of A_qk) and dA (of A_kk), read from memory
 chunk whose decays factor (_chunk_factors) takes each step's score-gradient paths as one
 matmul against the whole chunk; others by sub-chunk blocks as in _kda_scores. One kernel
 branches per chunk, or two run one after the other (by_layout): the chunks with one
-anchor, then the rest into the same outputs.
+anchor, then the rest into the same outputs (the second forming its operands in each step,
+through that step's anchor, so that none is held across the loop).
 Paths (qg = q exp(b) ci, kg = k exp(b_last - b) il, K = k exp(b) ci, S / dS the chunk's
 start state / end-state gradient, dX = T^T dv_new):
   o     += scale qg S            dqg = scale do S^T
@@ -139,6 +140,26 @@ def _factored_score_grads(b_ref, dp_ref, da_ref, operands, anchors, i):
   return dq, g, dk * up
 
 
+def _per_sub_chunk_score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, anchors, i):
+  """_factored_score_grads for a chunk anchored per sub-chunk, its operands formed in the
+    step straight through sub-chunk i's anchor m_i (what bridging each row's own anchor to
+    m_i gives, to rounding): no operand is held across the loop. The rows whose pairs the
+    causal mask keeps have exponents <= FACTOR_LIMIT (b falls, m_i is inside sub-chunk i's
+    range); the others are clamped there, finite."""
+  s = pl.multiple_of(i * SUB, SUB)
+  down, up = anchors.step_factors(rows(b_ref, s, SUB), i)
+  rel = rows(b_ref, 0, C) - anchors.of(i)
+  k = rows(k_ref, 0, C)
+  key = k * jnp.exp(jnp.minimum(-rel, diag.FACTOR_LIMIT) + factors.BRIDGE_SHIFT)
+  as_query = jnp.exp(jnp.minimum(rel, diag.FACTOR_LIMIT) + factors.BRIDGE_SHIFT)
+  beta = beta_ref[...].astype(F32)[:, None]
+  dq = diag.f32_mm(dp_ref[pl.ds(s, SUB), :].astype(F32), key) * down
+  g = diag.f32_mm(da_ref[pl.ds(s, SUB), :].astype(F32), key) * down
+  dk = diag.f32_mm(dp_ref[:, pl.ds(s, SUB)].astype(F32), rows(q_ref, 0, C) * as_query, trans_a=True)
+  dk += diag.f32_mm(da_ref[:, pl.ds(s, SUB)].astype(F32), beta * k * as_query, trans_a=True)
+  return dq, g, dk * up
+
+
 def _write_rows(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do_ref, vn_ref,
                 dx_ref, dq_ref, dk_ref, db_ref, dbeta_ref, s, n, score_grads, db_last, closes, *,
                 scale, cd, block_v):
@@ -184,10 +205,15 @@ def _key_grads(refs, layout, *, scale, cd, block_v):
   kw = dict(scale=scale, cd=cd, block_v=block_v)
 
   def factored():
-    operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, anchors)
+    if anchors.uniform is False:  # a pass of its own: operands formed per step
+      score_grads = lambda i: _per_sub_chunk_score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref,
+                                                         da_ref, anchors, i)
+    else:
+      operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, anchors)
+      score_grads = lambda i: _factored_score_grads(b_ref, dp_ref, da_ref, operands, anchors, i)
 
     def step(i, db_last):
-      grads = _factored_score_grads(b_ref, dp_ref, da_ref, operands, anchors, i)
+      grads = score_grads(i)
       return _write_rows(*refs, pl.multiple_of(i * SUB, SUB), SUB, grads, db_last, i == N_SUB - 1,
                          **kw)
 

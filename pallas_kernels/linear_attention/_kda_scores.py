@@ -97,11 +97,16 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref):
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk))
 
 
+# The HALVES products 64 channels at a time: two queries' operands over all of D = 128 do
+# not fit the registers (experiments/kernel_resources.py)
+HALVES_BLOCK_D = 64
+
+
 def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref):
   """A_kk and A_qk of a HALVES chunk: two matmuls each."""
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk))
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D)
 
 
 def _chunk_rows(q_ref, k_ref, normed_refs):

@@ -36,7 +36,11 @@ F32 = jnp.float32
 HALO = 16  # tokens next to a block that a shift may read: the smallest matmul side
 NUM_WARPS = 8  # every kernel here: at 4 each program holds more registers
 BACKWARDS = ("one_kernel", "two_kernels")
-BLOCK_TOKENS = (32, HALO)  # the largest dividing the length
+BLOCK_TOKENS = (32, HALO)  # the forward's: the largest dividing the length
+# The two-kernel backward at 16-token blocks: 64 / 78 registers, 4 / 3 programs an SM
+# (experiments/kernel_resources.py), the fastest backward timed (docs/performance.md, "The
+# KDA prologue in one pass")
+BACKWARD_BLOCK_TOKENS = HALO
 EPS = 1e-6  # that of the reference's l2_normalize
 _sq = pl.squeezed
 
@@ -174,9 +178,10 @@ def _dx_kernel(x_ref, reach_ref, reach_next_ref, w_ref, dy_hi_ref, dy_lo_ref, dy
   dw_ref[...] = dw
 
 
-def _block_tokens(length: int, asked: int | None) -> int:
+def _block_tokens(length: int, asked: int | None, default: int | None = None) -> int:
   """The tokens of a program's block: `asked` (a power of two >= 16 dividing the length),
-    or the largest of BLOCK_TOKENS dividing it."""
+    else `default`, else the largest of BLOCK_TOKENS dividing it."""
+  asked = default if asked is None else asked
   if asked is not None:
     if asked < HALO or asked & (asked - 1) or length % asked:
       raise ValueError(f"short_conv_silu: block_tokens={asked}: must be a power of two "
@@ -275,12 +280,13 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None, *,
                     normalize: bool = False, block_tokens: tuple[int | None,
                                                                  int | None] = (None, None),
-                    backward: str = "one_kernel") -> jax.Array:
+                    backward: str = "two_kernels") -> jax.Array:
   """short_conv_silu_reference's result in one Pallas pass (interpreted on CPU). x: [B, T,
     H, D]; weight: [H, D, K] with tap K-1 on the current token, K <= 17; segment_ids:
     [B, T] or None. block_tokens: the forward's and the backward's tokens per program
-    (None: the largest of BLOCK_TOKENS dividing T). backward: one of BACKWARDS (the module
-    docstring). Lengths that are not a multiple of 16 run the reference."""
+    (None: the forward the largest of BLOCK_TOKENS dividing T, the backward
+    BACKWARD_BLOCK_TOKENS). backward: one of BACKWARDS (the module docstring). Lengths that
+    are not a multiple of 16 run the reference."""
   if backward not in BACKWARDS:
     raise ValueError(f"short_conv_silu: backward={backward!r}: expected one of {BACKWARDS}")
   B, T, H, D = x.shape
@@ -290,7 +296,9 @@ def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | No
                      f"channels {(H, D)}")
   if T % HALO or taps - 1 > HALO:
     return short_conv_silu_reference(x, weight, segment_ids, normalize=normalize)
-  blocks = tuple(_block_tokens(T, asked) for asked in block_tokens)
+  blocks = (_block_tokens(T,
+                          block_tokens[0]), _block_tokens(T, block_tokens[1],
+                                                          BACKWARD_BLOCK_TOKENS))
   kp = _taps_padded(taps)
   w_taps = jnp.pad(jnp.moveaxis(weight.astype(F32), -1, 1), ((0, 0), (0, kp - taps), (0, 0)))
   reach = token_reach(segment_ids, B, T, taps)

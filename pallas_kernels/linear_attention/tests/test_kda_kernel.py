@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
+from pallas_kernels.linear_attention import _kda_scores
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
 from pallas_kernels.linear_attention.tests._data import (fast_jit, make_inputs, outputs_and_grads,
                                                          rel_rms, with_halves, with_strong_decay,
@@ -83,6 +84,15 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
   exp(79), in either form of the scores' kernels."""
   x = with_halves(make_inputs(seed=19, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
   _assert_within(_errors(x, scores=scores), out_tol, grad_tol)
+
+
+@pytest.mark.parametrize("scores", ["by_layout", "one_kernel"])
+def test_halves_scores_over_channel_blocks(scores, monkeypatch):
+  """The HALVES products summed over channel blocks (_kda_scores.HALVES_BLOCK_D; 64 of the
+  released heads' 128, here 16 of 32) at the gate bound, fp32."""
+  monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
+  x = with_halves(make_inputs(seed=23, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  _assert_within(_errors(x, scores=scores), 1e-4, 1e-4)
 
 
 def test_qk_norm_in_the_first_scores_kernel_as_the_plain_jax_pass():
