@@ -110,10 +110,10 @@ def catalog() -> OpRegistry:
   registry.register("residual_mix", "pallas", f"{_RM}:residual_mix", backends=("gpu",), priority=-2)
   # The KDA layer's prologue (q, k: with the L2 norm), one pass forward and two backward:
   # 1.09x the XLA path forward+backward, 1.54x forward (docs/performance.md, "The KDA
-  # prologue in one pass"). Named only: where the rules split the sequence over devices it
-  # runs on gathered operands (meshes.per_shard), where XLA partitions the convolution.
+  # prologue in one pass"); on a split sequence each device's range takes the previous
+  # range's last tokens (meshes.split_conv).
   registry.register("short_conv", "pallas", f"{_SC}:short_conv_silu", backends=("gpu",),
-                    priority=-2, per_shard="rows_whole_weight")
+                    per_shard="causal_conv")
   return registry
 
 

@@ -21,7 +21,7 @@ AUTO = "auto"
 REFERENCE = "reference"
 
 PER_SHARD_MODES = ("rows", "rows_whole_weight", "linear_recurrence", "sparse_attention", "indexer",
-                   "tokens")
+                   "tokens", "causal_conv")
 
 
 def per_shard_mode(per_shard: bool | str) -> str | None:
@@ -37,14 +37,15 @@ def per_shard_mode(per_shard: bool | str) -> str | None:
 def _per_shard_wrappers() -> dict[str, Callable]:
   from meshes.per_shard import (split_over_batch, split_rows_whole_weight,
                                 split_tokens_whole_weights)
-  from meshes import gathered_keys, split_recurrence
+  from meshes import gathered_keys, split_conv, split_recurrence
   return {
       "rows": split_over_batch,
       "rows_whole_weight": split_rows_whole_weight,
       "linear_recurrence": split_recurrence.split_recurrence_over_devices,
       "sparse_attention": gathered_keys.sparse_attention_over_devices,
       "indexer": gathered_keys.indexer_over_devices,
-      "tokens": split_tokens_whole_weights
+      "tokens": split_tokens_whole_weights,
+      "causal_conv": split_conv.causal_conv_over_devices
   }
 
 
@@ -63,7 +64,9 @@ class Impl:
   # meshes.gathered_keys),
   # "linear_recurrence" passes its state between the devices' token ranges and
   # "sparse_attention" / "indexer" gather the keys for each device's range of queries;
-  # "tokens" acts on each token alone, its weights whole on every device.
+  # "tokens" acts on each token alone, its weights whole on every device;
+  # "causal_conv" is a short causal convolution, "rows_whole_weight" but where the sequence
+  # is split, each device's range with the previous range's last tokens (meshes.split_conv).
   per_shard: bool | str = False
 
   def load(self) -> Callable[..., Any]:
