@@ -7,8 +7,9 @@ K - 1 tokens back needs the K - 1 tokens before its range. One `ppermute` hands 
 the last HALO tokens of device i - 1 (and their segment ids); the device runs the kernel
 on [halo | own range] and keeps its own range's outputs. The first device's halo is zeros
 (`ppermute` fills it so), which a convolution reads as nothing; documents stay apart by
-the segment ids, as the kernel keeps them apart anyway. Gradients come by autodiff: the `ppermute` transposes to the
-reverse one, which adds the halo's gradient to the previous device's last tokens.
+the segment ids, as the kernel keeps them apart anyway. Gradients come by autodiff: the
+`ppermute` transposes to the reverse one, which adds the halo's gradient to the previous
+device's last tokens.
 
 Kernel contract: fn(x [B, T, H, D], weight [H, D, K], segment_ids [B, T] | None,
 **options) -> [B, T, H, D], with K - 1 <= HALO.

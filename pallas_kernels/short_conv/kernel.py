@@ -37,9 +37,8 @@ HALO = 16  # tokens next to a block that a shift may read: the smallest matmul s
 NUM_WARPS = 8  # every kernel here: at 4 each program holds more registers
 BACKWARDS = ("one_kernel", "two_kernels")
 BLOCK_TOKENS = (32, HALO)  # the forward's: the largest dividing the length
-# The two-kernel backward at 16-token blocks: 64 / 78 registers, 4 / 3 programs an SM
-# (experiments/kernel_resources.py), the fastest backward timed (docs/performance.md, "The
-# KDA prologue in one pass")
+# The two-kernel backward at 16-token blocks: the fastest backward timed
+# (docs/kernel_tuning.md, "Blocks and backward form")
 BACKWARD_BLOCK_TOKENS = HALO
 EPS = 1e-6  # that of the reference's l2_normalize
 _sq = pl.squeezed
@@ -296,9 +295,8 @@ def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | No
                      f"channels {(H, D)}")
   if T % HALO or taps - 1 > HALO:
     return short_conv_silu_reference(x, weight, segment_ids, normalize=normalize)
-  blocks = (_block_tokens(T,
-                          block_tokens[0]), _block_tokens(T, block_tokens[1],
-                                                          BACKWARD_BLOCK_TOKENS))
+  forward_block = _block_tokens(T, block_tokens[0])
+  blocks = (forward_block, _block_tokens(T, block_tokens[1], BACKWARD_BLOCK_TOKENS))
   kp = _taps_padded(taps)
   w_taps = jnp.pad(jnp.moveaxis(weight.astype(F32), -1, 1), ((0, 0), (0, kp - taps), (0, 0)))
   reach = token_reach(segment_ids, B, T, taps)
