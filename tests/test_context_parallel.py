@@ -37,6 +37,12 @@ KERNELS = {
     name: KernelConfig(linear_attention=name, topk_indices=name, sparse_attention=name)
     for name in ("pallas", "reference_per_device")
 }
+# K3's KDA prologue as the Pallas kernel (the default on GPU), each device's range taking
+# the previous range's last tokens (meshes/split_conv.py), the rest as references per device
+KERNELS["pallas_short_conv"] = KernelConfig(linear_attention="reference_per_device",
+                                            topk_indices="reference_per_device",
+                                            sparse_attention="reference_per_device",
+                                            short_conv="pallas")
 
 
 def _hybrid():
@@ -96,7 +102,7 @@ def _adapters_with_signal(lora: dict) -> dict:
 # tests/test_gathered_keys.py.
 @pytest.mark.parametrize("case, mesh_shape, dispatch, kernels", [
     ("hybrid", (1, 8), "dropless", "pallas"),
-    ("kimi_k3", (2, 4), "auto", "reference_per_device"),
+    ("kimi_k3", (2, 4), "auto", "pallas_short_conv"),
     ("deepseek_v32", (1, 8), "dropless", "reference_per_device"),
 ])
 def test_a_sequence_split_over_every_device_trains_as_on_one(case, mesh_shape, dispatch, kernels):
