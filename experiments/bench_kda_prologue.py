@@ -11,8 +11,8 @@ the other settings of FUSED) and jla's `short_conv_l2norm` (one Mosaic GPU kerne
 each way). Each shape prints one JSON row: forward and forward+backward (the gradients of
 x and the conv weight) milliseconds, ratios to the XLA path and fused against jla
 (medians of per-round ratios, > 1: the first named is slower), and the relative RMS
-difference of each output and of its gradients (dx, dw) from the XLA path's. jla missing or failing is reported, and the row still
-has the rest.
+difference of each output and of its gradients (dx, dw) from the XLA path's. jla missing
+or failing is reported, and the row still has the rest.
 
 The row's `gate_*` entries time the decay the same way: the XLA path computes g from the
 gate projection f in one fusion (DecayGate, Kimi Linear's form), writes it in fp32 and
@@ -27,6 +27,7 @@ import json
 import jax
 import jax.numpy as jnp
 
+from experiments.bench_linear_attention import rel_rms
 from experiments.timing import failed, interleaved_ratios, median_ratio, peer
 from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum, decay_cumsum
 from pallas_kernels.linear_attention.decay_gate import DecayGate
@@ -79,11 +80,6 @@ def jla_prologue():
   return fn
 
 
-def rel_rms(got, want):
-  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-  return float(jnp.sqrt(jnp.mean((got - want)**2) / jnp.mean(want**2)))
-
-
 def fwd_and_fwdbwd(fn):
   """Jitted forward and forward+backward: the loss, a random projection of the output, and
     the gradients of x and w (both, as in bench_linear_attention.fwd_and_fwdbwd)."""
@@ -127,8 +123,7 @@ def bench_gate(shape, rounds=15, calls=10):
   xla, fused = gate_fwd_and_fwdbwd(gate_xla), gate_fwd_and_fwdbwd(gate_fused)
   try:
     ref = xla[0](*x)
-    row["gate_rel_rms_fused_vs_xla"] = float(
-        jnp.sqrt(jnp.mean((ref - fused[0](*x))**2) / jnp.mean(ref**2)))
+    row["gate_rel_rms_fused_vs_xla"] = rel_rms(ref, fused[0](*x))
     jax.block_until_ready(fused[1](*x))
   except Exception as e:
     return {"gate_fused": failed(e)}
@@ -156,10 +151,10 @@ def bench_shape(shape, rounds=15, calls=10):
   ref, (_, ref_grads) = xla[0](*x), xla[1](*x)
   for name, fns in list(sides.items()):
     try:
-      row[f"rel_rms_{name}_vs_xla"] = rel_rms(fns[0](*x), ref)
+      row[f"rel_rms_{name}_vs_xla"] = rel_rms(ref, fns[0](*x))
       _, (dx, dw) = fns[1](*x)
-      row[f"rel_rms_{name}_dx_vs_xla"] = rel_rms(dx, ref_grads[0])
-      row[f"rel_rms_{name}_dw_vs_xla"] = rel_rms(dw, ref_grads[1])
+      row[f"rel_rms_{name}_dx_vs_xla"] = rel_rms(ref_grads[0], dx)
+      row[f"rel_rms_{name}_dw_vs_xla"] = rel_rms(ref_grads[1], dw)
     except Exception as e:  # a failing side does not hide the others' figures
       row[name] = failed(e)
       del sides[name]

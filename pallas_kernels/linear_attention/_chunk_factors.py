@@ -181,8 +181,8 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None):
     # queries of the second half and keys of the first, both through the first half's last
     # token (every exponent <= 0; clamped on the rows that do not pair)
     b, edge = load(b_ref, 0, C), load(b_ref, HALF - 1, 1)
-    return jnp.exp(jnp.minimum(b - edge,
-                               0.0)), load(k_ref, 0, HALF) * jnp.exp(edge - load(b_ref, 0, HALF))
+    keys = load(k_ref, 0, HALF) * jnp.exp(edge - load(b_ref, 0, HALF))
+    return jnp.exp(jnp.minimum(b - edge, 0.0)), keys
 
   products(first | (iota(C, 1, (C, C)) >= HALF), inside)
   products(jnp.logical_not(first) & (iota(C, 1, (C, HALF)) < HALF), across)

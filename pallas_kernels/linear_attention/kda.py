@@ -201,9 +201,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     Hopper, or interpreted; where the Mosaic GPU walk fits) or "auto" ("fused" where it
     compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores, key_grads: the
     in-chunk scores' and the key gradients' kernels, one of _chunk_factors.SCORE_KERNELS
-    and of KEY_GRAD_KERNELS (by default one kernel per layout family for each; see the module's
-    docstring). qk_norm:
-    where normalize_qk's L2 norm runs, one of QK_NORMS: "xla", a plain-JAX pass before the
+    and of KEY_GRAD_KERNELS (by default one kernel per layout family for each; see the
+    module's docstring). qk_norm: where normalize_qk's L2 norm runs, one of QK_NORMS: "xla", a plain-JAX pass before the
     kernels (the default: the faster, docs/performance.md), or "kernel", inside the first
     scores kernel, which writes the normalised q and k the later kernels read (with
     scores="by_layout", else as "xla")."""

@@ -177,10 +177,9 @@ def _dx_kernel(x_ref, reach_ref, reach_next_ref, w_ref, dy_hi_ref, dy_lo_ref, dy
   dw_ref[...] = dw
 
 
-def _block_tokens(length: int, asked: int | None, default: int | None = None) -> int:
+def _block_tokens(length: int, asked: int | None) -> int:
   """The tokens of a program's block: `asked` (a power of two >= 16 dividing the length),
-    else `default`, else the largest of BLOCK_TOKENS dividing it."""
-  asked = default if asked is None else asked
+    or the largest of BLOCK_TOKENS dividing it."""
   if asked is not None:
     if asked < HALO or asked & (asked - 1) or length % asked:
       raise ValueError(f"short_conv_silu: block_tokens={asked}: must be a power of two "
@@ -295,8 +294,8 @@ def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | No
                      f"channels {(H, D)}")
   if T % HALO or taps - 1 > HALO:
     return short_conv_silu_reference(x, weight, segment_ids, normalize=normalize)
-  forward_block = _block_tokens(T, block_tokens[0])
-  blocks = (forward_block, _block_tokens(T, block_tokens[1], BACKWARD_BLOCK_TOKENS))
+  forward, backward_asked = block_tokens
+  blocks = (_block_tokens(T, forward), _block_tokens(T, backward_asked or BACKWARD_BLOCK_TOKENS))
   kp = _taps_padded(taps)
   w_taps = jnp.pad(jnp.moveaxis(weight.astype(F32), -1, 1), ((0, 0), (0, kp - taps), (0, 0)))
   reach = token_reach(segment_ids, B, T, taps)
