@@ -33,7 +33,7 @@ from experiments.timing import failed, interleaved_ratios, median_ms, peer, to_t
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
 from pallas_kernels.linear_attention._chunk_factors import KEY_GRAD_KERNELS, SCORE_KERNELS
 from pallas_kernels.linear_attention.gla import Tiling
-from pallas_kernels.linear_attention.kda import QK_NORMS
+from pallas_kernels.linear_attention.kda import QK_NORMS, SOLVES
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
 REFERENCE_SKIP = {
@@ -345,6 +345,9 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                                                    interpret=interp, solve_warps=warps),
       static_argnames=("e", "warps"))
   qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
+  intra_by_layout = jax.jit(
+      lambda *a, solve: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=False, interpret=interp,
+                                    scores="by_layout", solve=solve), static_argnames="solve")
 
   def scores_with(**setting):
     return jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, **setting))
@@ -407,6 +410,14 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(lambda *a: intra(*a, e=True), qp, kp, vp, b, beta), 3),
               "intra_with_inverse_solve_8_warps":
                   round(median_ms(lambda *a: intra(*a, e=True, warps=8), qp, kp, vp, b, beta), 3),
+              "intra_by_layout_solve_in_scores":
+                  round(
+                      median_ms(lambda *a: intra_by_layout(*a, solve="in_scores"), qp, kp, vp, b,
+                                beta), 3),
+              "intra_by_layout_solve_own_kernel":
+                  round(
+                      median_ms(lambda *a: intra_by_layout(*a, solve="own_kernel"), qp, kp, vp, b,
+                                beta), 3),
               "of_which_scores":
                   round(median_ms(scores, qp, kp, b, beta), 3),
               "scores_normalizing_q_k":
@@ -482,19 +493,19 @@ def _kda_defaults():
   """chunked_kda's own choice of scores and key-gradient kernels and of where the norm runs."""
   from pallas_kernels.linear_attention import chunked_kda
   params = inspect.signature(chunked_kda).parameters
-  return {name: params[name].default for name in ("scores", "key_grads", "qk_norm")}
+  return {name: params[name].default for name in ("scores", "key_grads", "qk_norm", "solve")}
 
 
 KDA_DEFAULTS = _kda_defaults()
 
 
-def kda_settings(walks, forwards, scores, key_grads, qk_norms):
+def kda_settings(walks, forwards, scores, key_grads, qk_norms, solves=(KDA_DEFAULTS["solve"],)):
   """[(name, chunked_kda with those settings)]: every combination asked for, the op's
     defaults unnamed."""
   from pallas_kernels.linear_attention import chunked_kda
   impls = []
-  for kind, key_kind, norm in itertools.product(scores, key_grads, qk_norms):
-    kernels = dict(scores=kind, key_grads=key_kind, qk_norm=norm)
+  for kind, key_kind, norm, solve in itertools.product(scores, key_grads, qk_norms, solves):
+    kernels = dict(scores=kind, key_grads=key_kind, qk_norm=norm, solve=solve)
     named = "".join(
         f",{name}={value}" for name, value in kernels.items() if value != KDA_DEFAULTS[name])
     impls += [(f"pallas[state_walk={walk}{named}]",
@@ -510,7 +521,7 @@ def kda_settings(walks, forwards, scores, key_grads, qk_norms):
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
               walks=STATE_WALKS, forwards=("split",), correctness_shape=CORRECTNESS_SHAPE,
               scores=(KDA_DEFAULTS["scores"],), key_grads=(KDA_DEFAULTS["key_grads"],),
-              qk_norms=(KDA_DEFAULTS["qk_norm"],)):
+              qk_norms=(KDA_DEFAULTS["qk_norm"],), solves=(KDA_DEFAULTS["solve"],)):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd; first each setting's correctness at correctness_shape (None: none)."""
   from pallas_kernels.linear_attention import kda_chunked
@@ -519,7 +530,7 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
     beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
     return (*inputs(*shape, seed=seed, gates=gates), beta)
 
-  impls = kda_settings(walks, forwards, scores, key_grads, qk_norms)
+  impls = kda_settings(walks, forwards, scores, key_grads, qk_norms, solves)
   if correctness_shape:
     correctness("kda", impls, kda_chunked, kda_inputs, gates, correctness_shape)
   for shape, regime in itertools.product(shapes, gates):
@@ -584,6 +595,10 @@ def main():
       help="--op kda: where the L2 norm of q and k runs: as a plain-JAX pass before the "
       "kernels (xla) or inside the first scores kernel (kernel, with --kda-scores "
       "by_layout); default: the op's own")
+  ap.add_argument(
+      "--kda-solves", nargs="+", choices=SOLVES, default=[KDA_DEFAULTS["solve"]],
+      help="--op kda: where the in-chunk solve runs: in the scores' kernels (in_scores, with "
+      "--kda-scores by_layout) or in a kernel of its own (own_kernel); default: the op's own")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
@@ -592,7 +607,8 @@ def main():
     return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
                      args.state_walks, args.kda_forwards or default_kda_forwards(),
                      None if args.skip_correctness else CORRECTNESS_SHAPE, scores=args.kda_scores,
-                     key_grads=args.kda_key_grads, qk_norms=args.kda_qk_norms)
+                     key_grads=args.kda_key_grads, qk_norms=args.kda_qk_norms,
+                     solves=args.kda_solves)
   gla_impls = [(f"pallas{name}", functools.partial(chunked_gla, tiling=tiling))
                for name, tiling in args.tiling]
   if not args.skip_correctness:

@@ -8,8 +8,10 @@ Each implementation of an op is lowered for CUDA (forward, and forward+backward 
 the op is differentiated) at the op's `bench` shapes from experiments.op_checks (shapes
 only: nothing is allocated). Every Triton kernel in it is compiled for sm_90a with the
 `triton` package and assembled by its `ptxas -v`, which gives registers per thread and
-spill bytes; with the launch's warps and shared memory that gives the programs an SM
-holds at once (the H200's limits: 64K registers, 64 warps, 32 programs and 228 KiB of
+spill bytes, and disassembled by its `nvdisasm` for the size of the machine code (a kernel
+past the SM's instruction cache, about 128 KiB, stalls on instruction fetches: see
+docs/kernel_tuning.md, "Code size"); with the launch's warps and shared memory that gives
+the programs an SM holds at once (the H200's limits: 64K registers, 64 warps, 32 programs and 228 KiB of
 shared memory per SM).
 
 The lowering takes the path the H200 runs (`on_hopper()` answers yes), so the Mosaic GPU
@@ -217,9 +219,22 @@ def _ptxas(ptxas, ptx, path, max_registers=None):
                         capture_output=True, text=True, check=True).stderr
 
 
+# An instruction line of `nvdisasm -c`: indented, its address in a comment, e.g.
+# "        /*0070*/                   LDC R1, c[0x0][0x28] ;"
+_SASS_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/")
+SASS_INSTRUCTION_BYTES = 16  # every sm_90 instruction
+
+
+def code_bytes(listing: str) -> int:
+  """Bytes of machine code in an `nvdisasm -c` listing (its instructions, 16 bytes each)."""
+  return SASS_INSTRUCTION_BYTES * sum(
+      1 for line in listing.splitlines() if _SASS_INSTRUCTION.match(line))
+
+
 def compile_for_hopper(kernel: Kernel) -> dict:
-  """ptxas's registers and spills, Triton's shared memory, the programs per SM, and the
-    spill bytes if capped at the registers that would fit one program more per SM."""
+  """ptxas's registers and spills, Triton's shared memory, the bytes of machine code, the
+    programs per SM, and the spill bytes if capped at the registers that would fit one
+    program more per SM."""
   try:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -235,6 +250,12 @@ def compile_for_hopper(kernel: Kernel) -> dict:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     ptx, path = compiled.asm["ptx"], os.path.join(tmp, f"{kernel.name}.ptx")
     out = parse_ptxas(_ptxas(ptxas, ptx, path)) | {"shared": compiled.metadata.shared}
+    cubin = os.path.join(tmp, f"{kernel.name}.cubin")
+    with open(cubin, "wb") as f:
+      f.write(compiled.asm["cubin"])
+    out["code"] = code_bytes(
+        subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", cubin],
+                       capture_output=True, text=True, check=True).stdout)
     out["programs_per_sm"] = programs_per_sm(out["registers"], kernel.num_warps, out["shared"])
     out["occupancy"] = out["programs_per_sm"] * kernel.num_warps / _WARPS_PER_SM
     more = out["programs_per_sm"] + 1
@@ -265,6 +286,15 @@ def _option(text: str) -> tuple[str, object]:
     return key, value
 
 
+# Straight-line kernels past about this much code ran 1.4-2x slower than their parts as
+# separate kernels on the H100 (docs/kernel_tuning.md, "Code size"): flagged in the table
+INSTRUCTION_CACHE_BYTES = 128 * 1024
+
+
+def code_note(code: int) -> str:
+  return " (over the instruction cache)" if code > INSTRUCTION_CACHE_BYTES else ""
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--ops", nargs="*", default=None, help="op name patterns (default: all)")
@@ -276,9 +306,9 @@ def main():
   options = dict(a.option)
   rows = []
   print("| op | implementation | kernel | warps | stages | registers | spill bytes "
-        "(stores / loads) | shared KiB | programs per SM | occupancy | one program more "
-        "per SM: register cap, spill bytes |")
-  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        "(stores / loads) | shared KiB | code KiB | programs per SM | occupancy | one program "
+        "more per SM: register cap, spill bytes |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   for op in catalog().names():
     if op not in CHECKS or (a.ops and not any(fnmatch.fnmatch(op, pat) for pat in a.ops)):
       continue
@@ -288,17 +318,17 @@ def main():
       except Exception as e:  # an implementation that cannot lower here: say so
         print(
             f"| {op} | {impl} | not lowered: {type(e).__name__}: "
-            f"{str(e).splitlines()[0][:120]} | | | | | | | | |", flush=True)
+            f"{str(e).splitlines()[0][:120]} | | | | | | | | | |", flush=True)
         continue
       if not kernels:
-        print(f"| {op} | {impl} | no Pallas kernels | | | | | | | | |", flush=True)
+        print(f"| {op} | {impl} | no Pallas kernels | | | | | | | | | |", flush=True)
       for k in kernels:
         if k.is_mosaic:
           r = mosaic_resources(k)
           rows.append({"op": op, "impl": impl, "kernel": k.name, "num_warps": k.num_warps} | r)
           print(
               f"| {op} | {impl} | {k.name} (Mosaic GPU) | {k.num_warps} | - | - | - | "
-              f"{r['shared'] / 1024:.0f} | {r['programs_per_sm']} | - | - |", flush=True)
+              f"{r['shared'] / 1024:.0f} | - | {r['programs_per_sm']} | - | - |", flush=True)
           continue
         r = compile_for_hopper(k)
         rows.append({
@@ -313,8 +343,8 @@ def main():
         print(
             f"| {op} | {impl} | {k.name} | {k.num_warps} | {k.num_stages} | "
             f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
-            f"{r['shared'] / 1024:.0f} | {r['programs_per_sm']} | "
-            f"{r['occupancy']:.1%} | {step} |", flush=True)
+            f"{r['shared'] / 1024:.0f} | {r['code'] / 1024:.0f}{code_note(r['code'])} | "
+            f"{r['programs_per_sm']} | {r['occupancy']:.1%} | {step} |", flush=True)
   if a.out:
     with open(a.out, "w") as f:
       json.dump(rows, f, indent=1)

@@ -9,7 +9,8 @@ side. Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, t
 scores in each form (one kernel, chunked_kda's default; one kernel per layout, and the
 same normalising q and k on its way, as chunked_kda(scores="by_layout", qk_norm="kernel")
 does; the SUB_CHUNKS chunks' kernel first),
-scores and solve together, the fused state walk and outputs. jla (when installed):
+scores and solve together (the scores in one kernel, then the solve; by layout, then the
+solve; by layout, each kernel solving its chunks), the fused state walk and outputs. jla (when installed):
 its cumulative decay, its in-chunk kernel with the L2 norm inside and the decayed rows out
 (the forward's path when no gradient is asked), without the norm, without the rows, its
 solve and its state walk that applies T itself. One JSON line per gate regime.
@@ -50,10 +51,14 @@ def ours(q, k, v, g, beta):
   ms["scores_normalizing_q_k"] = median_ms(normalizing,
                                            *_chunk_prep.prepare(q, k, v, g, None, B, T)[:2], b,
                                            beta)
-  intra = jax.jit(lambda q, k, v, b, beta: chunk_intra(q, k, v, b, beta, runs, ci, il, cd=cd,
-                                                       emit_inverse=False, interpret=interp))
+  for name, form, solve in (("scores_and_solve", "one_kernel", "own_kernel"),
+                            ("scores_by_layout_then_solve", "by_layout",
+                             "own_kernel"), ("scores_by_layout_solving", "by_layout", "in_scores")):
+    intra = jax.jit(lambda q, k, v, b, beta, form=form, solve=solve: chunk_intra(
+        q, k, v, b, beta, runs, ci, il, cd=cd, emit_inverse=False, interpret=interp, scores=form,
+        solve=solve))
+    ms[name] = median_ms(intra, qp, kp, vp, b, beta)
   qg, kg, w, u0, aqk = intra(qp, kp, vp, b, beta)
-  ms["scores_and_solve"] = median_ms(intra, qp, kp, vp, b, beta)
   if not interp:
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
     h0 = jnp.zeros((B, H, D, v.shape[-1]), jnp.float32)

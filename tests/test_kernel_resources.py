@@ -29,6 +29,18 @@ def test_parse_ptxas_reads_registers_and_spills():
     kr.parse_ptxas("ptxas info    : 0 bytes gmem")
 
 
+def test_code_bytes_counts_the_instructions_of_a_listing():
+  listing = """	.section	.text.gla_chunk_scores,"ax",@progbits
+.text.gla_chunk_scores:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /* 0x000fe400078e00ff */
+        /*0020*/                   EXIT ;
+"""
+  assert kr.code_bytes(listing) == 3 * 16
+  assert kr.code_bytes("") == 0
+
+
 @pytest.mark.parametrize(
     "registers, warps, shared, programs",
     [

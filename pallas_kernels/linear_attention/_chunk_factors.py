@@ -148,11 +148,13 @@ def whole_chunk_products(k, b, queries, store):
   store(0, None, *(diag.f32_mm(x() * down, keys, trans_b=True) for x in queries))
 
 
-def halves_products(k_ref, b_ref, query_refs, store, block_d=None):
+def halves_products(k_ref, b_ref, query_refs, store, block_d=None, full_across=False):
   """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and a
     [C, D] x [D, HALF] one for those across (k_ref, b_ref and query_refs: the chunk's [C, D]
     refs). block_d: the channels taken at a time, each block's products summed (fewer
-    operands live at once than the whole width's); None: all D at once."""
+    operands live at once than the whole width's); None: all D at once. full_across: the
+    pairs across as a [C, D] x [D, C] product too, its keys of the second half zero, so
+    that every store is [C, C] (a caller assembling the whole matrix in registers)."""
   D = k_ref.shape[-1]
   block_d = min(block_d or D, D)
   first = iota(C, 0, (C, 1)) < HALF
@@ -181,11 +183,15 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None):
     # queries of the second half and keys of the first, both through the first half's last
     # token (every exponent <= 0; clamped on the rows that do not pair)
     b, edge = load(b_ref, 0, C), load(b_ref, HALF - 1, 1)
-    keys = load(k_ref, 0, HALF) * jnp.exp(edge - load(b_ref, 0, HALF))
+    if full_across:
+      keys = jnp.where(first, load(k_ref, 0, C) * jnp.exp(jnp.minimum(edge - b, 0.0)), 0.0)
+    else:
+      keys = load(k_ref, 0, HALF) * jnp.exp(edge - load(b_ref, 0, HALF))
     return jnp.exp(jnp.minimum(b - edge, 0.0)), keys
 
   products(first | (iota(C, 1, (C, C)) >= HALF), inside)
-  products(jnp.logical_not(first) & (iota(C, 1, (C, HALF)) < HALF), across)
+  width = C if full_across else HALF
+  products(jnp.logical_not(first) & (iota(C, 1, (C, width)) < HALF), across)
 
 
 def anchors(b_ref):
@@ -304,12 +310,13 @@ def by_layout_from_ends(b_ref, whole_chunk, halves, sub_chunks):
 
 def record_layout(flag_ref, b_ref, b):
   """Writes the chunk's flag, its layout for the scores (WHOLE_CHUNK, HALVES, SUB_CHUNKS),
-    and returns whether it is WHOLE_CHUNK; b: b_ref's rows, already loaded."""
+    and returns (whether it is WHOLE_CHUNK, the layout's code); b: b_ref's rows, already
+    loaded."""
   whole = midpoint(b)[1]
   layout = jnp.where(whole, _code(WHOLE_CHUNK),
                      jnp.where(halves_bounded(b_ref), _code(HALVES), _code(SUB_CHUNKS)))
   flag_ref[...] = jnp.full((C,), layout, jnp.int32)
-  return whole
+  return whole, layout
 
 
 def _code(layout):
@@ -319,9 +326,10 @@ def _code(layout):
   return jnp.int32(layout)
 
 
-def if_layout(flag_ref, layout, fn):
-  """fn() for a chunk whose flag (record_layout) is `layout`, else nothing."""
-  jax.lax.cond(jnp.max(flag_ref[...]) == layout, fn, lambda: None)
+def if_layout(flag_ref, layout, fn, unless=False):
+  """fn() for a chunk whose flag (record_layout) is `layout` (unless: is not), else nothing."""
+  match = jnp.max(flag_ref[...]) == layout
+  jax.lax.cond(jnp.logical_not(match) if unless else match, fn, lambda: None)
 
 
 def chunk_layouts(g):

@@ -122,7 +122,7 @@ def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
     `decayed`), and every chunk's layout for the others."""
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  whole = factors.record_layout(flag_ref, b_ref, b)
+  whole, _ = factors.record_layout(flag_ref, b_ref, b)
   jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref), lambda: None)
 
 

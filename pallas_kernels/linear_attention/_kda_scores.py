@@ -26,6 +26,8 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._inputs import inverse_l2_norm
 from pallas_kernels.linear_attention._kda_layout import C
+from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
+                                                        write_keys)
 from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota,
                                                             masked_exp, rows, store_decayed_rows,
                                                             store_where)
@@ -109,18 +111,23 @@ def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref):
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D)
 
 
+def _columns(ref):
+  """A loader of the chunk's [C, D] ref: cols (default all) -> those columns, fp32."""
+  return lambda cols=slice(None): ref[:, cols].astype(F32)
+
+
 def _chunk_rows(q_ref, k_ref, normed_refs):
-  """(q, k): loaders of the chunk's [C, D] fp32 rows, which load them at each use (held
-    across the pass they spill); with normed_refs, of the rows L2-normalised per token and
-    rounded to their inputs' dtypes (as _inputs.l2_normalize and the cast back give them:
-    one pass through memory fewer), written there first."""
+  """(q, k): loaders of the chunk's [C, D] fp32 rows (_columns), which load them at each use
+    (held across the pass they spill); with normed_refs, of the rows L2-normalised per
+    token and rounded to their inputs' dtypes (as _inputs.l2_normalize and the cast back
+    give them: one pass through memory fewer), written there first."""
   if not normed_refs:
-    return (lambda: rows(q_ref, 0, C)), (lambda: rows(k_ref, 0, C))
+    return _columns(q_ref), _columns(k_ref)
   loaders = []
   for ref, out in zip((q_ref, k_ref), normed_refs):
     scale = inverse_l2_norm(rows(ref, 0, C))  # [C, 1]: held, the rows reloaded
-    normed = lambda ref=ref, scale=scale, dtype=out.dtype: (rows(ref, 0, C) * scale).astype(
-        dtype).astype(F32)
+    normed = lambda cols=slice(None), ref=ref, scale=scale, dtype=out.dtype: (ref[:, cols].astype(
+        F32) * scale).astype(dtype).astype(F32)
     out[...] = normed().astype(out.dtype)
     loaders.append(normed)
   return tuple(loaders)
@@ -136,11 +143,12 @@ def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
 def _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                   normed_refs=()):
   """(b, q, k): the chunk's rows of b (loaded) and loaders of q, k (_chunk_rows, with
-    normed_refs written first), after qg, kg and kw are written."""
+    normed_refs written first), after qg, kg and kw (unless kw_ref is None) are written."""
   b = rows(b_ref, 0, C)
   q, k = _chunk_rows(q_ref, k_ref, normed_refs)
   store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
-  _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
+  if kw_ref is not None:
+    _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
   return b, q, k
 
 
@@ -165,21 +173,26 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 
 
 def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref,
-                             kw_ref, akk_ref, aqk_ref, flag_ref, *normed_refs):
-  """The first of three passes: qg, kg and kw of every chunk, A_kk and A_qk of the
-    WHOLE_CHUNK chunks, and every chunk's layout for the others; with normed_refs, q and k
-    normalised first (_chunk_rows) for this pass and the others."""
-  b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
-                          normed_refs)
-  whole = factors.record_layout(flag_ref, b_ref, b)
+                             kw_ref, akk_ref, aqk_ref, flag_ref, *normed_refs, keys_of_halves=True):
+  """The first of three passes: qg, kg and kw of every chunk (keys_of_halves=False: but the
+    HALVES ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the
+    others; with normed_refs, q and k normalised first (_chunk_rows) for this pass and the
+    others."""
+  b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
+                          kw_ref if keys_of_halves else None, normed_refs)
+  whole, layout = factors.record_layout(flag_ref, b_ref, b)
+  if not keys_of_halves:  # the HALVES chunks' kernel forms its kw itself
+    jax.lax.cond(layout == factors.HALVES, lambda: None,
+                 lambda: _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref))
   jax.lax.cond(whole, lambda: _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref),
                lambda: None)
 
 
-def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
-                       aqk_ref, *, layout, cd):
-  """A later pass: A_kk and A_qk of the chunks in `layout` (HALVES or SUB_CHUNKS); their
-    memory is the first pass's outputs, the other chunks' stay as written."""
+def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, *refs, layout, cd):
+  """A later pass: A_kk and A_qk (the last two of refs, after the inputs aliased to them) of
+    the chunks in `layout` (HALVES or SUB_CHUNKS); their memory is the first pass's
+    outputs, the other chunks' stay as written."""
+  akk_ref, aqk_ref = refs[-2:]
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   if layout == factors.HALVES:
     compute = lambda: _halves(*refs)
@@ -210,22 +223,107 @@ def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_re
                               lambda: _halves(*refs), copied)
 
 
+# The scores with the solve in place (chunk_scores_and_solve): the HALVES pass keeps its
+# chunk's A_kk in registers and solves it there (_kda_solve), writing w, u0 (and T) instead of
+# A_kk; the other chunks' A_kk and kw go through memory to the solve's kernel. The WHOLE_CHUNK
+# pass solving in place too ran slower: its code outgrew the SM's instruction cache
+# (docs/kernel_tuning.md, "Code size").
+
+
+def _kept_scores(r_ref, aqk_ref):
+  """(store, a_kk): a store for the products (factors.*_products, each [C, C] over a region,
+    None: all) that writes A_qk at once (same-run pairs s <= t) and merges A_kk into one
+    [C, C] value in registers (two held at once spill: experiments/kernel_resources.py);
+    a_kk() is that value, unmasked."""
+  t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
+  same = r_ref[...][:, None] == r_ref[...][None, :]
+  kept = []
+
+  def store(start, region, a_kk, a_qk):
+    del start  # every product here spans all C columns
+    store_where(aqk_ref, 0, region, jnp.where(same & (s <= t), a_qk, 0.0))
+    kept[:] = [a_kk if region is None else jnp.where(region, a_kk, kept[0] if kept else 0.0)]
+
+  return store, lambda: kept[0]
+
+
+def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, flag_ref, _aqk_in,
+                           aqk_ref, w_ref, u0_ref, *inverse_ref, cd, interpret):
+  """The HALVES pass with the solve: A_qk of the HALVES chunks into the first pass's output,
+    their w, u0 (and T) into arrays the solve's kernel completes with the other chunks'."""
+
+  def solve():
+    store, a_kk = _kept_scores(r_ref, aqk_ref)
+    factors.halves_products(k_ref, b_ref, (k_ref, q_ref), store, block_d=HALVES_BLOCK_D,
+                            full_across=True)
+    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
+    same = r_ref[...][:, None] == r_ref[...][None, :]
+    beta = beta_ref[...].astype(F32)[:, None]
+    store_solved(jnp.where(same & (s < t), beta * a_kk(), 0.0),
+                 write_keys(_columns(k_ref), b_ref, beta, ci_ref), v_ref, lambda: beta, w_ref,
+                 u0_ref, inverse_ref, cd=cd, interpret=interpret, unrolled=False)
+
+  factors.if_layout(flag_ref, factors.HALVES, solve)
+
+
 # The first pass's warps: four ran faster than eight (docs/kernel_tuning.md, "KDA in-chunk
-# scores"); it spills little since it takes WHOLE_CHUNK chunks alone.
+# scores"); it spills little since it takes WHOLE_CHUNK chunks alone. Normalising q and k
+# too, its code at four warps outgrows the SM's instruction cache and eight ran faster
+# (docs/kernel_tuning.md, "Code size").
 FACTORED_WARPS = 4
+NORMALIZING_WARPS = 8
+
+
+def _first_pass_warps(factored_warps, normalize):
+  return factored_warps or (NORMALIZING_WARPS if normalize else FACTORED_WARPS)
+
+
+def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
+                keys_of_halves):
+  """The by-layout scores' first kernel (_whole_chunk_pass_kernel): (qg, kg, kw, A_kk, A_qk,
+    layout flags, q, k as the later kernels read them: normalised where asked)."""
+  B, Tp, H, Dk = k.shape
+  n = Tp // C
+  keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
+  normed = (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)) if normalize else ()
+  outputs = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(
+      F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C), L.shape(jnp.int32, B, H, n, C))
+  qg, kg, kw, a_kk, a_qk, layouts, *normed = L.call(
+      functools.partial(_whole_chunk_pass_kernel, keys_of_halves=keys_of_halves), (B, H, n),
+      [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
+      (keys, keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(normed),
+      outputs + normed, name="kda_chunk_scores_whole_chunk", interpret=interpret, num_warps=warps,
+      num_stages=2)(q, k, b, beta, runs, carry_in, in_last)
+  return (qg, kg, kw, a_kk, a_qk, layouts, *(normed or (q, k)))
+
+
+def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpret, num_warps):
+  """(A_kk, A_qk) with the chunks of `layout` (HALVES or SUB_CHUNKS) formed in place
+    (_later_pass_kernel)."""
+  B, Tp, H, Dk = k.shape
+  keys, square = L.chunk_rows(Dk), L.chunk_square()
+  inputs = [keys, keys, keys, L.chunk_beta(), L.chunk_flags(), L.chunk_layout_flag()]
+  name = {factors.HALVES: "halves", factors.SUB_CHUNKS: "sub_chunks"}[layout]
+  shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (a_kk, a_qk))
+  aliases = {len(inputs): 0, len(inputs) + 1: 1}
+  return L.call(functools.partial(_later_pass_kernel, layout=layout, cd=cd), (B, H, Tp // C),
+                inputs + [square, square], (square, square), shapes,
+                name=f"kda_chunk_scores_{name}", input_output_aliases=aliases, interpret=interpret,
+                num_warps=num_warps, num_stages=2)(q, k, b, beta, runs, layouts, a_kk, a_qk)
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
-                 form="one_kernel", factored_warps=FACTORED_WARPS, normalize=False):
+                 form="one_kernel", factored_warps=None, normalize=False):
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), and with `normalize` q and k L2-normalised per token (in
     their dtypes), from which all of it is formed: the first kernel normalises them on its
     way (form="by_layout" only).
 
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
-    by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps), then the HALVES
-    ones' and the SUB_CHUNKS ones' (num_warps); sub_chunks_first, the SUB_CHUNKS chunks'
-    kernel (num_warps), then the others' (factored_warps)."""
+    by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
+    _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
+    sub_chunks_first, the SUB_CHUNKS chunks' kernel (num_warps), then the others'
+    (factored_warps)."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   if normalize and form != "by_layout":
@@ -242,27 +340,64 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n), inputs,
                   (keys, keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
+  warps = _first_pass_warps(factored_warps, normalize)
   if form == "sub_chunks_first":
     exact = L.call(functools.partial(_sub_chunks_first_kernel,
                                      cd=cd), (B, H, n), inputs[:5], (square, square), outputs[3:],
                    name="kda_chunk_scores_sub_chunks_first", **launch)(q, k, b, beta, runs)
     return L.call(_after_sub_chunks_kernel, (B, H, n), inputs + [square, square],
-                  (keys, keys, keys, square, square), outputs,
-                  name="kda_chunk_scores_after_sub_chunks",
-                  **(launch | dict(num_warps=factored_warps)))(q, k, b, beta, runs, carry_in,
-                                                               in_last, *exact)
-  normed = (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)) if normalize else ()
-  qg, kg, kw, a_kk, a_qk, layout_flags, *normed = L.call(
-      _whole_chunk_pass_kernel, (B, H, n), inputs,
-      (keys, keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(normed),
-      outputs + (L.shape(jnp.int32, B, H, n, C),) + normed, name="kda_chunk_scores_whole_chunk",
-      **(launch | dict(num_warps=factored_warps)))(q, k, b, beta, runs, carry_in, in_last)
-  q, k = normed or (q, k)
-  for layout, name in ((factors.HALVES, "halves"), (factors.SUB_CHUNKS, "sub_chunks")):
-    a_kk, a_qk = L.call(functools.partial(_later_pass_kernel, layout=layout, cd=cd), (B, H, n),
-                        inputs[:5] + [L.chunk_layout_flag(), square, square], (square, square),
-                        outputs[3:], name=f"kda_chunk_scores_{name}", input_output_aliases={
-                            6: 0,
-                            7: 1
-                        }, **launch)(q, k, b, beta, runs, layout_flags, a_kk, a_qk)
+                  (keys, keys, keys, square, square),
+                  outputs, name="kda_chunk_scores_after_sub_chunks",
+                  **(launch | dict(num_warps=warps)))(q, k, b, beta, runs, carry_in, in_last,
+                                                      *exact)
+  qg, kg, kw, a_kk, a_qk, layouts, q, k = _first_pass(q, k, b, beta, runs, carry_in, in_last, cd=cd,
+                                                      interpret=interpret, warps=warps,
+                                                      normalize=normalize, keys_of_halves=True)
+  for layout in (factors.HALVES, factors.SUB_CHUNKS):
+    a_kk, a_qk = _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
+                             interpret=interpret, num_warps=num_warps)
   return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize else ())
+
+
+def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,
+                           emit_inverse, normalize=False, num_warps=4, factored_warps=None,
+                           solve_warps=4):
+  """The scores by layout with the HALVES chunks solved in place (_kda_intra's chunk form):
+    (qg, kg, w [B, Tp, H, Dk], u0 [B, Tp, H, Dv], A_qk [B, H, n, C, C], all in cd,
+    T [B, H, n, C, C] in cd when emit_inverse), and with `normalize` q and k L2-normalised
+    per token (in their dtypes; the first kernel normalises them on its way, as
+    chunk_scores does).
+
+    Four kernels: chunk_scores(form="by_layout")'s first (factored_warps; kw of every chunk
+    but the HALVES ones), its HALVES one, which also solves its chunks (num_warps), and its
+    SUB_CHUNKS one (num_warps); then the solve's kernel for the chunks not HALVES
+    (solve_warps), into the HALVES kernel's w, u0 (and T) (input_output_aliases)."""
+  B, Tp, H, Dk = k.shape
+  Dv = v.shape[-1]
+  n = Tp // C
+  keys, values, flag, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_flags(), L.chunk_square()
+  layout, beta_spec = L.chunk_layout_flag(), L.chunk_beta()
+  solved_specs = (keys, values) + ((square,) if emit_inverse else ())
+  solved_shapes = (L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)) + (
+      (L.shape(cd, B, H, n, C, C),) if emit_inverse else ())
+  qg, kg, kw, a_kk, a_qk, layouts, q, k = _first_pass(
+      q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
+      warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=False)
+  a_qk, *solved = L.call(functools.partial(_halves_solving_kernel, cd=cd,
+                                           interpret=interpret), (B, H, n),
+                         [keys, keys, keys, beta_spec, flag, flag, values, layout, square],
+                         (square,) + solved_specs, (L.shape(cd, B, H, n, C, C),) + solved_shapes,
+                         name="kda_chunk_scores_solve_halves", input_output_aliases={8: 0},
+                         interpret=interpret, num_warps=num_warps, num_stages=2)(q, k, b, beta,
+                                                                                 runs, carry_in, v,
+                                                                                 layouts, a_qk)
+  a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
+                           interpret=interpret, num_warps=num_warps)
+  ins = [layout, square, keys, values, beta_spec]
+  solved = L.call(
+      functools.partial(solve_unless_kernel, layout=factors.HALVES, cd=cd,
+                        interpret=interpret), (B, H, n), ins + list(solved_specs), solved_specs,
+      solved_shapes, name="kda_chunk_solve_unless_halves",
+      input_output_aliases={len(ins) + i: i for i in range(len(solved_specs))}, interpret=interpret,
+      num_warps=solve_warps)(layouts, a_kk, kw, v, beta, *solved)
+  return (qg, kg, solved[0], solved[1], a_qk, *solved[2:]) + ((q, k) if normalize else ())

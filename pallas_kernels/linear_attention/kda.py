@@ -5,7 +5,8 @@ Forward, per 64-token chunk (see _kda_intra for the chunk form):
   kda_chunk_scores (parallel) A_kk, A_qk, qg, kg: one kernel per in-chunk layout, or
                the other forms of _chunk_factors.SCORE_KERNELS; with scores="by_layout"
                the first can also L2-normalise q and k (qk_norm="kernel")
-  kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0
+  kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0; with
+               solve="in_scores" the scores' HALVES kernel solves its chunks in place
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
                (_kda_states, or _kda_states_mosaic on Hopper)
   kda_output   (parallel)   o = scale (qg S + A_qk v_new)
@@ -34,7 +35,7 @@ from pallas_kernels.linear_attention import (_chunk_prep, _kda_forward_mosaic, _
 from pallas_kernels.linear_attention._chunk_factors import KEY_GRAD_KERNELS, SCORE_KERNELS
 from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
                                                      l2_normalize, pad_time, validate)
-from pallas_kernels.linear_attention._kda_intra import chunk_intra
+from pallas_kernels.linear_attention._kda_intra import SOLVES, chunk_intra
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
 from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
                                                              chunk_wy_grads)
@@ -62,6 +63,7 @@ class Tiling(NamedTuple):
   scores: str = "by_layout"
   key_grads: str = "by_layout"
   normalize: bool = False  # q, k L2-normalised by the first scores kernel (qk_norm="kernel")
+  solve: str = "own_kernel"  # _kda_intra.SOLVES
 
 
 def available_state_walks(interpret):
@@ -133,7 +135,7 @@ def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
     fused forward is not asked for them (not for_backward)."""
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
                       emit_inverse=for_backward, interpret=t.interpret, scores=t.scores,
-                      normalize=t.normalize)
+                      normalize=t.normalize, solve=t.solve)
   if t.normalize:
     *intra, q, k = intra
   return q, k, intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
@@ -188,7 +190,7 @@ QK_NORMS = ("kernel", "xla")
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
-                qk_norm="xla"):
+                qk_norm="xla", solve="own_kernel"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -205,7 +207,11 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     module's docstring). qk_norm: where normalize_qk's L2 norm runs, one of QK_NORMS: "xla", a plain-JAX pass before the
     kernels (the default: the faster, docs/performance.md), or "kernel", inside the first
     scores kernel, which writes the normalised q and k the later kernels read (with
-    scores="by_layout", else as "xla")."""
+    scores="by_layout", else as "xla"). solve: where T = (I + A_kk)^-1 and w, u0 are
+    formed, one of SOLVES: "own_kernel" (the default), a kernel after the scores', or
+    "in_scores", the HALVES chunks' in the scores' HALVES kernel, on A_kk in registers, the
+    others' after (with scores="by_layout", else as "own_kernel"; untimed as built:
+    docs/performance.md, "The solve inside the scores' kernels")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -228,11 +234,11 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   walks = state_walk_kinds(state_walk, dtypes, Dk, bv, interpret)
   forward = check_forward(forward, mosaic_fits(dtypes, Dk, bv), interpret,
                           mosaic_requirement(dtypes, Dk, bv))
-  for name, choice, known in (("scores", scores, SCORE_KERNELS), ("key_grads", key_grads,
-                                                                  KEY_GRAD_KERNELS)):
+  for name, choice, known in (("scores", scores, SCORE_KERNELS),
+                              ("key_grads", key_grads, KEY_GRAD_KERNELS), ("solve", solve, SOLVES)):
     if choice not in known:
       raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
-             scores=scores, key_grads=key_grads, normalize=in_kernel)
+             scores=scores, key_grads=key_grads, normalize=in_kernel, solve=solve)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

@@ -122,12 +122,16 @@ def test_scores_with_the_sub_chunks_kernel_first(layouts):
   _assert_within(_errors(x, scores="sub_chunks_first"), 1e-4, 1e-4)
 
 
-def test_scores_in_one_kernel_per_layout():
-  """scores="by_layout": the WHOLE_CHUNK chunks' scores kernel, then the HALVES and the
-  SUB_CHUNKS ones' into its outputs (the default, one kernel branching per chunk, runs in
-  every other test)."""
-  x = with_three_layouts(make_inputs(seed=17, T=192, Dk=32, Dv=32, segment_rate=0.03))
-  _assert_within(_errors(x, scores="by_layout"), 1e-4, 1e-4)
+@pytest.mark.parametrize("layouts", ["three", "halves"])
+def test_the_halves_chunks_solved_in_the_scores_kernel(layouts):
+  """solve="in_scores": the scores' HALVES kernel solves its chunks in place, the solve's
+  kernel the others after it (the default, solve="own_kernel", runs in every other test);
+  over WHOLE_CHUNK and SUB_CHUNKS chunks (three) and HALVES ones at the gate bound (halves),
+  with q and k normalised in the first scores kernel for the halves."""
+  data = with_three_layouts if layouts == "three" else with_halves
+  x = data(make_inputs(seed=24, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  qk_norm = "kernel" if layouts == "halves" else "xla"
+  _assert_within(_errors(x, solve="in_scores", qk_norm=qk_norm), 1e-4, 1e-4)
 
 
 @pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
@@ -217,3 +221,5 @@ def test_bad_keywords_and_head_dims(small):
     chunked_kda(*args, qk_norm="triton")
   with pytest.raises(ValueError, match=r"key_grads = 'split': expected one of \['one_kernel'"):
     chunked_kda(*args, key_grads="split")
+  with pytest.raises(ValueError, match=r"solve = 'fused': expected one of \['own_kernel'"):
+    chunked_kda(*args, solve="fused")

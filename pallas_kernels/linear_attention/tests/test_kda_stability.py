@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear_attention import chunked_kda, kda_chunked, kda_recurrent
-from pallas_kernels.linear_attention._kda_intra import unit_lower_inverse
+from pallas_kernels.linear_attention._kda_solve import unit_lower_inverse
 from pallas_kernels.linear_attention.tests._data import fast_jit, rel_rms
 
 
@@ -37,16 +37,21 @@ def test_near_parallel_keys_reference_grads():
     assert rel_rms(a, b) < 1e-4, name
 
 
+@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "loop"])
 @pytest.mark.parametrize("interpret", [True, False], ids=["fp32_products", "split_bf16_products"])
-def test_doubling_inverse_of_near_parallel_keys(interpret):
+def test_doubling_inverse_of_near_parallel_keys(interpret, unrolled):
   """The solve kernel's inverse by recursive doubling, with its GPU products (bf16 halves,
     three tensor-core products: here in plain JAX) and its interpret-mode ones, against a
     float64 triangular solve, on a chunk of near-parallel keys (I + A far from diagonal).
     The split products keep 16 of fp32's 24 bits (1.6e-5 here), below the TF32 rounding of
-    A itself that the scores kernel's products leave on the GPU."""
+    A itself that the scores kernel's products leave on the GPU. Unrolled (the solve's own
+    kernel) and as a loop over the levels (the HALVES scores kernel, which solves in
+    place)."""
   _, k, _, _, beta = _near_parallel_keys(T=64)
   k = k[0, :, 0] / jnp.linalg.norm(k[0, :, 0], axis=-1, keepdims=True)
   a = jnp.tril(beta[0, :, 0, None] * (k @ k.T), -1)
   exact = np.linalg.inv(np.eye(64) + np.asarray(a, np.float64))
-  t = np.asarray(jax.jit(lambda a: unit_lower_inverse(a, interpret=interpret))(a), np.float64)
+  t = np.asarray(
+      jax.jit(lambda a: unit_lower_inverse(a, interpret=interpret, unrolled=unrolled))(a),
+      np.float64)
   assert np.linalg.norm(t - exact) / np.linalg.norm(exact) < (1e-6 if interpret else 5e-5)
