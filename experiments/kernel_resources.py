@@ -4,15 +4,15 @@ and Mosaic GPU), compiled for Hopper on any machine: no GPU needed.
     PYTHONPATH=src:. JAX_PLATFORMS=cpu python3 -m experiments.kernel_resources --ops 'linear_*'
     ... --ops linear_attention.kda --option forward=fused    # an option of the op's
 
-Each implementation of an op is lowered for CUDA (forward, and forward+backward where
-the op is differentiated) at the op's `bench` shapes from experiments.op_checks (shapes
-only: nothing is allocated). Every Triton kernel in it is compiled for sm_90a with the
-`triton` package and assembled by its `ptxas -v`, which gives registers per thread and
-spill bytes, and disassembled by its `nvdisasm` for the size of the machine code (a kernel
-past the SM's instruction cache, about 128 KiB, stalls on instruction fetches: see
-docs/kernel_tuning.md, "Code size"); with the launch's warps and shared memory that gives
-the programs an SM holds at once (the H200's limits: 64K registers, 64 warps, 32 programs and 228 KiB of
-shared memory per SM).
+Each implementation of an op is lowered for CUDA (forward, and forward+backward where the op
+is differentiated) at the op's `bench` shapes from experiments.op_checks (shapes only:
+nothing is allocated). Every Triton kernel in it is compiled for sm_90a with the `triton`
+package and assembled by its `ptxas -v`, which gives registers per thread and spill bytes,
+and disassembled by its `nvdisasm` for the size of the machine code (a kernel past the SM's
+instruction cache, about 128 KiB, stalls on instruction fetches: see docs/kernel_tuning.md,
+"Code size"); with the launch's warps and shared memory that gives the programs an SM holds
+at once (the H200's limits: 64K registers, 64 warps, 32 programs and 228 KiB of shared
+memory per SM).
 
 The lowering takes the path the H200 runs (`on_hopper()` answers yes), so the Mosaic GPU
 kernels (the linear-attention state walks, the fused forwards) are lowered for real, not

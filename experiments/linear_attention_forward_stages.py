@@ -4,16 +4,16 @@
         [--shape 1,32768,32,128] [--gates logsigmoid logsigmoid_strong]
 
 Each stage alone (`experiments.timing.median_ms`: one call at a time, so every figure
-carries a launch and a wait; compare stages, not sums), then the whole forward of each
-side. Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, the in-chunk
-scores in each form (one kernel, chunked_kda's default; one kernel per layout, and the
-same normalising q and k on its way, as chunked_kda(scores="by_layout", qk_norm="kernel")
-does; the SUB_CHUNKS chunks' kernel first),
-scores and solve together (the scores in one kernel, then the solve; by layout, then the
-solve; by layout, each kernel solving its chunks), the fused state walk and outputs. jla (when installed):
-its cumulative decay, its in-chunk kernel with the L2 norm inside and the decayed rows out
-(the forward's path when no gradient is asked), without the norm, without the rows, its
-solve and its state walk that applies T itself. One JSON line per gate regime.
+carries a launch and a wait; compare stages, not sums), then the whole forward of each side.
+Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, the in-chunk scores
+in each form (one kernel; one kernel per layout, chunked_kda's default, and the same
+normalising q and k on its way, as chunked_kda(scores="by_layout", qk_norm="kernel") does;
+the SUB_CHUNKS chunks' kernel first), scores and solve together (the scores in one kernel,
+then the solve; by layout, then the solve; by layout, the HALVES chunks solved in the
+scores' kernel), the fused state walk and outputs. jla (when installed): its cumulative
+decay, its in-chunk kernel with the L2 norm inside and the decayed rows out (the forward's
+path when no gradient is asked), without the norm, without the rows, its solve and its state
+walk that applies T itself. One JSON line per gate regime.
 """
 import argparse
 import dataclasses

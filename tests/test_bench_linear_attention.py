@@ -33,11 +33,13 @@ def test_breakdown_runs_every_kernel(monkeypatch):
 def test_kda_breakdown_runs_every_kernel(monkeypatch):
   monkeypatch.setattr(bench, "median_ms", _once)
   ms = bench.kda_kernel_breakdown((1, 64, 1, 64))["kernel_ms"]
-  for name in ("intra", "intra_with_inverse", "intra_with_inverse_solve_8_warps", "of_which_scores",
-               "scores_by_layout", "scores_sub_chunks_first", "scores_normalizing_q_k", "output",
-               "dv_local", "wy_grads", "key_grads", "key_grads_8_warps", "key_grads_in_one_kernel",
-               "key_grads_other_chunks_first", "key_grads_other_chunks_8_warps", "states_triton",
-               "state_grads_triton", "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
+  for name in ("intra", "intra_with_inverse", "intra_with_inverse_solve_8_warps",
+               "intra_by_layout_solve_in_scores", "intra_by_layout_solve_own_kernel",
+               "of_which_scores", "scores_by_layout", "scores_sub_chunks_first",
+               "scores_normalizing_q_k", "output", "dv_local", "wy_grads", "key_grads",
+               "key_grads_8_warps", "key_grads_in_one_kernel", "key_grads_other_chunks_first",
+               "key_grads_other_chunks_8_warps", "states_triton", "state_grads_triton",
+               "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 
@@ -62,12 +64,12 @@ def test_correctness_reports_each_setting_in_each_gate_regime(capsys):
 def test_kda_correctness_reports_each_setting(capsys):
   """Each setting asked for, named by how it differs from chunked_kda's defaults."""
   bench.bench_kda([], skip_reference=True, forwards=("fused",), gates=("logsigmoid_strong",),
-                  scores=("one_kernel", "by_layout"), qk_norms=("kernel",),
+                  scores=("one_kernel",), qk_norms=("kernel",), solves=("own_kernel", "in_scores"),
                   correctness_shape=(1, 64, 1, 64))
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [r["setting"] for r in rows] == [
       "reference[bfloat16]", "pallas[forward=fused,scores=one_kernel,qk_norm=kernel]",
-      "pallas[forward=fused,qk_norm=kernel]"
+      "pallas[forward=fused,scores=one_kernel,qk_norm=kernel,solve=in_scores]"
   ]
   for r in rows:
     assert r["gates"] == "logsigmoid_strong"
@@ -132,7 +134,8 @@ def test_forward_stages_time_every_stage_of_ours(monkeypatch):
   beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), (1, 128, 1)))
   ms = stages.ours(*x, beta)
   for name in ("normalize", "cumsum", "scores", "scores_by_layout", "scores_sub_chunks_first",
-               "scores_normalizing_q_k", "scores_and_solve", "forward"):
+               "scores_normalizing_q_k", "scores_and_solve", "scores_by_layout_then_solve",
+               "scores_by_layout_solving", "forward"):
     assert ms[name] > 0, (name, ms)
 
 

@@ -26,12 +26,13 @@ from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_scores import chunk_scores, chunk_scores_and_solve
 from pallas_kernels.linear_attention._kda_solve import solve_kernel
 
-# Four warps spill a little at two programs an SM; eight would not, at one (untimed):
-# docs/kernel_tuning.md, "KDA in-chunk solve"
+# Four warps spill a little at two programs an SM; eight do not, at one, and took 1.5x the
+# time: docs/kernel_tuning.md, "KDA in-chunk solve"
 SOLVE_WARPS = 4
 
-# Where the solve runs (chunk_intra(solve=...)): in the scores' kernels (with
-# scores="by_layout"; otherwise as "own_kernel") or in a kernel of its own after them
+# Where the solve runs (chunk_intra(solve=...)): in a kernel of its own after the scores'
+# kernels, or, for the HALVES chunks, in the scores' HALVES kernel (with scores="by_layout";
+# otherwise as "own_kernel")
 SOLVES = ("own_kernel", "in_scores")
 
 

@@ -204,13 +204,14 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     compiles, else "split"; docs/kernel_tuning.md, "KDA forward"). scores, key_grads: the
     in-chunk scores' and the key gradients' kernels, one of _chunk_factors.SCORE_KERNELS
     and of KEY_GRAD_KERNELS (by default one kernel per layout family for each; see the
-    module's docstring). qk_norm: where normalize_qk's L2 norm runs, one of QK_NORMS: "xla", a plain-JAX pass before the
-    kernels (the default: the faster, docs/performance.md), or "kernel", inside the first
-    scores kernel, which writes the normalised q and k the later kernels read (with
-    scores="by_layout", else as "xla"). solve: where T = (I + A_kk)^-1 and w, u0 are
-    formed, one of SOLVES: "own_kernel" (the default), a kernel after the scores', or
-    "in_scores", the HALVES chunks' in the scores' HALVES kernel, on A_kk in registers, the
-    others' after (with scores="by_layout", else as "own_kernel"; untimed as built:
+    module's docstring). qk_norm: where normalize_qk's L2 norm runs, one of QK_NORMS:
+    "xla", a plain-JAX pass before the kernels (the default: the faster,
+    docs/performance.md), or "kernel", inside the first scores kernel, which writes the
+    normalised q and k the later kernels read (with scores="by_layout", else as "xla").
+    solve: where T = (I + A_kk)^-1 and w, u0 are formed, one of SOLVES: "own_kernel"
+    (the default), a kernel after the scores', or "in_scores", the HALVES chunks' in the
+    scores' HALVES kernel, on A_kk in registers, the others' after (with
+    scores="by_layout", else as "own_kernel"; untimed as built:
     docs/performance.md, "The solve inside the scores' kernels")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
