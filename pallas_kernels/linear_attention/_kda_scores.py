@@ -111,23 +111,18 @@ def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref):
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D)
 
 
-def _columns(ref):
-  """A loader of the chunk's [C, D] ref: cols (default all) -> those columns, fp32."""
-  return lambda cols=slice(None): ref[:, cols].astype(F32)
-
-
 def _chunk_rows(q_ref, k_ref, normed_refs):
-  """(q, k): loaders of the chunk's [C, D] fp32 rows (_columns), which load them at each use
-    (held across the pass they spill); with normed_refs, of the rows L2-normalised per
-    token and rounded to their inputs' dtypes (as _inputs.l2_normalize and the cast back
-    give them: one pass through memory fewer), written there first."""
+  """(q, k): loaders of the chunk's [C, D] fp32 rows, which load them at each use (held
+    across the pass they spill); with normed_refs, of the rows L2-normalised per token and
+    rounded to their inputs' dtypes (as _inputs.l2_normalize and the cast back give them:
+    one pass through memory fewer), written there first."""
   if not normed_refs:
-    return _columns(q_ref), _columns(k_ref)
+    return (lambda: rows(q_ref, 0, C)), (lambda: rows(k_ref, 0, C))
   loaders = []
   for ref, out in zip((q_ref, k_ref), normed_refs):
     scale = inverse_l2_norm(rows(ref, 0, C))  # [C, 1]: held, the rows reloaded
-    normed = lambda cols=slice(None), ref=ref, scale=scale, dtype=out.dtype: (ref[:, cols].astype(
-        F32) * scale).astype(dtype).astype(F32)
+    normed = lambda ref=ref, scale=scale, dtype=out.dtype: (rows(ref, 0, C) * scale).astype(
+        dtype).astype(F32)
     out[...] = normed().astype(out.dtype)
     loaders.append(normed)
   return tuple(loaders)
@@ -136,7 +131,7 @@ def _chunk_rows(q_ref, k_ref, normed_refs):
 def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
   """kw = beta k exp(b) carry_in, the keys the solve turns into w (kw_ref's dtype, that of
     its product's operands), so that the solve reads neither k nor b."""
-  kw = beta_ref[...].astype(F32)[:, None] * k * jnp.exp(b) * flag_column(ci_ref, 0, C)
+  kw = write_keys(k, b, beta_ref[...].astype(F32)[:, None], lambda: flag_column(ci_ref, 0, C))
   kw_ref[...] = kw.astype(kw_ref.dtype)
 
 
@@ -188,11 +183,10 @@ def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_re
                lambda: None)
 
 
-def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, *refs, layout, cd):
-  """A later pass: A_kk and A_qk (the last two of refs, after the inputs aliased to them) of
-    the chunks in `layout` (HALVES or SUB_CHUNKS); their memory is the first pass's
-    outputs, the other chunks' stay as written."""
-  akk_ref, aqk_ref = refs[-2:]
+def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
+                       aqk_ref, *, layout, cd):
+  """A later pass: A_kk and A_qk of the chunks in `layout` (HALVES or SUB_CHUNKS); their
+    memory is the first pass's outputs, the other chunks' stay as written."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   if layout == factors.HALVES:
     compute = lambda: _halves(*refs)
@@ -230,11 +224,11 @@ def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_re
 # (docs/kernel_tuning.md, "Code size").
 
 
-def _kept_scores(r_ref, aqk_ref):
+def _kept_scores(r_ref, beta, aqk_ref):
   """(store, a_kk): a store for the products (factors.*_products, each [C, C] over a region,
-    None: all) that writes A_qk at once (same-run pairs s <= t) and merges A_kk into one
-    [C, C] value in registers (two held at once spill: experiments/kernel_resources.py);
-    a_kk() is that value, unmasked."""
+    None: all) that writes A_qk at once and merges A_kk into one [C, C] value in registers
+    (two held at once spill: experiments/kernel_resources.py), each masked as
+    _store_columns masks them (beta [C, 1]); a_kk() is that value."""
   t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
   same = r_ref[...][:, None] == r_ref[...][None, :]
   kept = []
@@ -244,7 +238,7 @@ def _kept_scores(r_ref, aqk_ref):
     store_where(aqk_ref, 0, region, jnp.where(same & (s <= t), a_qk, 0.0))
     kept[:] = [a_kk if region is None else jnp.where(region, a_kk, kept[0] if kept else 0.0)]
 
-  return store, lambda: kept[0]
+  return store, lambda: jnp.where(same & (s < t), beta * kept[0], 0.0)
 
 
 def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, flag_ref, _aqk_in,
@@ -253,15 +247,14 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
     their w, u0 (and T) into arrays the solve's kernel completes with the other chunks'."""
 
   def solve():
-    store, a_kk = _kept_scores(r_ref, aqk_ref)
+    beta = beta_ref[...].astype(F32)[:, None]
+    store, a_kk = _kept_scores(r_ref, beta, aqk_ref)
     factors.halves_products(k_ref, b_ref, (k_ref, q_ref), store, block_d=HALVES_BLOCK_D,
                             full_across=True)
-    t, s = iota(C, 0, (C, C)), iota(C, 1, (C, C))
-    same = r_ref[...][:, None] == r_ref[...][None, :]
-    beta = beta_ref[...].astype(F32)[:, None]
-    store_solved(jnp.where(same & (s < t), beta * a_kk(), 0.0),
-                 write_keys(_columns(k_ref), b_ref, beta, ci_ref), v_ref, lambda: beta, w_ref,
-                 u0_ref, inverse_ref, cd=cd, interpret=interpret, unrolled=False)
+    kw_cols = lambda cols: write_keys(k_ref[:, cols].astype(F32), b_ref[:, cols].astype(F32), beta,
+                                      lambda: flag_column(ci_ref, 0, C))
+    store_solved(a_kk(), kw_cols, v_ref, lambda: beta, w_ref, u0_ref, inverse_ref, cd=cd,
+                 interpret=interpret, unrolled=False)
 
   factors.if_layout(flag_ref, factors.HALVES, solve)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
-from pallas_kernels.linear_attention._pallas_common import F32, flag_column, iota, mm
+from pallas_kernels.linear_attention._pallas_common import F32, iota, mm
 
 
 def exact_dot(a, b, interpret):
@@ -70,11 +70,11 @@ def column_blocks(d):
   return [pl.ds(j, block) for j in range(0, d, block)]
 
 
-def write_keys(k_cols, b_ref, beta, ci_ref):
-  """cols -> kw[:, cols] = beta k exp(b) carry_in (fp32), the keys T turns into w, from
-    k_cols(cols) (the chunk's keys' columns, fp32), b_ref [C, D] and beta [C, 1]."""
-  carry_in = flag_column(ci_ref, 0, ci_ref.shape[0])
-  return lambda cols: beta * k_cols(cols) * jnp.exp(b_ref[:, cols].astype(F32)) * carry_in
+def write_keys(k, b, beta, carry_in_col):
+  """kw = beta k exp(b) carry_in (fp32), the keys T turns into w: k, b [C, n] (any block of
+    channels), beta [C, 1] and carry_in_col: () -> the carry_in flags [C, 1], loaded last
+    (the order the scores' first kernel was tuned with)."""
+  return beta * k * jnp.exp(b) * carry_in_col()
 
 
 def store_solved(a_kk, kw_cols, v_ref, beta_col, w_ref, u0_ref, inverse_refs, *, cd, interpret,
