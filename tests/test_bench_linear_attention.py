@@ -169,3 +169,20 @@ def test_two_pass_writes_keep_both_kernels_blocks_interpreted_and_lower_for_hopp
     with kr._lowering_for_cuda(kernels):
       jax.jit(check.two_pass_write(form, 4, 16)).trace(x).lower(lowering_platforms=("cuda",))
     assert [k.name for k in kernels] == ["two_pass_first", "two_pass_second"], form
+
+
+def test_revision_bench_imports_a_revision_beside_this_tree(tmp_path):
+  """bench_linear_attention_revision takes a revision's package under a name of its own (its
+    modules import one another, not this tree's) and times two functions in one row."""
+  from experiments import bench_linear_attention_revision as revision
+  import pallas_kernels.linear_attention as ours
+  theirs = revision.import_revision("HEAD", tmp_path)
+  assert theirs.__name__ == "linear_attention_HEAD" and theirs.chunked_kda is not ours.chunked_kda
+  assert theirs.chunked_kda.__module__ == "linear_attention_HEAD.kda"
+  assert not [
+      p for p in (tmp_path / theirs.__name__).rglob("*.py") if revision.PACKAGE in p.read_text()
+  ]
+  row = revision.compare("gla", theirs.gla_chunked, gla_chunked, (1, 64, 1, 16), "logsigmoid",
+                         dict(rounds=1, calls=1))
+  for kind in ("fwd", "fwdbwd"):
+    assert row[kind]["revision_ms"] > 0 and row[kind]["revision_over_this"]["median"] > 0

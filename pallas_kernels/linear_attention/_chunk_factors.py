@@ -47,9 +47,20 @@ HALF_ANCHOR = SUB - 1  # a half's anchor: its 16th token (15 tokens before it, 1
 HALF_LIMIT = 2.0 * FACTOR_LIMIT
 
 
-def midpoint(b):
-  """(m [1, D], bounded): the per-channel midpoint of b [n, D] and whether the rows may
-    factor their decays through it."""
+def midpoint(b, start=0, n=C):
+  """(m [1, D], bounded): the per-channel midpoint of rows [start, start + n) of b [T, D] (a
+    ref or an array) and whether they may factor their decays through it. Log decays g <= 0
+    make b fall in every channel, so a span's range is the gap between its end rows: two
+    rows read, not n (a kernel's code stays small: docs/kernel_tuning.md, "Code size")."""
+  first = b[start:start + 1, :].astype(jnp.float32)
+  last = b[start + n - 1:start + n, :].astype(jnp.float32)
+  return 0.5 * (first + last), jnp.max(first - last) <= 2.0 * FACTOR_LIMIT
+
+
+def rows_midpoint(b):
+  """midpoint's (m, bounded) of loaded rows b [n, D], by reductions in registers: where a
+    kernel holds the rows anyway, the end rows' loads would add layout conversions (and
+    spills, in the scores' first kernels: experiments/kernel_resources.py)."""
   hi, lo = jnp.max(b, axis=0, keepdims=True), jnp.min(b, axis=0, keepdims=True)
   return 0.5 * (hi + lo), jnp.max(hi - lo) <= 2.0 * FACTOR_LIMIT
 
@@ -126,12 +137,14 @@ class Anchors(NamedTuple):
 
 def halves_bounded(b_ref):
   """Whether every token of the chunk (b_ref [C, D]) is within HALF_LIMIT of its half's
-    anchor in every channel: the HALVES layout."""
-  ok = True
+    anchor in every channel: the HALVES layout. With b falling in every channel (midpoint),
+    a half's widest gap is at one of its ends."""
+  gap = None
   for start in (0, HALF):
-    gap = jnp.abs(rows(b_ref, start, HALF) - rows(b_ref, start + HALF_ANCHOR, 1))
-    ok = ok & (jnp.max(gap) <= HALF_LIMIT)
-  return ok
+    anchor = rows(b_ref, start + HALF_ANCHOR, 1)
+    widest = jnp.maximum(rows(b_ref, start, 1) - anchor, anchor - rows(b_ref, start + HALF - 1, 1))
+    gap = widest if gap is None else jnp.maximum(gap, widest)
+  return jnp.max(gap) <= HALF_LIMIT
 
 
 # The scores' decayed products sum_d x_t[d] k_s[d] exp(b_t[d] - b_s[d]) of a chunk, for each
@@ -143,7 +156,7 @@ def halves_bounded(b_ref):
 def whole_chunk_products(k, b, queries, store):
   """WHOLE_CHUNK: one [C, D] x [D, C] product per query (k and queries: loaders of the
     chunk's [C, D] fp32 rows, called at each use; b: its rows of b, loaded)."""
-  down, up = factors(b, midpoint(b)[0])
+  down, up = factors(b, rows_midpoint(b)[0])
   keys = k() * up
   store(0, None, *(diag.f32_mm(x() * down, keys, trans_b=True) for x in queries))
 
@@ -197,7 +210,7 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, full_across=F
 def anchors(b_ref):
   """(Anchors, factors): the anchors of the chunk's layout, from its b_ref [C, D], and
     whether it factors at all (WHOLE_CHUNK or PER_SUB_CHUNK)."""
-  m, whole = midpoint(rows(b_ref, 0, C))
+  m, whole = midpoint(b_ref)
   own, per_sub_chunk = sub_chunk_anchors(b_ref)
   return Anchors(tuple(jnp.where(whole, m, m_j) for m_j in own.rows), whole), whole | per_sub_chunk
 
@@ -205,14 +218,17 @@ def anchors(b_ref):
 def whole_chunk_anchors(b_ref):
   """(Anchors, whole): the chunk's one anchor (uniform, statically) and whether its decays
     factor through it (WHOLE_CHUNK)."""
-  m, whole = midpoint(rows(b_ref, 0, C))
+  m, whole = midpoint(b_ref)
   return Anchors((m,) * N_SUB, True), whole
 
 
-def sub_chunk_anchors(b_ref):
+def sub_chunk_anchors(b_ref, from_rows=False):
   """(Anchors, bounded): one anchor per sub-chunk (not uniform, statically) and whether
-    every sub-chunk's decays factor through its own (PER_SUB_CHUNK, or WHOLE_CHUNK too)."""
-  own, bounded = zip(*(midpoint(rows(b_ref, j * SUB, SUB)) for j in range(N_SUB)))
+    every sub-chunk's decays factor through its own (PER_SUB_CHUNK, or WHOLE_CHUNK too);
+    from_rows: by rows_midpoint over every row (else midpoint's end rows)."""
+  own, bounded = zip(
+      *(rows_midpoint(rows(b_ref, j * SUB, SUB)) if from_rows else midpoint(b_ref, j * SUB, SUB)
+        for j in range(N_SUB)))
   every = bounded[0]
   for each in bounded[1:]:
     every &= each
@@ -243,9 +259,13 @@ def if_whole_chunk(b_ref, compute, otherwise=lambda: None):
 
 def unless_whole_chunk(b_ref, compute):
   """The second pass: compute() for the chunks the first left, anchored per sub-chunk
-    where their decays allow, else by sub-chunk blocks."""
-  _, whole = whole_chunk_anchors(b_ref)
-  jax.lax.cond(whole, lambda: None, lambda: compute(lambda: sub_chunk_anchors(b_ref)))
+    where their decays allow, else by sub-chunk blocks. Its test and anchors come from
+    every row (rows_midpoint): from the end rows, KDA's second key-gradient kernel spilled
+    more and its forward+backward with strong gates took 2% longer than with every row
+    (docs/performance.md, "Layouts from the chunk's end rows")."""
+  whole = rows_midpoint(rows(b_ref, 0, C))[1]
+  jax.lax.cond(whole, lambda: None,
+               lambda: compute(lambda: sub_chunk_anchors(b_ref, from_rows=True)))
 
 
 # The forms of the scores' kernels (chunk_scores(form=...)), the GLA and KDA ops' choice:
@@ -262,8 +282,7 @@ def unless_whole_chunk(b_ref, compute):
 #                     one kernel for the WHOLE_CHUNK and HALVES chunks that copies the
 #                     SUB_CHUNKS chunks' blocks in. Every output is written by one kernel,
 #                     without aliasing, and the exact path's registers stay out of the
-#                     kernel that takes the common layouts. Both kernels decide a chunk's
-#                     layout by bounds_from_ends.
+#                     kernel that takes the common layouts.
 SCORE_KERNELS = ("one_kernel", "by_layout", "sub_chunks_first")
 # The forms of the key gradients' kernels (KDA: _kda_key_grads.chunk_key_grads(form=...);
 # GLA: one_kernel and by_layout): one kernel branching per chunk; the whole-chunk-anchored
@@ -274,45 +293,23 @@ SCORE_KERNELS = ("one_kernel", "by_layout", "sub_chunks_first")
 KEY_GRAD_KERNELS = ("one_kernel", "by_layout", "other_chunks_first")
 
 
-def by_score_layout(b_ref, b, whole_chunk, halves, sub_chunks):
+def by_score_layout(b_ref, whole_chunk, halves, sub_chunks):
   """whole_chunk(), halves() or sub_chunks() by the chunk's layout for the scores
-    (WHOLE_CHUNK, HALVES, SUB_CHUNKS); b: b_ref's rows, already loaded."""
+    (WHOLE_CHUNK, HALVES, SUB_CHUNKS)."""
   jax.lax.cond(
-      midpoint(b)[1], whole_chunk, lambda: jax.lax.cond(halves_bounded(b_ref), halves, sub_chunks))
+      midpoint(b_ref)[1], whole_chunk,
+      lambda: jax.lax.cond(halves_bounded(b_ref), halves, sub_chunks))
 
 
-def bounds_from_ends(b_ref):
-  """(whole, halves): whether the chunk takes WHOLE_CHUNK, and HALVES, for the scores, from
-    the six rows of b_ref [C, D] that bound it: with log decays g <= 0, b falls in every
-    channel, so a span's range is the gap between its ends, and these are the bounds
-    by_score_layout and score_layouts test on every token, for a sixth of the loads."""
-  row = lambda t: rows(b_ref, t, 1)
-  whole = jnp.max(row(0) - row(C - 1)) <= 2.0 * FACTOR_LIMIT
-  gap = None
-  for start in (0, HALF):
-    anchor = row(start + HALF_ANCHOR)
-    widest = jnp.maximum(row(start) - anchor, anchor - row(start + HALF - 1))
-    gap = widest if gap is None else jnp.maximum(gap, widest)
-  return whole, jnp.max(gap) <= HALF_LIMIT
+def if_sub_chunks(b_ref, sub_chunks):
+  """sub_chunks() for a chunk that takes SUB_CHUNKS, else nothing."""
+  jax.lax.cond(midpoint(b_ref)[1] | halves_bounded(b_ref), lambda: None, sub_chunks)
 
 
-def if_sub_chunks_from_ends(b_ref, sub_chunks):
-  """sub_chunks() for a chunk that takes SUB_CHUNKS by bounds_from_ends, else nothing."""
-  whole, halves = bounds_from_ends(b_ref)
-  jax.lax.cond(whole | halves, lambda: None, sub_chunks)
-
-
-def by_layout_from_ends(b_ref, whole_chunk, halves, sub_chunks):
-  """whole_chunk(), halves() or sub_chunks() by the chunk's layout (bounds_from_ends)."""
-  whole, halved = bounds_from_ends(b_ref)
-  jax.lax.cond(whole, whole_chunk, lambda: jax.lax.cond(halved, halves, sub_chunks))
-
-
-def record_layout(flag_ref, b_ref, b):
+def record_layout(flag_ref, b_ref):
   """Writes the chunk's flag, its layout for the scores (WHOLE_CHUNK, HALVES, SUB_CHUNKS),
-    and returns (whether it is WHOLE_CHUNK, the layout's code); b: b_ref's rows, already
-    loaded."""
-  whole = midpoint(b)[1]
+    and returns (whether it is WHOLE_CHUNK, the layout's code)."""
+  whole = midpoint(b_ref)[1]
   layout = jnp.where(whole, _code(WHOLE_CHUNK),
                      jnp.where(halves_bounded(b_ref), _code(HALVES), _code(SUB_CHUNKS)))
   flag_ref[...] = jnp.full((C,), layout, jnp.int32)

@@ -112,7 +112,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
     qg and kg (_decayed_rows)."""
   b = rows(b_ref, 0, C)
   a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  factors.by_score_layout(b_ref, b, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
+  factors.by_score_layout(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
                           lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref),
                           lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
@@ -122,7 +122,7 @@ def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
     `decayed`), and every chunk's layout for the others."""
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  whole, _ = factors.record_layout(flag_ref, b_ref, b)
+  whole, _ = factors.record_layout(flag_ref, b_ref)
   jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref), lambda: None)
 
 
@@ -140,8 +140,7 @@ def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, la
 def _sub_chunks_first_kernel(q_ref, k_ref, b_ref, r_ref, a_ref, *, cd):
   """form="sub_chunks_first", the first kernel: A of the SUB_CHUNKS chunks, into an array of
     its own (the other chunks' blocks are left unwritten and never read)."""
-  factors.if_sub_chunks_from_ends(b_ref,
-                                  lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
+  factors.if_sub_chunks(b_ref, lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
 
 def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, r_ref, a_sub_ref, *refs, decayed):
@@ -153,8 +152,8 @@ def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, r_ref, a_sub_ref, *refs, decay
   def copied():
     a_ref[...] = a_sub_ref[...]
 
-  factors.by_layout_from_ends(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
-                              lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref), copied)
+  factors.by_score_layout(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
+                          lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref), copied)
 
 
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):

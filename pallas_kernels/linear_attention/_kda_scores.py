@@ -163,8 +163,8 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
   """One chunk: qg, kg, kw, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
   b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.by_score_layout(b_ref, b, lambda: _whole_chunk(q, k, b, *refs[3:]),
-                          lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
+  factors.by_score_layout(b_ref, lambda: _whole_chunk(q, k, b, *refs[3:]), lambda: _halves(*refs),
+                          lambda: _by_sub_chunks(*refs, cd))
 
 
 def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref,
@@ -175,7 +175,7 @@ def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_re
     others."""
   b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
                           kw_ref if keys_of_halves else None, normed_refs)
-  whole, layout = factors.record_layout(flag_ref, b_ref, b)
+  whole, layout = factors.record_layout(flag_ref, b_ref)
   if not keys_of_halves:  # the HALVES chunks' kernel forms its kw itself
     jax.lax.cond(layout == factors.HALVES, lambda: None,
                  lambda: _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref))
@@ -199,7 +199,7 @@ def _sub_chunks_first_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_
   """form="sub_chunks_first", the first kernel: A_kk and A_qk of the SUB_CHUNKS chunks, into
     arrays of its own (the other chunks' blocks are left unwritten and never read)."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.if_sub_chunks_from_ends(b_ref, lambda: _by_sub_chunks(*refs, cd))
+  factors.if_sub_chunks(b_ref, lambda: _by_sub_chunks(*refs, cd))
 
 
 def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, akk_sub_ref,
@@ -213,8 +213,8 @@ def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_re
     akk_ref[...] = akk_sub_ref[...]
     aqk_ref[...] = aqk_sub_ref[...]
 
-  factors.by_layout_from_ends(b_ref, lambda: _whole_chunk(q, k, b, *refs[3:]),
-                              lambda: _halves(*refs), copied)
+  factors.by_score_layout(b_ref, lambda: _whole_chunk(q, k, b, *refs[3:]), lambda: _halves(*refs),
+                          copied)
 
 
 # The scores with the solve in place (chunk_scores_and_solve): the HALVES pass keeps its

@@ -58,9 +58,9 @@ class Tiling(NamedTuple):
   # faster) or by one XLA fusion beside it ("xla"); docs/kernel_tuning.md, "GLA tiling"
   decayed_rows: str = "scores"
   # the scores' kernels, a form of _chunk_factors.SCORE_KERNELS: one that branches per
-  # chunk ("one_kernel"); the WHOLE_CHUNK chunks', then the others' into its output
-  # ("by_layout": its layout flags were wrong on the GPU until fixed, to be checked there,
-  # docs/performance.md); or the SUB_CHUNKS chunks', then the others'
+  # chunk ("one_kernel", 2-11% faster forwards than by_layout, docs/performance.md,
+  # "Layouts from the chunk's end rows"); the WHOLE_CHUNK chunks', then the others' into
+  # its output ("by_layout"); or the SUB_CHUNKS chunks', then the others'
   # ("sub_chunks_first"); _gla_scores
   scores: str = "one_kernel"
   # the key gradients' kernels: one that branches per chunk ("one_kernel") or the
@@ -198,7 +198,9 @@ _gla_core.defvjp(_gla_core_fwd, _gla_core_bwd)
 
 def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, tiling: Tiling | None = None):
-  """Chunked GLA on Pallas kernels; same contract as reference.gla_chunked."""
+  """Chunked GLA on Pallas kernels; same contract as reference.gla_chunked. g: the
+    per-channel log decay, <= 0 (each chunk's layout is read from the rows that bound its
+    cumulative decay, which falls: _chunk_factors.midpoint)."""
   B, T, H, Dk, Dv = validate(q, k, v, g, None, initial_state, segment_ids)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)

@@ -211,8 +211,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     solve: where T = (I + A_kk)^-1 and w, u0 are formed, one of SOLVES: "own_kernel"
     (the default), a kernel after the scores', or "in_scores", the HALVES chunks' in the
     scores' HALVES kernel, on A_kk in registers, the others' after (with
-    scores="by_layout", else as "own_kernel"; untimed as built:
-    docs/performance.md, "The solve inside the scores' kernels")."""
+    scores="by_layout", else as "own_kernel"; within 3% of "own_kernel" either way:
+    docs/performance.md, "Layouts from the chunk's end rows")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)

@@ -22,6 +22,10 @@ def test_bounded_up_to_twice_the_factor_limit():
     b = _chunk_decays(span)
     m, ok = factors.midpoint(b)
     assert bool(ok) == bounded, span
+    # the end rows bound the falling b: every row's reductions give the same
+    m_rows, ok_rows = factors.rows_midpoint(b)
+    assert bool(ok_rows) == bounded, span
+    np.testing.assert_allclose(m_rows, m, rtol=1e-6)
     # every factor's exponent is within half the widest channel's range
     assert float(jnp.abs(b - m).max()) <= span / 2 + 1e-4
 
@@ -37,7 +41,7 @@ def test_factors_multiply_to_the_decay_between_any_two_tokens():
 
 
 def _sub_chunk_anchors(b):
-  rows = tuple(factors.midpoint(b[j * SUB:(j + 1) * SUB])[0] for j in range(N_SUB))
+  rows = tuple(factors.midpoint(b, j * SUB, SUB)[0] for j in range(N_SUB))
   return factors.Anchors(rows, jnp.asarray(False))
 
 
@@ -117,18 +121,19 @@ def test_score_layouts_take_halves_up_to_the_half_limit_from_each_anchor():
   assert int(factors.score_layouts(mild)[0, 0, 0]) == factors.WHOLE_CHUNK
 
 
-def test_bounds_from_ends_give_the_layout_of_every_token():
-  """bounds_from_ends (six rows of b) give score_layouts' layout (every token) for decays
-    that fall, chunk by chunk, on both sides of each limit."""
+def test_layouts_from_the_end_rows_are_the_layouts_of_every_token():
+  """The kernels' layout tests (midpoint and halves_bounded: six rows of b) give
+    score_layouts' layout (every token) for decays that fall, chunk by chunk, on both sides
+    of each limit."""
   from jax.experimental import pallas as pl
 
   def from_ends(g):
     b = jnp.cumsum(g[0, :, 0].astype(jnp.float32), axis=0)  # [C, D]
 
     def kernel(b_ref, out_ref):
-      whole, halves = factors.bounds_from_ends(b_ref)
-      layout = jnp.where(whole, factors.WHOLE_CHUNK,
-                         jnp.where(halves, factors.HALVES, factors.SUB_CHUNKS))
+      layout = jnp.where(
+          factors.midpoint(b_ref)[1], factors.WHOLE_CHUNK,
+          jnp.where(factors.halves_bounded(b_ref), factors.HALVES, factors.SUB_CHUNKS))
       out_ref[...] = jnp.full((1,), layout, jnp.int32)
 
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), interpret=True)(b)
@@ -166,7 +171,7 @@ def test_recorded_layout_codes_lower_for_hopper_as_int32():
   from experiments import kernel_resources as kr
 
   def kernel(b_ref, flag_ref):
-    factors.record_layout(flag_ref, b_ref, b_ref[...])
+    factors.record_layout(flag_ref, b_ref)
 
   kernels = []
   b = jax.ShapeDtypeStruct((CHUNK, 16), jnp.float32)
