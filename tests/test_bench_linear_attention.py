@@ -171,12 +171,17 @@ def test_two_pass_writes_keep_both_kernels_blocks_interpreted_and_lower_for_hopp
     assert [k.name for k in kernels] == ["two_pass_first", "two_pass_second"], form
 
 
-def test_revision_bench_imports_a_revision_beside_this_tree(tmp_path):
+def test_revision_bench_imports_a_revision_beside_this_tree(tmp_path, request):
   """bench_linear_attention_revision takes a revision's package under a name of its own (its
     modules import one another, not this tree's) and times two functions in one row."""
+  import sys
+
   from experiments import bench_linear_attention_revision as revision
   import pallas_kernels.linear_attention as ours
   theirs = revision.import_revision("HEAD", tmp_path)
+  request.addfinalizer(lambda: sys.path.remove(str(tmp_path)))
+  for name in [m for m in sys.modules if m.startswith(theirs.__name__)]:  # on leaving
+    request.addfinalizer(lambda name=name: sys.modules.pop(name, None))
   assert theirs.__name__ == "linear_attention_HEAD" and theirs.chunked_kda is not ours.chunked_kda
   assert theirs.chunked_kda.__module__ == "linear_attention_HEAD.kda"
   assert not [

@@ -58,7 +58,7 @@ class Tiling(NamedTuple):
   # faster) or by one XLA fusion beside it ("xla"); docs/kernel_tuning.md, "GLA tiling"
   decayed_rows: str = "scores"
   # the scores' kernels, a form of _chunk_factors.SCORE_KERNELS: one that branches per
-  # chunk ("one_kernel", 2-11% faster forwards than by_layout, docs/performance.md,
+  # chunk ("one_kernel", 2-10% faster forwards than by_layout, docs/performance.md,
   # "Layouts from the chunk's end rows"); the WHOLE_CHUNK chunks', then the others' into
   # its output ("by_layout"); or the SUB_CHUNKS chunks', then the others'
   # ("sub_chunks_first"); _gla_scores
