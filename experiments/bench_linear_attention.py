@@ -380,6 +380,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   key_one_kernel = key_with(form="one_kernel")
   key_other_chunks_first = key_with(form="other_chunks_first")
   key_other_chunks_8_warps = key_with(other_warps=8)
+  key_one_loop = key_with(form="by_layout_one_loop")
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
@@ -442,6 +443,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                                 da), 3),
               "key_grads_in_one_kernel":
                   round(median_ms(key_one_kernel, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
+              "key_grads_one_loop":
+                  round(median_ms(key_one_loop, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
               "key_grads_other_chunks_first":
                   round(
                       median_ms(key_other_chunks_first, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da),
@@ -588,7 +591,8 @@ def main():
       "--kda-key-grads", nargs="+", choices=KEY_GRAD_KERNELS, default=[KDA_DEFAULTS["key_grads"]],
       help="--op kda: the key gradients' kernels to time: one kernel branching per chunk "
       "(one_kernel), the whole-chunk-anchored chunks' and then the others' (by_layout), or "
-      "the others' and then the whole-chunk-anchored ones' (other_chunks_first); default: "
+      "the others' and then the whole-chunk-anchored ones' (other_chunks_first), or "
+      "by_layout with the second kernel's loops as one (by_layout_one_loop); default: "
       "the op's own")
   ap.add_argument(
       "--kda-qk-norms", nargs="+", choices=QK_NORMS, default=[KDA_DEFAULTS["qk_norm"]],

@@ -38,8 +38,8 @@ def test_kda_breakdown_runs_every_kernel(monkeypatch):
                "of_which_scores", "scores_by_layout", "scores_sub_chunks_first",
                "scores_normalizing_q_k", "output", "dv_local", "wy_grads", "key_grads",
                "key_grads_8_warps", "key_grads_in_one_kernel", "key_grads_other_chunks_first",
-               "key_grads_other_chunks_8_warps", "states_triton", "state_grads_triton",
-               "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
+               "key_grads_other_chunks_8_warps", "key_grads_one_loop", "states_triton",
+               "state_grads_triton", "states_mosaic", "state_grads_mosaic", "fused_states_outputs"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 

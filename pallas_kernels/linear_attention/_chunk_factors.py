@@ -289,8 +289,9 @@ SCORE_KERNELS = ("one_kernel", "by_layout", "sub_chunks_first")
 # chunks' kernel, then the others' into its outputs (by_layout, the scores' by_layout
 # pattern); or the others' kernel first, into arrays of its own, then the whole-chunk
 # chunks' that copies their rows in (other_chunks_first, KDA only, the pattern of the
-# scores' sub_chunks_first).
-KEY_GRAD_KERNELS = ("one_kernel", "by_layout", "other_chunks_first")
+# scores' sub_chunks_first); or by_layout with the second kernel's two loops as one, its
+# step choosing the path (by_layout_one_loop, KDA only: less code, untimed).
+KEY_GRAD_KERNELS = ("one_kernel", "by_layout", "other_chunks_first", "by_layout_one_loop")
 
 
 def by_score_layout(b_ref, whole_chunk, halves, sub_chunks):

@@ -188,13 +188,15 @@ def _write_rows(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do
   return db_last
 
 
-def _key_grads(refs, layout, *, scale, cd, block_v):
+def _key_grads(refs, layout, *, scale, cd, block_v, one_loop=False):
   """One chunk's key gradients, one loop step per 16-token sub-chunk: with (anchors,
     factored_ok) = layout(), factored through the anchors (_chunk_factors) where
     factored_ok, else by 16x16 blocks; factored_ok is traced, or True where only the
     factored steps are compiled. Unrolled, the kernel's
     code outgrew the instruction cache (the GLA kernels' 'no instruction' stalls,
-    docs/performance.md)."""
+    docs/performance.md). one_loop, for anchors per sub-chunk (the second pass): one loop
+    whose step chooses the score gradients' path, its state paths and writes compiled once
+    (116 KiB of code against 134 for a loop per path; experiments/kernel_resources.py)."""
   q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref = refs[:8]
   dp_ref, da_ref = refs[15:]
   refs = refs[:15]
@@ -228,9 +230,24 @@ def _key_grads(refs, layout, *, scale, cd, block_v):
 
     jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
 
+  def one_loop_over_both():
+
+    def step(i, db_last):
+      s = pl.multiple_of(i * SUB, SUB)
+      grads = jax.lax.cond(
+          factored_ok, lambda: _per_sub_chunk_score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref,
+                                                          da_ref, anchors, i),
+          lambda: _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd))
+      return _write_rows(*refs, s, SUB, grads, db_last, i == N_SUB - 1, **kw)
+
+    jax.lax.fori_loop(0, N_SUB, step, db_last)
+
   # the anchors after the above: the one kernel spills less so (kernel_resources)
   anchors, factored_ok = layout()
-  factors.factored_or(factored_ok, factored, by_sub_chunks)
+  if one_loop and anchors.uniform is False:
+    one_loop_over_both()
+  else:
+    factors.factored_or(factored_ok, factored, by_sub_chunks)
 
 
 def _ordered(ins, outs):
@@ -259,7 +276,7 @@ def _other_chunks(ins, outs, **kw):
 
 def _other_chunks_pass_kernel(*refs, **kw):
   """The second pass: the chunks the first left (its outputs are the first pass's,
-    aliased; the first pass's rows stay)."""
+    aliased; the first pass's rows stay); kw may hold _key_grads' one_loop."""
   _other_chunks(refs[:13], refs[17:], **kw)  # refs[13:17]: the first pass's outputs, aliased
 
 
@@ -297,7 +314,9 @@ def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da,
     operands beside the loop-invariant ones wherever it runs, and spills;
     docs/kernel_tuning.md, "KDA key gradients"); other_chunks_first, the others' kernel
     first, into arrays of its own, then the whole-chunk-anchored chunks' kernel, which
-    copies their rows in. other_warps: the kernel of the chunks not anchored whole
+    copies their rows in; by_layout_one_loop, by_layout with the second kernel's two
+    loops (per-sub-chunk anchors, sub-chunk blocks) as one (_key_grads' one_loop).
+    other_warps: the kernel of the chunks not anchored whole
     (default num_warps): at eight it holds its registers without spilling, at one program
     an SM (experiments/kernel_resources.py)."""
   if form not in factors.KEY_GRAD_KERNELS:
@@ -334,9 +353,10 @@ def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da,
   else:
     first = L.call(functools.partial(_whole_chunk_pass_kernel, **kw), grid, in_specs, out_specs,
                    out_shape, name="kda_key_grads_whole_chunk", **launch)(*args)
-    outs = L.call(functools.partial(_other_chunks_pass_kernel,
-                                    **kw), grid, in_specs + list(out_specs), out_specs, out_shape,
-                  name="kda_key_grads_other_chunks",
+    one_loop = form == "by_layout_one_loop"
+    outs = L.call(functools.partial(_other_chunks_pass_kernel, **kw,
+                                    one_loop=one_loop), grid, in_specs + list(out_specs), out_specs,
+                  out_shape, name="kda_key_grads_other_chunks",
                   input_output_aliases={13 + i: i for i in range(4)}, **others)(*args, *first)
   dq, dk, db, dbeta = outs
   return dq, dk, db, jnp.sum(dbeta, axis=1)

@@ -136,12 +136,13 @@ def test_the_halves_chunks_solved_in_the_scores_kernel(layouts):
 
 @pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),
                                                       (jnp.bfloat16, 5e-3, 1e-2)])
-@pytest.mark.parametrize("form", ["one_kernel", "other_chunks_first"])
+@pytest.mark.parametrize("form", ["one_kernel", "other_chunks_first", "by_layout_one_loop"])
 def test_key_gradients_in_the_other_forms(form, dtype, out_tol, grad_tol):
-  """key_grads="one_kernel" (one kernel branching per chunk) and "other_chunks_first" (the
+  """key_grads="one_kernel" (one kernel branching per chunk), "other_chunks_first" (the
   chunks not anchored whole into arrays of their own, then the whole-chunk-anchored
-  chunks' kernel that copies their rows in), over every layout (and, in chunk 1, key
-  blocks of different layouts); the default, by_layout, runs in every other test."""
+  chunks' kernel that copies their rows in) and "by_layout_one_loop" (the second kernel's
+  paths in one loop), over every layout (and, in chunk 1, key blocks of different
+  layouts); the default, by_layout, runs in every other test."""
   x = with_three_layouts(make_inputs(seed=18, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
   _assert_within(_errors(x, block_k=16, key_grads=form), out_tol, grad_tol)
 
