@@ -90,6 +90,12 @@ def inputs(B, T, H, D, seed=0, gates="logsigmoid"):
   return q, k, v, g
 
 
+def kda_inputs(shape, seed=0, gates="logsigmoid"):
+  """inputs() of a (B, T, H, D) shape and the KDA write strengths beta [B, T, H]."""
+  beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
+  return (*inputs(*shape, seed=seed, gates=gates), beta)
+
+
 def inputs_at(shape, seed=0, gates="logsigmoid"):
   """inputs() of a (B, T, H, D) shape."""
   return inputs(*shape, seed=seed, gates=gates)
@@ -528,10 +534,6 @@ def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), pe
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
     fwd+bwd; first each setting's correctness at correctness_shape (None: none)."""
   from pallas_kernels.linear_attention import kda_chunked
-
-  def kda_inputs(shape, seed=0, gates="logsigmoid"):
-    beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 7), shape[:3], jnp.float32))
-    return (*inputs(*shape, seed=seed, gates=gates), beta)
 
   impls = kda_settings(walks, forwards, scores, key_grads, qk_norms, solves)
   if correctness_shape:

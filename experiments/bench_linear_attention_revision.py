@@ -22,10 +22,7 @@ import sys
 import tarfile
 import tempfile
 
-import jax
-import jax.numpy as jnp
-
-from experiments.bench_linear_attention import GATES, ROUNDS, fwd_and_fwdbwd, inputs
+from experiments.bench_linear_attention import (GATES, ROUNDS, fwd_and_fwdbwd, inputs, kda_inputs)
 from experiments.timing import interleaved_ratios
 
 PACKAGE = "pallas_kernels.linear_attention"
@@ -55,16 +52,9 @@ def import_revision(revision, folder):
   return importlib.import_module(name)
 
 
-def op_inputs(op, shape, gates):
-  x = inputs(*shape, gates=gates)
-  if op == "kda":
-    x = (*x, jax.nn.sigmoid(jax.random.normal(jax.random.key(7), shape[:3], jnp.float32)))
-  return x
-
-
 def compare(op, theirs, ours, shape, gates, rounds):
   """{pass: times and ratios} of ours against theirs (each a function of the op's inputs)."""
-  x = op_inputs(op, shape, gates)
+  x = kda_inputs(shape, gates=gates) if op == "kda" else inputs(*shape, gates=gates)
   row = {"op": op, "shape": list(shape), "gates": gates}
   for kind, old, new in zip(("fwd", "fwdbwd"), fwd_and_fwdbwd(theirs, len(x)),
                             fwd_and_fwdbwd(ours, len(x))):

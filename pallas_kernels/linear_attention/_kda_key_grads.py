@@ -206,48 +206,31 @@ def _key_grads(refs, layout, *, scale, cd, block_v, one_loop=False):
   db_last = keep * _state_overlap(h_ref, dh_ref, block_v) * jnp.exp(b_last)
   kw = dict(scale=scale, cd=cd, block_v=block_v)
 
+  def loop(score_grads):  # score_grads(i, s) for sub-chunk i at row s, then its writes
+
+    def step(i, db_last):
+      s = pl.multiple_of(i * SUB, SUB)
+      return _write_rows(*refs, s, SUB, score_grads(i, s), db_last, i == N_SUB - 1, **kw)
+
+    jax.lax.fori_loop(0, N_SUB, step, db_last)
+
+  per_sub_chunk = lambda i, s: _per_sub_chunk_score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref,
+                                                          da_ref, anchors, i)
+  by_blocks = lambda i, s: _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd)
+
   def factored():
     if anchors.uniform is False:  # a pass of its own: operands formed per step
-      score_grads = lambda i: _per_sub_chunk_score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref,
-                                                         da_ref, anchors, i)
+      loop(per_sub_chunk)
     else:
       operands = _chunk_operands(q_ref, k_ref, b_ref, beta_ref, anchors)
-      score_grads = lambda i: _factored_score_grads(b_ref, dp_ref, da_ref, operands, anchors, i)
-
-    def step(i, db_last):
-      grads = score_grads(i)
-      return _write_rows(*refs, pl.multiple_of(i * SUB, SUB), SUB, grads, db_last, i == N_SUB - 1,
-                         **kw)
-
-    jax.lax.fori_loop(0, N_SUB, step, db_last)
-
-  def by_sub_chunks():
-
-    def sub_chunk(i, db_last):
-      s = pl.multiple_of(i * SUB, SUB)
-      grads = _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd)
-      return _write_rows(*refs, s, SUB, grads, db_last, i == N_SUB - 1, **kw)
-
-    jax.lax.fori_loop(0, N_SUB, sub_chunk, db_last)
-
-  def one_loop_over_both():
-
-    def step(i, db_last):
-      s = pl.multiple_of(i * SUB, SUB)
-      grads = jax.lax.cond(
-          factored_ok, lambda: _per_sub_chunk_score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref,
-                                                          da_ref, anchors, i),
-          lambda: _score_grads(q_ref, k_ref, b_ref, beta_ref, dp_ref, da_ref, s, cd))
-      return _write_rows(*refs, s, SUB, grads, db_last, i == N_SUB - 1, **kw)
-
-    jax.lax.fori_loop(0, N_SUB, step, db_last)
+      loop(lambda i, s: _factored_score_grads(b_ref, dp_ref, da_ref, operands, anchors, i))
 
   # the anchors after the above: the one kernel spills less so (kernel_resources)
   anchors, factored_ok = layout()
   if one_loop and anchors.uniform is False:
-    one_loop_over_both()
+    loop(lambda i, s: jax.lax.cond(factored_ok, per_sub_chunk, by_blocks, i, s))
   else:
-    factors.factored_or(factored_ok, factored, by_sub_chunks)
+    factors.factored_or(factored_ok, factored, lambda: loop(by_blocks))
 
 
 def _ordered(ins, outs):
