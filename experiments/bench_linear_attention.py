@@ -280,6 +280,8 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   scores_by_layout = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, form="by_layout", **sk))
   scores_sub_chunks_first = jax.jit(
       lambda q, k, b: chunk_scores(q, k, b, runs, form="sub_chunks_first", **sk))
+  scores_factored_first = jax.jit(
+      lambda q, k, b: chunk_scores(q, k, b, runs, form="factored_first", **sk))
   a = scores(qp, kp, b)
   outputs = jax.jit(
       lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale, block_v=t.block_v, **ck))
@@ -301,6 +303,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
       "scores": round(median_ms(scores, qp, kp, b), 3),
       "scores_by_layout": round(median_ms(scores_by_layout, qp, kp, b), 3),
       "scores_sub_chunks_first": round(median_ms(scores_sub_chunks_first, qp, kp, b), 3),
+      "scores_factored_first": round(median_ms(scores_factored_first, qp, kp, b), 3),
       "outputs": round(median_ms(outputs, qp, vp, b, h, a), 3),
       "state_grads": round(median_ms(dstates, qp, b, vp), 3),
       "score_grads": round(median_ms(dscores, vp, vp), 3),
@@ -362,6 +365,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   scores_by_layout = scores_with(form="by_layout")
   scores_normalizing = scores_with(form="by_layout", normalize=True)
   scores_sub_chunks_first = scores_with(form="sub_chunks_first")
+  scores_factored_first = scores_with(form="factored_first")
   walks = available_state_walks(interp)
   chunk_states, chunk_state_grads = walks["triton"]
   states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
@@ -433,6 +437,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(scores_by_layout, qp, kp, b, beta), 3),
               "scores_sub_chunks_first":
                   round(median_ms(scores_sub_chunks_first, qp, kp, b, beta), 3),
+              "scores_factored_first":
+                  round(median_ms(scores_factored_first, qp, kp, b, beta), 3),
               "output":
                   round(median_ms(output, qg, aqk, h, vn), 3),
               "dv_local":
@@ -582,8 +588,9 @@ def main():
   ap.add_argument(
       "--kda-scores", nargs="+", choices=SCORE_KERNELS, default=[KDA_DEFAULTS["scores"]],
       help="--op kda: the in-chunk scores' kernels to time: one kernel branching per chunk "
-      "(one_kernel), one per layout (by_layout), or the SUB_CHUNKS chunks' and then the "
-      "others' (sub_chunks_first); default: the op's own")
+      "(one_kernel), one per layout (by_layout), the SUB_CHUNKS chunks' and then the "
+      "others' (sub_chunks_first), or the factored chunks' and then the SUB_CHUNKS ones' "
+      "(factored_first); default: the op's own")
   ap.add_argument(
       "--kda-forwards", nargs="+", choices=("split", "fused"), default=None,
       help="--op kda: the forwards to time: split (with each of --state-walks) "

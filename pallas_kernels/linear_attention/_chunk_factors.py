@@ -282,15 +282,24 @@ def unless_whole_chunk(b_ref, compute):
 #                     one kernel for the WHOLE_CHUNK and HALVES chunks that copies the
 #                     SUB_CHUNKS chunks' blocks in. Every output is written by one kernel,
 #                     without aliasing, and the exact path's registers stay out of the
-#                     kernel that takes the common layouts.
-SCORE_KERNELS = ("one_kernel", "by_layout", "sub_chunks_first")
+#                     kernel that takes the common layouts;
+#   factored_first    by_layout's first kernel forming the HALVES chunks' scores too, then
+#                     the SUB_CHUNKS one: no second read of q, k and b for the HALVES chunks
+#                     (the strong-gate regime's), at the cost of one kernel holding both
+#                     factored paths (KDA: 161 KiB of code, 288 spill bytes; untimed). Its
+#                     first kernel taking every factored chunk by the HALVES products ran
+#                     the strong-gate forward 7% faster than by_layout and the others' 8-12%
+#                     slower (docs/performance.md, "The HALVES chunks in the first scores
+#                     kernel").
+SCORE_KERNELS = ("one_kernel", "by_layout", "sub_chunks_first", "factored_first")
 # The forms of the key gradients' kernels (KDA: _kda_key_grads.chunk_key_grads(form=...);
 # GLA: one_kernel and by_layout): one kernel branching per chunk; the whole-chunk-anchored
 # chunks' kernel, then the others' into its outputs (by_layout, the scores' by_layout
 # pattern); or the others' kernel first, into arrays of its own, then the whole-chunk
 # chunks' that copies their rows in (other_chunks_first, KDA only, the pattern of the
 # scores' sub_chunks_first); or by_layout with the second kernel's two loops as one, its
-# step choosing the path (by_layout_one_loop, KDA only: less code, untimed).
+# step choosing the path (by_layout_one_loop, KDA only: less code; timed within 0.1% of
+# by_layout).
 KEY_GRAD_KERNELS = ("one_kernel", "by_layout", "other_chunks_first", "by_layout_one_loop")
 
 

@@ -9,8 +9,9 @@ block); diagonal blocks factor through the sub-chunk's first token where its dec
 allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly, one key at
 a time, so decays down to g = -20 per token stay finite. The kernels come in the forms of
 _chunk_factors.SCORE_KERNELS (chunk_scores(form=...)): one kernel branching per chunk (the
-default), one kernel per layout over the first one's output, or the SUB_CHUNKS chunks'
-kernel first and one for the others after it. dA = scale * do v^T needs no decay at all.
+default), one kernel per layout over the first one's output, the SUB_CHUNKS chunks'
+kernel first and one for the others after it, or one kernel for the chunks whose decays
+factor and one for the others after it. dA = scale * do v^T needs no decay at all.
 """
 import functools
 
@@ -117,13 +118,17 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
                           lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
 
-def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed):
-  """The first of three passes: A of the WHOLE_CHUNK chunks (and qg, kg of every chunk with
-    `decayed`), and every chunk's layout for the others."""
+def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, halves):
+  """The first pass: A of the WHOLE_CHUNK chunks (and with `halves` of the HALVES ones),
+    qg and kg of every chunk with `decayed`, and every chunk's layout for the later
+    passes."""
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  whole, _ = factors.record_layout(flag_ref, b_ref)
+  whole, layout = factors.record_layout(flag_ref, b_ref)
   jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref), lambda: None)
+  if halves:
+    jax.lax.cond(layout == factors.HALVES, lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref),
+                 lambda: None)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, layout, cd):
@@ -180,7 +185,8 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     that branches per chunk (num_warps); by_layout, three kernels, the WHOLE_CHUNK
     chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
     sub_chunks_first, the SUB_CHUNKS chunks' kernel (num_warps), then the others'
-    (FACTORED_WARPS)."""
+    (FACTORED_WARPS); factored_first, by_layout's first and third kernels, the first taking
+    the HALVES chunks too."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   B, Tp, H, Dk = q.shape
@@ -211,11 +217,15 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
                      name="gla_chunk_scores_after_sub_chunks", **launch)(q, k, b, runs, exact,
                                                                          *flags)
     return tuple(out) if decayed else out[0]
-  *out, layout = chunk_call(functools.partial(_whole_chunk_pass_kernel, decayed=decayed), grid,
-                            specs, out_specs + (g.layout_flag(),), outs + (jax.ShapeDtypeStruct(
+  halves = form == "factored_first"
+  *out, layout = chunk_call(functools.partial(_first_pass_kernel, decayed=decayed,
+                                              halves=halves), grid, specs,
+                            out_specs + (g.layout_flag(),), outs + (jax.ShapeDtypeStruct(
                                 (B, H, Tp // C, C), jnp.int32),), num_warps=FACTORED_WARPS,
-                            name="gla_chunk_scores_whole_chunk", **launch)(q, k, b, runs, *flags)
-  for code, name in ((factors.HALVES, "halves"), (factors.SUB_CHUNKS, "sub_chunks")):
+                            name="gla_chunk_scores_" + ("factored" if halves else "whole_chunk"),
+                            **launch)(q, k, b, runs, *flags)
+  later = ((factors.HALVES, "halves"),) * (not halves) + ((factors.SUB_CHUNKS, "sub_chunks"),)
+  for code, name in later:
     out[0] = chunk_call(functools.partial(_later_pass_kernel, layout=code, cd=cd), grid,
                         specs[:4] + [g.layout_flag(), g.scores()], g.scores(), outs[0],
                         num_warps=num_warps, name=f"gla_chunk_scores_{name}",

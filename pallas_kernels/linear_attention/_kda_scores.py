@@ -12,10 +12,12 @@ tensor-core matmul each for A_kk and A_qk); the diagonal block factors through t
 sub-chunk's first token where its decays allow (_diagonal_blocks) and is otherwise
 formed exactly, one key at a time. The kernels come in the forms of
 _chunk_factors.SCORE_KERNELS: one kernel branching per chunk (the default), one kernel per
-layout over the first one's outputs, or the SUB_CHUNKS chunks' kernel first and one for the
-others after it.
+layout over the first one's outputs, the SUB_CHUNKS chunks' kernel first and one for the
+others after it, or one kernel for the chunks whose decays factor and one for the others
+after it.
 """
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,27 +107,47 @@ HALVES_BLOCK_D = 64
 
 
 def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref):
-  """A_kk and A_qk of a HALVES chunk: two matmuls each."""
+  """A_kk and A_qk of a HALVES chunk: two matmuls each (q_ref, k_ref: refs or _Normalised
+    views; over the views, whose loads span whole chunks, the pairs across the halves as a
+    [C, C] product too)."""
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D)
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
+      full_across=isinstance(k_ref, _Normalised))
+
+
+class _Normalised(NamedTuple):
+  """A chunk's [C, D] ref read with its rows L2-normalised (scale [C, 1]: their inverse
+    norms) and rounded to dtype, as _inputs.l2_normalize and the cast back give them; every
+    load spans the chunk's C rows."""
+  ref: object
+  scale: jax.Array
+  dtype: object
+
+  @property
+  def shape(self):
+    return self.ref.shape
+
+  def __getitem__(self, index):
+    return (self.ref[index].astype(F32) * self.scale).astype(self.dtype).astype(F32)
 
 
 def _chunk_rows(q_ref, k_ref, normed_refs):
-  """(q, k): loaders of the chunk's [C, D] fp32 rows, which load them at each use (held
-    across the pass they spill); with normed_refs, of the rows L2-normalised per token and
-    rounded to their inputs' dtypes (as _inputs.l2_normalize and the cast back give them:
-    one pass through memory fewer), written there first."""
+  """(q, k): what to load the chunk's [C, D] rows from at each use (held across the pass
+    they spill): the refs, or with normed_refs _Normalised views of them (one pass through
+    memory fewer than normalising before the kernels), written there first."""
   if not normed_refs:
-    return (lambda: rows(q_ref, 0, C)), (lambda: rows(k_ref, 0, C))
-  loaders = []
-  for ref, out in zip((q_ref, k_ref), normed_refs):
-    scale = inverse_l2_norm(rows(ref, 0, C))  # [C, 1]: held, the rows reloaded
-    normed = lambda ref=ref, scale=scale, dtype=out.dtype: (rows(ref, 0, C) * scale).astype(
-        dtype).astype(F32)
-    out[...] = normed().astype(out.dtype)
-    loaders.append(normed)
-  return tuple(loaders)
+    return q_ref, k_ref
+  views = tuple(
+      _Normalised(ref, inverse_l2_norm(rows(ref, 0, C)), out.dtype)
+      for ref, out in zip((q_ref, k_ref), normed_refs))
+  for view, out in zip(views, normed_refs):
+    out[...] = rows(view, 0, C).astype(out.dtype)
+  return views
+
+
+def _loader(rows_of):
+  return lambda: rows(rows_of, 0, C)
 
 
 def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
@@ -137,13 +159,13 @@ def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
 
 def _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                   normed_refs=()):
-  """(b, q, k): the chunk's rows of b (loaded) and loaders of q, k (_chunk_rows, with
+  """(b, q, k): the chunk's rows of b (loaded) and what to load q, k from (_chunk_rows, with
     normed_refs written first), after qg, kg and kw (unless kw_ref is None) are written."""
   b = rows(b_ref, 0, C)
   q, k = _chunk_rows(q_ref, k_ref, normed_refs)
-  store_decayed_rows(q(), k(), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  store_decayed_rows(rows(q, 0, C), rows(k, 0, C), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   if kw_ref is not None:
-    _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref)
+    _store_write_keys(rows(k, 0, C), b, beta_ref, ci_ref, kw_ref)
   return b, q, k
 
 
@@ -163,24 +185,28 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
   """One chunk: qg, kg, kw, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
   b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.by_score_layout(b_ref, lambda: _whole_chunk(q, k, b, *refs[3:]), lambda: _halves(*refs),
-                          lambda: _by_sub_chunks(*refs, cd))
+  factors.by_score_layout(b_ref, lambda: _whole_chunk(_loader(q), _loader(k), b, *refs[3:]),
+                          lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
 
 
-def _whole_chunk_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref,
-                             kw_ref, akk_ref, aqk_ref, flag_ref, *normed_refs, keys_of_halves=True):
-  """The first of three passes: qg, kg and kw of every chunk (keys_of_halves=False: but the
-    HALVES ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the
-    others; with normed_refs, q and k normalised first (_chunk_rows) for this pass and the
-    others."""
+def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
+                       akk_ref, aqk_ref, flag_ref, *normed_refs, keys_of_halves, halves):
+  """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
+    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (and with `halves` of the HALVES ones),
+    and every chunk's layout for the later passes; with normed_refs, q and k normalised
+    first (_chunk_rows) for this pass and the others."""
   b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
                           kw_ref if keys_of_halves else None, normed_refs)
   whole, layout = factors.record_layout(flag_ref, b_ref)
   if not keys_of_halves:  # the HALVES chunks' kernel forms its kw itself
     jax.lax.cond(layout == factors.HALVES, lambda: None,
-                 lambda: _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref))
-  jax.lax.cond(whole, lambda: _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref),
+                 lambda: _store_write_keys(rows(k, 0, C), b, beta_ref, ci_ref, kw_ref))
+  jax.lax.cond(whole,
+               lambda: _whole_chunk(_loader(q), _loader(k), b, beta_ref, r_ref, akk_ref, aqk_ref),
                lambda: None)
+  if halves:
+    jax.lax.cond(layout == factors.HALVES,
+                 lambda: _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref), lambda: None)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
@@ -213,8 +239,8 @@ def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_re
     akk_ref[...] = akk_sub_ref[...]
     aqk_ref[...] = aqk_sub_ref[...]
 
-  factors.by_score_layout(b_ref, lambda: _whole_chunk(q, k, b, *refs[3:]), lambda: _halves(*refs),
-                          copied)
+  factors.by_score_layout(b_ref, lambda: _whole_chunk(_loader(q), _loader(k), b, *refs[3:]),
+                          lambda: _halves(*refs), copied)
 
 
 # The scores with the solve in place (chunk_scores_and_solve): the HALVES pass keeps its
@@ -272,9 +298,10 @@ def _first_pass_warps(factored_warps, normalize):
 
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
-                keys_of_halves):
-  """The by-layout scores' first kernel (_whole_chunk_pass_kernel): (qg, kg, kw, A_kk, A_qk,
-    layout flags, q, k as the later kernels read them: normalised where asked)."""
+                keys_of_halves, halves=False):
+  """The first kernel of the scores by layout (_first_pass_kernel; with `halves`, of
+    factored_first): (qg, kg, kw, A_kk, A_qk, layout flags, q, k as the later kernels read
+    them: normalised where asked)."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -282,11 +309,11 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
   outputs = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(
       F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C), L.shape(jnp.int32, B, H, n, C))
   qg, kg, kw, a_kk, a_qk, layouts, *normed = L.call(
-      functools.partial(_whole_chunk_pass_kernel, keys_of_halves=keys_of_halves), (B, H, n),
-      [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
+      functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves, halves=halves),
+      (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
       (keys, keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(normed),
-      outputs + normed, name="kda_chunk_scores_whole_chunk", interpret=interpret, num_warps=warps,
-      num_stages=2)(q, k, b, beta, runs, carry_in, in_last)
+      outputs + normed, name="kda_chunk_scores_" + ("factored" if halves else "whole_chunk"),
+      interpret=interpret, num_warps=warps, num_stages=2)(q, k, b, beta, runs, carry_in, in_last)
   return (qg, kg, kw, a_kk, a_qk, layouts, *(normed or (q, k)))
 
 
@@ -310,17 +337,19 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), and with `normalize` q and k L2-normalised per token (in
     their dtypes), from which all of it is formed: the first kernel normalises them on its
-    way (form="by_layout" only).
+    way (form="by_layout" or "factored_first").
 
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
     _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
     sub_chunks_first, the SUB_CHUNKS chunks' kernel (num_warps), then the others'
-    (factored_warps)."""
+    (factored_warps); factored_first, by_layout's first and third kernels, the first taking
+    the HALVES chunks too."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
-  if normalize and form != "by_layout":
-    raise ValueError(f"chunk_scores(normalize=True) needs form='by_layout', not {form!r}")
+  if normalize and form not in ("by_layout", "factored_first"):
+    raise ValueError(
+        f"chunk_scores(normalize=True) needs form='by_layout' or 'factored_first', not {form!r}")
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -343,10 +372,12 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
                   outputs, name="kda_chunk_scores_after_sub_chunks",
                   **(launch | dict(num_warps=warps)))(q, k, b, beta, runs, carry_in, in_last,
                                                       *exact)
+  halves = form == "factored_first"
   qg, kg, kw, a_kk, a_qk, layouts, q, k = _first_pass(q, k, b, beta, runs, carry_in, in_last, cd=cd,
                                                       interpret=interpret, warps=warps,
-                                                      normalize=normalize, keys_of_halves=True)
-  for layout in (factors.HALVES, factors.SUB_CHUNKS):
+                                                      normalize=normalize, keys_of_halves=True,
+                                                      halves=halves)
+  for layout in (factors.SUB_CHUNKS,) if halves else (factors.HALVES, factors.SUB_CHUNKS):
     a_kk, a_qk = _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
                              interpret=interpret, num_warps=num_warps)
   return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize else ())

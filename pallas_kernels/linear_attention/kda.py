@@ -4,7 +4,8 @@ backward (custom_vjp). Same contract as reference.kda_chunked.
 Forward, per 64-token chunk (see _kda_intra for the chunk form):
   kda_chunk_scores (parallel) A_kk, A_qk, qg, kg: one kernel per in-chunk layout, or
                the other forms of _chunk_factors.SCORE_KERNELS; with scores="by_layout"
-               the first can also L2-normalise q and k (qk_norm="kernel")
+               or "factored_first" the first can also L2-normalise q and k
+               (qk_norm="kernel")
   kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0; with
                solve="in_scores" the scores' HALVES kernel solves its chunks in place
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
@@ -207,7 +208,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     module's docstring). qk_norm: where normalize_qk's L2 norm runs, one of QK_NORMS:
     "xla", a plain-JAX pass before the kernels (the default: the faster,
     docs/performance.md), or "kernel", inside the first scores kernel, which writes the
-    normalised q and k the later kernels read (with scores="by_layout", else as "xla").
+    normalised q and k the later kernels read (with scores="by_layout" or
+    "factored_first", else as "xla").
     solve: where T = (I + A_kk)^-1 and w, u0 are formed, one of SOLVES: "own_kernel"
     (the default), a kernel after the scores', or "in_scores", the HALVES chunks' in the
     scores' HALVES kernel, on A_kk in registers, the others' after (with
@@ -218,7 +220,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   scale = default_scale(scale, Dk)
   if qk_norm not in QK_NORMS:
     raise ValueError(f"qk_norm = {qk_norm!r}: expected one of {list(QK_NORMS)}")
-  in_kernel = normalize_qk and qk_norm == "kernel" and scores == "by_layout"
+  in_kernel = normalize_qk and qk_norm == "kernel" and scores in ("by_layout", "factored_first")
   if normalize_qk and not in_kernel:  # plain JAX (autodiff), back to the input dtype
     q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
   # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)

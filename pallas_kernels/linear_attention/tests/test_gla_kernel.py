@@ -96,12 +96,22 @@ def test_scores_with_the_sub_chunks_kernel_first(layouts):
     chex.assert_trees_all_close(a, b, atol=1e-6)
 
 
-def test_scores_in_one_kernel_per_layout():
+@pytest.mark.parametrize("form", ["by_layout", "factored_first"])
+def test_scores_in_one_kernel_per_layout(form):
   """Tiling(scores="by_layout"): the WHOLE_CHUNK chunks' scores kernel, then the HALVES
-  and the SUB_CHUNKS ones' into its output (the default, one kernel branching per chunk,
-  runs in every other test); a name it does not know is refused."""
-  x = with_three_layouts(make_inputs(seed=18, T=192, Dk=32, Dv=32))
-  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="by_layout"))
+  and the SUB_CHUNKS ones' into its output; "factored_first": the WHOLE_CHUNK and HALVES
+  chunks' kernel, then the SUB_CHUNKS one (the default, one kernel branching per chunk,
+  runs in every other test); over all three layouts; a name it does not know is refused."""
+  x = with_halves(make_inputs(seed=18, T=192, Dk=32, Dv=32))
+  t = jnp.arange(192)[None, :, None, None]
+  mild = -jax.random.uniform(jax.random.key(18), x["g"].shape)
+  # chunk 1 mild, chunk 2 with g = -20 on every third token
+  g = jnp.where(t < 64, x["g"], jnp.where(t < 128, mild, jnp.where(t % 3 == 0, -20.0, mild)))
+  x = x | dict(g=g)
+  assert factors.score_layouts(g)[0, :, 0].tolist() == [
+      factors.HALVES, factors.WHOLE_CHUNK, factors.SUB_CHUNKS
+  ]
+  _check(x, 1e-4, 1e-4, tiling=Tiling(scores=form))
   with pytest.raises(ValueError, match=r"Tiling.scores = 'fused': expected one of \['one_kernel'"):
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(scores="fused"))
 

@@ -123,6 +123,34 @@ def test_scores_with_the_sub_chunks_kernel_first(layouts):
 
 
 @pytest.mark.parametrize("layouts", ["three", "halves"])
+def test_scores_with_the_factored_chunks_first(layouts):
+  """scores="factored_first": one kernel for the WHOLE_CHUNK and HALVES chunks, then the
+  SUB_CHUNKS one into its outputs; over WHOLE_CHUNK and SUB_CHUNKS chunks (three) and HALVES
+  ones at the gate bound (halves), with q and k normalised in the first kernel for the
+  halves (its HALVES products over the normalised rows)."""
+  data = with_three_layouts if layouts == "three" else with_halves
+  x = data(make_inputs(seed=25, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  qk_norm = "kernel" if layouts == "halves" else "xla"
+  _assert_within(_errors(x, scores="factored_first", qk_norm=qk_norm), 1e-4, 1e-4)
+
+
+def test_factored_chunks_first_as_the_one_kernel():
+  """The first kernel of scores="factored_first" writes what the one kernel does, blocks of
+  every layout alike (bf16 inputs at the gate bound, two HALVES chunks)."""
+  from pallas_kernels.linear_attention import _chunk_prep
+  x = with_halves(make_inputs(seed=26, T=192, Dk=32, Dv=32, dtype=jnp.bfloat16))
+  q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], 1, 192)
+  beta = x["beta"].astype(jnp.float32)
+  masks = _chunk_prep.segment_masks(runs)
+  first, one = (_kda_scores.chunk_scores(q, k, b, beta, runs, *masks, cd=jnp.bfloat16,
+                                         interpret=True, form=form)
+                for form in ("factored_first", "one_kernel"))
+  assert factors.score_layouts(x["g"])[0, :, 0].tolist().count(factors.HALVES) == 2
+  for a, b in zip(first, one):
+    chex.assert_trees_all_close(a.astype(jnp.float32), b.astype(jnp.float32), atol=1e-6)
+
+
+@pytest.mark.parametrize("layouts", ["three", "halves"])
 def test_the_halves_chunks_solved_in_the_scores_kernel(layouts):
   """solve="in_scores": the scores' HALVES kernel solves its chunks in place, the solve's
   kernel the others after it (the default, solve="own_kernel", runs in every other test);
