@@ -278,8 +278,6 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
   scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
   scores_by_layout = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, form="by_layout", **sk))
-  scores_sub_chunks_first = jax.jit(
-      lambda q, k, b: chunk_scores(q, k, b, runs, form="sub_chunks_first", **sk))
   scores_factored_first = jax.jit(
       lambda q, k, b: chunk_scores(q, k, b, runs, form="factored_first", **sk))
   a = scores(qp, kp, b)
@@ -302,7 +300,6 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
       "states": round(median_ms(states, kp, vp, b), 3),
       "scores": round(median_ms(scores, qp, kp, b), 3),
       "scores_by_layout": round(median_ms(scores_by_layout, qp, kp, b), 3),
-      "scores_sub_chunks_first": round(median_ms(scores_sub_chunks_first, qp, kp, b), 3),
       "scores_factored_first": round(median_ms(scores_factored_first, qp, kp, b), 3),
       "outputs": round(median_ms(outputs, qp, vp, b, h, a), 3),
       "state_grads": round(median_ms(dstates, qp, b, vp), 3),
@@ -364,7 +361,6 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   scores = scores_with()
   scores_by_layout = scores_with(form="by_layout")
   scores_normalizing = scores_with(form="by_layout", normalize=True)
-  scores_sub_chunks_first = scores_with(form="sub_chunks_first")
   scores_factored_first = scores_with(form="factored_first")
   walks = available_state_walks(interp)
   chunk_states, chunk_state_grads = walks["triton"]
@@ -388,9 +384,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   key = key_with()  # by layout, chunked_kda's default
   key_8_warps = key_with(num_warps=8)
   key_one_kernel = key_with(form="one_kernel")
-  key_other_chunks_first = key_with(form="other_chunks_first")
   key_other_chunks_8_warps = key_with(other_warps=8)
-  key_one_loop = key_with(form="by_layout_one_loop")
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
@@ -435,8 +429,6 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(scores_normalizing, qp, kp, b, beta), 3),
               "scores_by_layout":
                   round(median_ms(scores_by_layout, qp, kp, b, beta), 3),
-              "scores_sub_chunks_first":
-                  round(median_ms(scores_sub_chunks_first, qp, kp, b, beta), 3),
               "scores_factored_first":
                   round(median_ms(scores_factored_first, qp, kp, b, beta), 3),
               "output":
@@ -455,12 +447,6 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                                 da), 3),
               "key_grads_in_one_kernel":
                   round(median_ms(key_one_kernel, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
-              "key_grads_one_loop":
-                  round(median_ms(key_one_loop, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da), 3),
-              "key_grads_other_chunks_first":
-                  round(
-                      median_ms(key_other_chunks_first, qp, kp, b, beta, h, dh, vp, vn, dx, dp, da),
-                      3)
           }
   }
 
@@ -588,9 +574,8 @@ def main():
   ap.add_argument(
       "--kda-scores", nargs="+", choices=SCORE_KERNELS, default=[KDA_DEFAULTS["scores"]],
       help="--op kda: the in-chunk scores' kernels to time: one kernel branching per chunk "
-      "(one_kernel), one per layout (by_layout), the SUB_CHUNKS chunks' and then the "
-      "others' (sub_chunks_first), or the factored chunks' and then the SUB_CHUNKS ones' "
-      "(factored_first); default: the op's own")
+      "(one_kernel), one per layout (by_layout), or the factored chunks' and then the "
+      "SUB_CHUNKS ones' (factored_first); default: the op's own")
   ap.add_argument(
       "--kda-forwards", nargs="+", choices=("split", "fused"), default=None,
       help="--op kda: the forwards to time: split (with each of --state-walks) "
@@ -599,10 +584,8 @@ def main():
   ap.add_argument(
       "--kda-key-grads", nargs="+", choices=KEY_GRAD_KERNELS, default=[KDA_DEFAULTS["key_grads"]],
       help="--op kda: the key gradients' kernels to time: one kernel branching per chunk "
-      "(one_kernel), the whole-chunk-anchored chunks' and then the others' (by_layout), or "
-      "the others' and then the whole-chunk-anchored ones' (other_chunks_first), or "
-      "by_layout with the second kernel's loops as one (by_layout_one_loop); default: "
-      "the op's own")
+      "(one_kernel) or the whole-chunk-anchored chunks' and then the others' (by_layout); "
+      "default: the op's own")
   ap.add_argument(
       "--kda-qk-norms", nargs="+", choices=QK_NORMS, default=[KDA_DEFAULTS["qk_norm"]],
       help="--op kda: where the L2 norm of q and k runs: as a plain-JAX pass before the "

@@ -8,7 +8,7 @@ carries a launch and a wait; compare stages, not sums), then the whole forward o
 Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, the in-chunk scores
 in each form (one kernel; one kernel per layout, chunked_kda's default, and the same
 normalising q and k on its way, as chunked_kda(scores="by_layout", qk_norm="kernel") does;
-the SUB_CHUNKS chunks' kernel first; the factored chunks' kernel first), scores and solve together (the scores in one kernel,
+the factored chunks' kernel first), scores and solve together (the scores in one kernel,
 then the solve; by layout, then the solve; by layout, the HALVES chunks solved in the
 scores' kernel), the fused state walk and outputs. jla (when installed): its cumulative
 decay, its in-chunk kernel with the L2 norm inside and the decayed rows out (the forward's
@@ -42,8 +42,7 @@ def ours(q, k, v, g, beta):
   ci, il = _chunk_prep.segment_masks(runs)
   ms["cumsum"] = median_ms(jax.jit(chunk_cumsum), g)
   for name, form in (("scores", "one_kernel"), ("scores_by_layout", "by_layout"),
-                     ("scores_sub_chunks_first", "sub_chunks_first"), ("scores_factored_first",
-                                                                       "factored_first")):
+                     ("scores_factored_first", "factored_first")):
     scores = jax.jit(lambda q, k, b, beta, form=form: chunk_scores(q, k, b, beta, runs, ci, il, cd=
                                                                    cd, interpret=interp, form=form))
     ms[name] = median_ms(scores, qp, kp, b, beta)

@@ -278,11 +278,6 @@ def unless_whole_chunk(b_ref, compute):
 #                     experiments/kernel_resources.py). The flags' codes are int32
 #                     (_code): as weak literals they lowered to 0 or 1 on the GPU, and
 #                     the later kernels skipped their chunks (docs/performance.md);
-#   sub_chunks_first  the SUB_CHUNKS chunks' kernel first, into arrays of its own; then
-#                     one kernel for the WHOLE_CHUNK and HALVES chunks that copies the
-#                     SUB_CHUNKS chunks' blocks in. Every output is written by one kernel,
-#                     without aliasing, and the exact path's registers stay out of the
-#                     kernel that takes the common layouts;
 #   factored_first    by_layout's first kernel forming the HALVES chunks' scores too, then
 #                     the SUB_CHUNKS one: no second read of q, k and b for the HALVES chunks
 #                     (the strong-gate regime's), at the cost of one kernel holding both
@@ -291,16 +286,16 @@ def unless_whole_chunk(b_ref, compute):
 #                     the strong-gate forward 7% faster than by_layout and the others' 8-12%
 #                     slower (docs/performance.md, "The HALVES chunks in the first scores
 #                     kernel").
-SCORE_KERNELS = ("one_kernel", "by_layout", "sub_chunks_first", "factored_first")
+SCORE_KERNELS = ("one_kernel", "by_layout", "factored_first")
+# The scores' SUB_CHUNKS chunks' kernel first, then one for the others (sub_chunks_first),
+# and the key gradients' forms other_chunks_first (the same pattern) and by_layout_one_loop
+# (the second kernel's two loops as one) were measured no faster than by_layout and removed
+# (docs/performance.md, "The HALVES chunks in the first scores kernel").
 # The forms of the key gradients' kernels (KDA: _kda_key_grads.chunk_key_grads(form=...);
-# GLA: one_kernel and by_layout): one kernel branching per chunk; the whole-chunk-anchored
-# chunks' kernel, then the others' into its outputs (by_layout, the scores' by_layout
-# pattern); or the others' kernel first, into arrays of its own, then the whole-chunk
-# chunks' that copies their rows in (other_chunks_first, KDA only, the pattern of the
-# scores' sub_chunks_first); or by_layout with the second kernel's two loops as one, its
-# step choosing the path (by_layout_one_loop, KDA only: less code; timed within 0.1% of
-# by_layout).
-KEY_GRAD_KERNELS = ("one_kernel", "by_layout", "other_chunks_first", "by_layout_one_loop")
+# GLA: _gla_chunks.chunk_key_grads(by_layout=...)): one kernel branching per chunk, or the
+# whole-chunk-anchored chunks' kernel, then the others' into its outputs (by_layout, the
+# scores' by_layout pattern).
+KEY_GRAD_KERNELS = ("one_kernel", "by_layout")
 
 
 def by_score_layout(b_ref, whole_chunk, halves, sub_chunks):
@@ -309,11 +304,6 @@ def by_score_layout(b_ref, whole_chunk, halves, sub_chunks):
   jax.lax.cond(
       midpoint(b_ref)[1], whole_chunk,
       lambda: jax.lax.cond(halves_bounded(b_ref), halves, sub_chunks))
-
-
-def if_sub_chunks(b_ref, sub_chunks):
-  """sub_chunks() for a chunk that takes SUB_CHUNKS, else nothing."""
-  jax.lax.cond(midpoint(b_ref)[1] | halves_bounded(b_ref), lambda: None, sub_chunks)
 
 
 def record_layout(flag_ref, b_ref):

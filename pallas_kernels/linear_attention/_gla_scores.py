@@ -9,9 +9,8 @@ block); diagonal blocks factor through the sub-chunk's first token where its dec
 allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly, one key at
 a time, so decays down to g = -20 per token stay finite. The kernels come in the forms of
 _chunk_factors.SCORE_KERNELS (chunk_scores(form=...)): one kernel branching per chunk (the
-default), one kernel per layout over the first one's output, the SUB_CHUNKS chunks'
-kernel first and one for the others after it, or one kernel for the chunks whose decays
-factor and one for the others after it. dA = scale * do v^T needs no decay at all.
+default), one kernel per layout over the first one's output, or one kernel for the chunks
+whose decays factor and one for the others after it. dA = scale * do v^T needs no decay at all.
 """
 import functools
 
@@ -142,25 +141,6 @@ def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, la
   factors.if_layout(flag_ref, layout, compute)
 
 
-def _sub_chunks_first_kernel(q_ref, k_ref, b_ref, r_ref, a_ref, *, cd):
-  """form="sub_chunks_first", the first kernel: A of the SUB_CHUNKS chunks, into an array of
-    its own (the other chunks' blocks are left unwritten and never read)."""
-  factors.if_sub_chunks(b_ref, lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
-
-
-def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, r_ref, a_sub_ref, *refs, decayed):
-  """form="sub_chunks_first", the second kernel: A of the WHOLE_CHUNK and HALVES chunks and
-    the first kernel's blocks of the others (and qg, kg of every chunk with `decayed`)."""
-  b = rows(b_ref, 0, C)
-  a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-
-  def copied():
-    a_ref[...] = a_sub_ref[...]
-
-  factors.by_score_layout(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
-                          lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref), copied)
-
-
 def _dscores_kernel(v_ref, r_ref, do_ref, da_ref, dat_ref, *, scale, cd):
   """dA = scale * do v^T on the causal same-segment pairs, and its transpose."""
   v, do, r = v_ref[...], do_ref[...], r_ref[...]
@@ -184,9 +164,8 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     compute dtype (see _decayed_rows). form (_chunk_factors.SCORE_KERNELS): one kernel
     that branches per chunk (num_warps); by_layout, three kernels, the WHOLE_CHUNK
     chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
-    sub_chunks_first, the SUB_CHUNKS chunks' kernel (num_warps), then the others'
-    (FACTORED_WARPS); factored_first, by_layout's first and third kernels, the first taking
-    the HALVES chunks too."""
+    factored_first, by_layout's first and third kernels, the first taking the HALVES
+    chunks too."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   B, Tp, H, Dk = q.shape
@@ -206,16 +185,6 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     out = chunk_call(functools.partial(_scores_kernel, cd=cd,
                                        decayed=decayed), grid, specs, out_specs, outs,
                      num_warps=num_warps, name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
-    return tuple(out) if decayed else out[0]
-  if form == "sub_chunks_first":
-    (exact,) = chunk_call(functools.partial(_sub_chunks_first_kernel, cd=cd), grid, specs[:4],
-                          (g.scores(),), outs[:1], num_warps=num_warps,
-                          name="gla_chunk_scores_sub_chunks_first", **launch)(q, k, b, runs)
-    out = chunk_call(functools.partial(_after_sub_chunks_kernel,
-                                       decayed=decayed), grid, specs[:4] + [g.scores()] + specs[4:],
-                     out_specs, outs, num_warps=FACTORED_WARPS,
-                     name="gla_chunk_scores_after_sub_chunks", **launch)(q, k, b, runs, exact,
-                                                                         *flags)
     return tuple(out) if decayed else out[0]
   halves = form == "factored_first"
   *out, layout = chunk_call(functools.partial(_first_pass_kernel, decayed=decayed,

@@ -188,15 +188,13 @@ def _write_rows(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref, do
   return db_last
 
 
-def _key_grads(refs, layout, *, scale, cd, block_v, one_loop=False):
+def _key_grads(refs, layout, *, scale, cd, block_v):
   """One chunk's key gradients, one loop step per 16-token sub-chunk: with (anchors,
     factored_ok) = layout(), factored through the anchors (_chunk_factors) where
     factored_ok, else by 16x16 blocks; factored_ok is traced, or True where only the
     factored steps are compiled. Unrolled, the kernel's
     code outgrew the instruction cache (the GLA kernels' 'no instruction' stalls,
-    docs/performance.md). one_loop, for anchors per sub-chunk (the second pass): one loop
-    whose step chooses the score gradients' path, its state paths and writes compiled once
-    (116 KiB of code against 134 for a loop per path; experiments/kernel_resources.py)."""
+    docs/performance.md)."""
   q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref = refs[:8]
   dp_ref, da_ref = refs[15:]
   refs = refs[:15]
@@ -227,10 +225,7 @@ def _key_grads(refs, layout, *, scale, cd, block_v, one_loop=False):
 
   # the anchors after the above: the one kernel spills less so (kernel_resources)
   anchors, factored_ok = layout()
-  if one_loop and anchors.uniform is False:
-    loop(lambda i, s: jax.lax.cond(factored_ok, per_sub_chunk, by_blocks, i, s))
-  else:
-    factors.factored_or(factored_ok, factored, lambda: loop(by_blocks))
+  factors.factored_or(factored_ok, factored, lambda: loop(by_blocks))
 
 
 def _ordered(ins, outs):
@@ -251,35 +246,11 @@ def _whole_chunk_pass_kernel(*refs, **kw):
   factors.if_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
 
 
-def _other_chunks(ins, outs, **kw):
-  """The chunks not anchored whole (in this key block's channels) into outs; the others'
-    rows are left as they are."""
-  factors.unless_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
-
-
 def _other_chunks_pass_kernel(*refs, **kw):
-  """The second pass: the chunks the first left (its outputs are the first pass's,
-    aliased; the first pass's rows stay); kw may hold _key_grads' one_loop."""
-  _other_chunks(refs[:13], refs[17:], **kw)  # refs[13:17]: the first pass's outputs, aliased
-
-
-def _other_chunks_first_kernel(*refs, **kw):
-  """form="other_chunks_first", the first kernel: the chunks not anchored whole, into
-    arrays of its own (the others' rows are left unwritten and never read)."""
-  _other_chunks(refs[:13], refs[13:], **kw)
-
-
-def _after_other_chunks_kernel(*refs, **kw):
-  """form="other_chunks_first", the second kernel: the chunks anchored whole, and the first
-    kernel's rows of the others."""
-  ins, firsts, outs = refs[:13], refs[13:17], refs[17:]
-
-  def copied():
-    for first, out in zip(firsts, outs):
-      out[...] = first[...]
-
-  factors.if_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw),
-                         copied)
+  """The second pass: the chunks the first left, not anchored whole in this key block's
+    channels (its outputs are the first pass's, aliased; the first pass's rows stay)."""
+  ins, outs = refs[:13], refs[17:]  # refs[13:17]: the first pass's outputs, aliased
+  factors.unless_whole_chunk(ins[2], lambda layout: _key_grads(_ordered(ins, outs), layout, **kw))
 
 
 # 4 warps: two programs an SM (by shared memory), with spills on the factored path; 8:
@@ -295,11 +266,8 @@ def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da,
     two kernels, the whole-chunk-anchored chunks' and then the others' into its outputs,
     each compiled with its own path alone (the one kernel holds the bridged per-sub-chunk
     operands beside the loop-invariant ones wherever it runs, and spills;
-    docs/kernel_tuning.md, "KDA key gradients"); other_chunks_first, the others' kernel
-    first, into arrays of its own, then the whole-chunk-anchored chunks' kernel, which
-    copies their rows in; by_layout_one_loop, by_layout with the second kernel's two
-    loops (per-sub-chunk anchors, sub-chunk blocks) as one (_key_grads' one_loop).
-    other_warps: the kernel of the chunks not anchored whole
+    docs/kernel_tuning.md, "KDA key gradients"). other_warps: the kernel of the chunks not
+    anchored whole
     (default num_warps): at eight it holds its registers without spilling, at one program
     an SM (experiments/kernel_resources.py)."""
   if form not in factors.KEY_GRAD_KERNELS:
@@ -327,19 +295,12 @@ def chunk_key_grads(q, k, b, beta, carry_in, in_last, h, dh, do, vn, dx, dp, da,
   if form == "one_kernel":
     outs = L.call(functools.partial(_key_grads_kernel, **kw), grid, in_specs, out_specs, out_shape,
                   name="kda_key_grads", **launch)(*args)
-  elif form == "other_chunks_first":
-    first = L.call(functools.partial(_other_chunks_first_kernel, **kw), grid, in_specs, out_specs,
-                   out_shape, name="kda_key_grads_other_chunks_first", **others)(*args)
-    outs = L.call(functools.partial(_after_other_chunks_kernel,
-                                    **kw), grid, in_specs + list(out_specs), out_specs, out_shape,
-                  name="kda_key_grads_after_other_chunks", **launch)(*args, *first)
   else:
     first = L.call(functools.partial(_whole_chunk_pass_kernel, **kw), grid, in_specs, out_specs,
                    out_shape, name="kda_key_grads_whole_chunk", **launch)(*args)
-    one_loop = form == "by_layout_one_loop"
-    outs = L.call(functools.partial(_other_chunks_pass_kernel, **kw,
-                                    one_loop=one_loop), grid, in_specs + list(out_specs), out_specs,
-                  out_shape, name="kda_key_grads_other_chunks",
+    outs = L.call(functools.partial(_other_chunks_pass_kernel,
+                                    **kw), grid, in_specs + list(out_specs), out_specs, out_shape,
+                  name="kda_key_grads_other_chunks",
                   input_output_aliases={13 + i: i for i in range(4)}, **others)(*args, *first)
   dq, dk, db, dbeta = outs
   return dq, dk, db, jnp.sum(dbeta, axis=1)

@@ -12,9 +12,8 @@ tensor-core matmul each for A_kk and A_qk); the diagonal block factors through t
 sub-chunk's first token where its decays allow (_diagonal_blocks) and is otherwise
 formed exactly, one key at a time. The kernels come in the forms of
 _chunk_factors.SCORE_KERNELS: one kernel branching per chunk (the default), one kernel per
-layout over the first one's outputs, the SUB_CHUNKS chunks' kernel first and one for the
-others after it, or one kernel for the chunks whose decays factor and one for the others
-after it.
+layout over the first one's outputs, or one kernel for the chunks whose decays factor and
+one for the others after it.
 """
 import functools
 from typing import NamedTuple
@@ -221,28 +220,6 @@ def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, 
   factors.if_layout(flag_ref, layout, compute)
 
 
-def _sub_chunks_first_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, *, cd):
-  """form="sub_chunks_first", the first kernel: A_kk and A_qk of the SUB_CHUNKS chunks, into
-    arrays of its own (the other chunks' blocks are left unwritten and never read)."""
-  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.if_sub_chunks(b_ref, lambda: _by_sub_chunks(*refs, cd))
-
-
-def _after_sub_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, akk_sub_ref,
-                             aqk_sub_ref, qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref):
-  """form="sub_chunks_first", the second kernel: qg, kg and kw of every chunk, A_kk and A_qk
-    of the WHOLE_CHUNK and HALVES chunks, and the first kernel's blocks of the others."""
-  b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
-  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-
-  def copied():
-    akk_ref[...] = akk_sub_ref[...]
-    aqk_ref[...] = aqk_sub_ref[...]
-
-  factors.by_score_layout(b_ref, lambda: _whole_chunk(_loader(q), _loader(k), b, *refs[3:]),
-                          lambda: _halves(*refs), copied)
-
-
 # The scores with the solve in place (chunk_scores_and_solve): the HALVES pass keeps its
 # chunk's A_kk in registers and solves it there (_kda_solve), writing w, u0 (and T) instead of
 # A_kk; the other chunks' A_kk and kw go through memory to the solve's kernel. The WHOLE_CHUNK
@@ -342,9 +319,8 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
     _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
-    sub_chunks_first, the SUB_CHUNKS chunks' kernel (num_warps), then the others'
-    (factored_warps); factored_first, by_layout's first and third kernels, the first taking
-    the HALVES chunks too."""
+    factored_first, by_layout's first and third kernels, the first taking the HALVES
+    chunks too."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   if normalize and form not in ("by_layout", "factored_first"):
@@ -363,15 +339,6 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
                   (keys, keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
   warps = _first_pass_warps(factored_warps, normalize)
-  if form == "sub_chunks_first":
-    exact = L.call(functools.partial(_sub_chunks_first_kernel,
-                                     cd=cd), (B, H, n), inputs[:5], (square, square), outputs[3:],
-                   name="kda_chunk_scores_sub_chunks_first", **launch)(q, k, b, beta, runs)
-    return L.call(_after_sub_chunks_kernel, (B, H, n), inputs + [square, square],
-                  (keys, keys, keys, square, square),
-                  outputs, name="kda_chunk_scores_after_sub_chunks",
-                  **(launch | dict(num_warps=warps)))(q, k, b, beta, runs, carry_in, in_last,
-                                                      *exact)
   halves = form == "factored_first"
   qg, kg, kw, a_kk, a_qk, layouts, q, k = _first_pass(q, k, b, beta, runs, carry_in, in_last, cd=cd,
                                                       interpret=interpret, warps=warps,

@@ -60,9 +60,8 @@ class Tiling(NamedTuple):
   # the scores' kernels, a form of _chunk_factors.SCORE_KERNELS: one that branches per
   # chunk ("one_kernel", 2-10% faster forwards than by_layout, docs/performance.md,
   # "Layouts from the chunk's end rows"); the WHOLE_CHUNK chunks', then the others' into
-  # its output ("by_layout"); the SUB_CHUNKS chunks', then the others'
-  # ("sub_chunks_first"); or the WHOLE_CHUNK and HALVES chunks', then the SUB_CHUNKS ones'
-  # ("factored_first", untimed); _gla_scores
+  # its output ("by_layout"); or the WHOLE_CHUNK and HALVES chunks', then the SUB_CHUNKS
+  # ones' ("factored_first", untimed); _gla_scores
   scores: str = "one_kernel"
   # the key gradients' kernels: one that branches per chunk ("one_kernel") or the
   # one-anchor chunks', then the others' ("by_layout"); _gla_chunks.chunk_key_grads

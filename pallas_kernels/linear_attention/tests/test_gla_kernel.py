@@ -78,42 +78,42 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
   _check(x, out_tol, grad_tol, tiling=Tiling(scores=scores))
 
 
-@pytest.mark.parametrize("layouts", ["three", "halves"])
-def test_scores_with_the_sub_chunks_kernel_first(layouts):
-  """Tiling(scores="sub_chunks_first"): the SUB_CHUNKS chunks' kernel into an array of its
-  own, then one for the others that copies them in; over WHOLE_CHUNK and SUB_CHUNKS chunks
-  (three) and HALVES ones at the gate bound (halves); with the fused forward's decayed rows
-  qg, kg too, as the one kernel writes them."""
-  from pallas_kernels.linear_attention import _chunk_prep, _gla_scores
-  data = with_three_layouts if layouts == "three" else with_halves
-  x = data(make_inputs(seed=23, T=192, Dk=32, Dv=32))
-  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="sub_chunks_first"))
-  q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], 1, 192)
-  masks = _chunk_prep.segment_masks(runs)
-  first, one = (_gla_scores.chunk_scores(q, k, b, runs, interpret=True, decayed_with=masks,
-                                         form=form) for form in ("sub_chunks_first", "one_kernel"))
-  for a, b in zip(first, one):
-    chex.assert_trees_all_close(a, b, atol=1e-6)
-
-
-@pytest.mark.parametrize("form", ["by_layout", "factored_first"])
-def test_scores_in_one_kernel_per_layout(form):
-  """Tiling(scores="by_layout"): the WHOLE_CHUNK chunks' scores kernel, then the HALVES
-  and the SUB_CHUNKS ones' into its output; "factored_first": the WHOLE_CHUNK and HALVES
-  chunks' kernel, then the SUB_CHUNKS one (the default, one kernel branching per chunk,
-  runs in every other test); over all three layouts; a name it does not know is refused."""
-  x = with_halves(make_inputs(seed=18, T=192, Dk=32, Dv=32))
+def _three_score_layouts(seed):
+  """fp32 inputs (T = 192) whose scores take HALVES, WHOLE_CHUNK and SUB_CHUNKS, a chunk
+  each: with_halves' first chunk, then mild gates, then g = -20 on every third token."""
+  x = with_halves(make_inputs(seed=seed, T=192, Dk=32, Dv=32))
   t = jnp.arange(192)[None, :, None, None]
-  mild = -jax.random.uniform(jax.random.key(18), x["g"].shape)
-  # chunk 1 mild, chunk 2 with g = -20 on every third token
+  mild = -jax.random.uniform(jax.random.key(seed), x["g"].shape)
   g = jnp.where(t < 64, x["g"], jnp.where(t < 128, mild, jnp.where(t % 3 == 0, -20.0, mild)))
-  x = x | dict(g=g)
   assert factors.score_layouts(g)[0, :, 0].tolist() == [
       factors.HALVES, factors.WHOLE_CHUNK, factors.SUB_CHUNKS
   ]
-  _check(x, 1e-4, 1e-4, tiling=Tiling(scores=form))
+  return x | dict(g=g)
+
+
+def test_scores_in_one_kernel_per_layout():
+  """Tiling(scores="by_layout"): the WHOLE_CHUNK chunks' scores kernel, then the HALVES
+  and the SUB_CHUNKS ones' into its output (the default, one kernel branching per chunk,
+  runs in every other test); a name it does not know is refused."""
+  x = _three_score_layouts(18)
+  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="by_layout"))
   with pytest.raises(ValueError, match=r"Tiling.scores = 'fused': expected one of \['one_kernel'"):
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(scores="fused"))
+
+
+def test_scores_with_the_factored_chunks_first():
+  """Tiling(scores="factored_first"): the WHOLE_CHUNK and HALVES chunks' kernel, then the
+  SUB_CHUNKS one into its output; with the fused forward's decayed rows qg, kg too, as the
+  one kernel writes them."""
+  from pallas_kernels.linear_attention import _chunk_prep, _gla_scores
+  x = _three_score_layouts(23)
+  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="factored_first"))
+  q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], 1, 192)
+  masks = _chunk_prep.segment_masks(runs)
+  first, one = (_gla_scores.chunk_scores(q, k, b, runs, interpret=True, decayed_with=masks,
+                                         form=form) for form in ("factored_first", "one_kernel"))
+  for a, b in zip(first, one):
+    chex.assert_trees_all_close(a, b, atol=1e-6)
 
 
 def test_fp32_exact_over_key_and_value_blocks():
