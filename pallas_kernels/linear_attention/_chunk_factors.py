@@ -281,9 +281,9 @@ def unless_whole_chunk(b_ref, compute):
 #   factored_first    by_layout's first kernel forming the HALVES chunks' scores too, then
 #                     the SUB_CHUNKS one: no second read of q, k and b for the HALVES chunks
 #                     (the strong-gate regime's), at the cost of one kernel holding both
-#                     factored paths (KDA: 161 KiB of code, 288 spill bytes; untimed). Its
-#                     first kernel taking every factored chunk by the HALVES products ran
-#                     the strong-gate forward 7% faster than by_layout and the others' 8-12%
+#                     factored paths (KDA: 161 KiB of code, 288 spill bytes; untimed). A
+#                     first version, every factored chunk by the HALVES products, ran the
+#                     strong-gate forward 7% faster than by_layout and the others' 8-12%
 #                     slower (docs/performance.md, "The HALVES chunks in the first scores
 #                     kernel").
 SCORE_KERNELS = ("one_kernel", "by_layout", "factored_first")

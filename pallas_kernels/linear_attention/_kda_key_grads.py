@@ -192,9 +192,8 @@ def _key_grads(refs, layout, *, scale, cd, block_v):
   """One chunk's key gradients, one loop step per 16-token sub-chunk: with (anchors,
     factored_ok) = layout(), factored through the anchors (_chunk_factors) where
     factored_ok, else by 16x16 blocks; factored_ok is traced, or True where only the
-    factored steps are compiled. Unrolled, the kernel's
-    code outgrew the instruction cache (the GLA kernels' 'no instruction' stalls,
-    docs/performance.md)."""
+    factored steps are compiled. Unrolled, the kernel's code outgrew the instruction cache
+    (the GLA kernels' 'no instruction' stalls, docs/performance.md)."""
   q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, h_ref, dh_ref = refs[:8]
   dp_ref, da_ref = refs[15:]
   refs = refs[:15]

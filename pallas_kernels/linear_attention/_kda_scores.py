@@ -146,6 +146,8 @@ def _chunk_rows(q_ref, k_ref, normed_refs):
 
 
 def _loader(rows_of):
+  """A loader of the chunk's [C, D] fp32 rows from a ref or a _Normalised view (what the
+    WHOLE_CHUNK products take: they load at each use)."""
   return lambda: rows(rows_of, 0, C)
 
 

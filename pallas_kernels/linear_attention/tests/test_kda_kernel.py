@@ -127,8 +127,9 @@ def test_scores_with_the_factored_chunks_first(layouts):
 
 
 def test_factored_chunks_first_as_the_one_kernel():
-  """The first kernel of scores="factored_first" writes what the one kernel does, blocks of
-  every layout alike (bf16 inputs at the gate bound, two HALVES chunks)."""
+  """scores="factored_first" writes what the one kernel does, its first kernel's HALVES
+  and WHOLE_CHUNK chunks alike (bf16 inputs at the gate bound: two HALVES chunks, one
+  WHOLE_CHUNK)."""
   from pallas_kernels.linear_attention import _chunk_prep
   x = with_halves(make_inputs(seed=26, T=192, Dk=32, Dv=32, dtype=jnp.bfloat16))
   q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], 1, 192)
