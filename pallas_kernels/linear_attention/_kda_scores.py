@@ -270,6 +270,8 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
 # (docs/kernel_tuning.md, "Code size").
 FACTORED_WARPS = 4
 NORMALIZING_WARPS = 8
+# The forms whose first kernel can normalise q and k for the kernels after it
+NORMALIZING_FORMS = ("by_layout", "factored_first")
 
 
 def _first_pass_warps(factored_warps, normalize):
@@ -325,9 +327,9 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     chunks too."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
-  if normalize and form not in ("by_layout", "factored_first"):
+  if normalize and form not in NORMALIZING_FORMS:
     raise ValueError(
-        f"chunk_scores(normalize=True) needs form='by_layout' or 'factored_first', not {form!r}")
+        f"chunk_scores(normalize=True) needs a form of {list(NORMALIZING_FORMS)}, not {form!r}")
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()

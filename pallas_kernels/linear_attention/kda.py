@@ -38,6 +38,7 @@ from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile
                                                      l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import SOLVES, chunk_intra
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
+from pallas_kernels.linear_attention._kda_scores import NORMALIZING_FORMS
 from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
                                                              chunk_wy_grads)
 from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
@@ -220,7 +221,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   scale = default_scale(scale, Dk)
   if qk_norm not in QK_NORMS:
     raise ValueError(f"qk_norm = {qk_norm!r}: expected one of {list(QK_NORMS)}")
-  in_kernel = normalize_qk and qk_norm == "kernel" and scores in ("by_layout", "factored_first")
+  in_kernel = normalize_qk and qk_norm == "kernel" and scores in NORMALIZING_FORMS
   if normalize_qk and not in_kernel:  # plain JAX (autodiff), back to the input dtype
     q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
   # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)
