@@ -6,14 +6,15 @@
 Each stage alone (`experiments.timing.median_ms`: one call at a time, so every figure
 carries a launch and a wait; compare stages, not sums), then the whole forward of each side.
 Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, the in-chunk scores
-in each form (one kernel; one kernel per layout, chunked_kda's default, and the same
-normalising q and k on its way, as chunked_kda(scores="by_layout", qk_norm="kernel") does;
-the factored chunks' kernel first), scores and solve together (the scores in one kernel,
-then the solve; by layout, then the solve; by layout, the HALVES chunks solved in the
-scores' kernel), the fused state walk and outputs. jla (when installed): its cumulative
-decay, its in-chunk kernel with the L2 norm inside and the decayed rows out (the forward's
-path when no gradient is asked), without the norm, without the rows, its solve and its state
-walk that applies T itself. One JSON line per gate regime.
+in each form (one kernel; one kernel per layout, chunked_kda's default; the factored
+chunks' kernel first; the last two normalising q and k on their way, as
+chunked_kda(qk_norm="kernel") does without gradients), scores and solve together (the
+scores in one kernel, then the solve; by layout, then the solve; by layout, the HALVES
+chunks solved in the scores' kernel), the fused state walk and outputs, the forward (and
+with qk_norm="kernel" in either form). jla (when installed): its cumulative decay, its
+in-chunk kernel with the L2 norm inside and the decayed rows out (the forward's path when
+no gradient is asked), without the norm, without the rows, its solve and its state walk
+that applies T itself. One JSON line per gate regime.
 """
 import argparse
 import dataclasses
@@ -46,11 +47,13 @@ def ours(q, k, v, g, beta):
     scores = jax.jit(lambda q, k, b, beta, form=form: chunk_scores(q, k, b, beta, runs, ci, il, cd=
                                                                    cd, interpret=interp, form=form))
     ms[name] = median_ms(scores, qp, kp, b, beta)
-  normalizing = jax.jit(lambda q, k, b, beta: chunk_scores(
-      q, k, b, beta, runs, ci, il, cd=cd, interpret=interp, form="by_layout", normalize=True))
-  ms["scores_normalizing_q_k"] = median_ms(normalizing,
-                                           *_chunk_prep.prepare(q, k, v, g, None, B, T)[:2], b,
-                                           beta)
+  raw = _chunk_prep.prepare(q, k, v, g, None, B, T)[:2]
+  for name, form in (("scores_by_layout_normalizing", "by_layout"),
+                     ("scores_factored_first_normalizing", "factored_first")):
+    normalizing = jax.jit(lambda q, k, b, beta, form=form: chunk_scores(
+        q, k, b, beta, runs, ci, il, cd=cd, interpret=interp, form=form, normalize=True,
+        keep_normalized=False))
+    ms[name] = median_ms(normalizing, *raw, b, beta)
   for name, form, solve in (("scores_and_solve", "one_kernel", "own_kernel"),
                             ("scores_by_layout_then_solve", "by_layout",
                              "own_kernel"), ("scores_by_layout_solving", "by_layout", "in_scores")):
@@ -67,6 +70,10 @@ def ours(q, k, v, g, beta):
                                                   block_v=64, out_dtype=v.dtype, interpret=False))
     ms["walk_and_outputs"] = median_ms(walk, w, u0, kg, qg, aqk, b)
   ms["forward"] = median_ms(jax.jit(lambda *a: chunked_kda(*a)[0]), q, k, v, g, beta)
+  for form in ("by_layout", "factored_first"):
+    ms[f"forward_{form}_qk_norm_kernel"] = median_ms(
+        jax.jit(lambda *a, form=form: chunked_kda(*a, scores=form, qk_norm="kernel")[0]), q, k, v,
+        g, beta)
   return ms
 
 

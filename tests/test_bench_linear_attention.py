@@ -134,8 +134,10 @@ def test_forward_stages_time_every_stage_of_ours(monkeypatch):
   beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), (1, 128, 1)))
   ms = stages.ours(*x, beta)
   for name in ("normalize", "cumsum", "scores", "scores_by_layout", "scores_factored_first",
-               "scores_normalizing_q_k", "scores_and_solve", "scores_by_layout_then_solve",
-               "scores_by_layout_solving", "forward"):
+               "scores_by_layout_normalizing", "scores_factored_first_normalizing",
+               "scores_and_solve", "scores_by_layout_then_solve", "scores_by_layout_solving",
+               "forward", "forward_by_layout_qk_norm_kernel",
+               "forward_factored_first_qk_norm_kernel"):
     assert ms[name] > 0, (name, ms)
 
 

@@ -68,11 +68,16 @@ def run_ids(segment_ids, B, T):
   return jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(change, axis=1)], axis=1)
 
 
-def inverse_l2_norm(x, eps=1e-6):
-  """1 / sqrt(sum(x^2) + eps) over the last axis (kept), fp32: the one definition of the
-    norm that l2_normalize and the KDA scores kernel (which normalises in place) share."""
+def inverse_l2_norms(x, eps=1e-6):
+  """1 / sqrt(sum(x^2) + eps) over the last axis (dropped), fp32: the one definition of the
+    norm that l2_normalize and the KDA scores kernel (which scales its scores by it) share."""
   x = x.astype(jnp.float32)
-  return jnp.reciprocal(jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps))
+  return jnp.reciprocal(jnp.sqrt(jnp.sum(x * x, axis=-1) + eps))
+
+
+def inverse_l2_norm(x, eps=1e-6):
+  """inverse_l2_norms with the last axis kept (size 1)."""
+  return inverse_l2_norms(x, eps)[..., None]
 
 
 def l2_normalize(x, eps=1e-6):

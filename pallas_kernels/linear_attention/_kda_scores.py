@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
-from pallas_kernels.linear_attention._inputs import inverse_l2_norm
+from pallas_kernels.linear_attention._inputs import inverse_l2_norms
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
                                                         write_keys)
@@ -81,23 +81,26 @@ def _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, star
   store_diagonal(aqk_ref, jnp.where(same, qk_d, 0.0), start, out_row=start)
 
 
-def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk):
+def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk, scales=None):
   """Columns [start, start + n) of A_kk and A_qk from their unmasked products [C, n], where
-    region (None: everywhere)."""
+    region (None: everywhere); with scales (_RowScales; n = C), the products of the raw rows
+    scaled to those of the L2-normalised rows."""
   n = a_kk.shape[1]
   t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
   same = r_ref[...][:, None] == r_ref[pl.ds(start, n)][None, :]
   beta = beta_ref[...].astype(F32)[:, None]
+  if scales is not None:
+    a_kk, a_qk, beta = a_kk * scales.k_row, a_qk * (scales.q * scales.k_row), beta * scales.k
   store_where(akk_ref, start, region, jnp.where(same & (s < t), beta * a_kk, 0.0))
   store_where(aqk_ref, start, region, jnp.where(same & (s <= t), a_qk, 0.0))
 
 
-def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref):
+def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, scales=None):
   """A_kk and A_qk of a WHOLE_CHUNK chunk: one matmul each (q, k: loaders of its rows; b:
-    its rows, loaded)."""
+    its rows, loaded; scales: as _store_columns takes them)."""
   factors.whole_chunk_products(
       k, b, (k, q), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk))
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk, scales))
 
 
 # The HALVES products 64 channels at a time: two queries' operands over all of D = 128 do
@@ -105,50 +108,43 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref):
 HALVES_BLOCK_D = 64
 
 
-def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref):
-  """A_kk and A_qk of a HALVES chunk: two matmuls each (q_ref, k_ref: refs or _Normalised
-    views; over the views, whose loads span whole chunks, the pairs across the halves as a
-    [C, C] product too)."""
+def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, scales=None):
+  """A_kk and A_qk of a HALVES chunk: two matmuls each (scales: as _store_columns takes
+    them, which makes the pairs across the halves a [C, C] product too)."""
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
-      full_across=isinstance(k_ref, _Normalised))
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk, scales),
+      block_d=HALVES_BLOCK_D, full_across=scales is not None)
 
 
-class _Normalised(NamedTuple):
-  """A chunk's [C, D] ref read with its rows L2-normalised (scale [C, 1]: their inverse
-    norms) and rounded to dtype, as _inputs.l2_normalize and the cast back give them; every
-    load spans the chunk's C rows."""
-  ref: object
-  scale: jax.Array
-  dtype: object
+class _RowScales(NamedTuple):
+  """The inverse L2 norms of a chunk's q rows (q [C, 1]) and k rows (k [C, 1], k_row
+    [1, C]). Normalising a row scales every product it enters, so the first scores kernel
+    forms its scores and decayed rows from the raw rows and scales those: no normalised
+    [C, D] operand is formed, rounded or reloaded (docs/performance.md, "The L2 norm as
+    row scales")."""
+  q: jax.Array
+  k: jax.Array
+  k_row: jax.Array
 
-  @property
-  def shape(self):
-    return self.ref.shape
-
-  def __getitem__(self, index):
-    return (self.ref[index].astype(F32) * self.scale).astype(self.dtype).astype(F32)
-
-
-def _chunk_rows(q_ref, k_ref, normed_refs):
-  """(q, k): what to load the chunk's [C, D] rows from at each use (held across the pass
-    they spill): the refs, or with normed_refs _Normalised views of them (one pass through
-    memory fewer than normalising before the kernels), written there first."""
-  if not normed_refs:
-    return q_ref, k_ref
-  views = tuple(
-      _Normalised(ref, inverse_l2_norm(rows(ref, 0, C)), out.dtype)
-      for ref, out in zip((q_ref, k_ref), normed_refs))
-  for view, out in zip(views, normed_refs):
-    out[...] = rows(view, 0, C).astype(out.dtype)
-  return views
+  @classmethod
+  def of(cls, q, k):
+    """The scales of the loaded rows q, k [C, D] (fp32)."""
+    inverse_k = inverse_l2_norms(k)
+    return cls(inverse_l2_norms(q)[:, None], inverse_k[:, None], inverse_k[None, :])
 
 
-def _loader(rows_of):
-  """A loader of the chunk's [C, D] fp32 rows from a ref or a _Normalised view (what the
-    WHOLE_CHUNK products take: they load at each use)."""
-  return lambda: rows(rows_of, 0, C)
+def _store_normalised(q_ref, k_ref, scales, normed_refs):
+  """The chunk's L2-normalised q and k rows into normed_refs (their dtypes), for the
+    kernels after the first and the backward."""
+  for ref, scale, out in zip((q_ref, k_ref), (scales.q, scales.k), normed_refs):
+    out[...] = (rows(ref, 0, C) * scale).astype(out.dtype)
+
+
+def _loader(ref):
+  """A loader of the chunk's [C, D] fp32 rows (what the WHOLE_CHUNK products take: they
+    load at each use, the rows held across the pass spill)."""
+  return lambda: rows(ref, 0, C)
 
 
 def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
@@ -159,15 +155,19 @@ def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
 
 
 def _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
-                  normed_refs=()):
-  """(b, q, k): the chunk's rows of b (loaded) and what to load q, k from (_chunk_rows, with
-    normed_refs written first), after qg, kg and kw (unless kw_ref is None) are written."""
+                  normalize=False):
+  """(b, scales): the chunk's rows of b (loaded) and, with `normalize`, its _RowScales (else
+    None), after qg, kg and kw (unless kw_ref is None) are written, from normalised rows
+    where asked."""
   b = rows(b_ref, 0, C)
-  q, k = _chunk_rows(q_ref, k_ref, normed_refs)
-  store_decayed_rows(rows(q, 0, C), rows(k, 0, C), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  q, k = rows(q_ref, 0, C), rows(k_ref, 0, C)
+  scales = _RowScales.of(q, k) if normalize else None
+  if normalize:
+    q, k = q * scales.q, k * scales.k
+  store_decayed_rows(q, k, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
   if kw_ref is not None:
-    _store_write_keys(rows(k, 0, C), b, beta_ref, ci_ref, kw_ref)
-  return b, q, k
+    _store_write_keys(k, b, beta_ref, ci_ref, kw_ref)
+  return b, scales
 
 
 def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
@@ -184,30 +184,41 @@ def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
 def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                    akk_ref, aqk_ref, *, cd):
   """One chunk: qg, kg, kw, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
-  b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
+  b, _ = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.by_score_layout(b_ref, lambda: _whole_chunk(_loader(q), _loader(k), b, *refs[3:]),
+  factors.by_score_layout(b_ref, lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, *refs[3:]),
                           lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
 
 
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
-                       akk_ref, aqk_ref, flag_ref, *normed_refs, keys_of_halves, halves):
+                       akk_ref, aqk_ref, flag_ref, *normed_refs, keys_of_halves, halves,
+                       keep_normalized):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
     ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (and with `halves` of the HALVES ones),
-    and every chunk's layout for the later passes; with normed_refs, q and k normalised
-    first (_chunk_rows) for this pass and the others."""
-  b, q, k = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
-                          kw_ref if keys_of_halves else None, normed_refs)
+    and every chunk's layout for the later passes; with normed_refs, all of it from q and k
+    L2-normalised (_RowScales), and the normalised rows written for the later passes'
+    chunks (keep_normalized: for every chunk)."""
+  b, scales = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
+                            kw_ref if keys_of_halves else None, bool(normed_refs))
   whole, layout = factors.record_layout(flag_ref, b_ref)
+  if normed_refs:
+    store = lambda: _store_normalised(q_ref, k_ref, scales, normed_refs)
+    if keep_normalized:
+      store()
+    else:  # the chunks of the later kernels alone
+      later = layout == factors.SUB_CHUNKS if halves else layout != factors.WHOLE_CHUNK
+      jax.lax.cond(later, store, lambda: None)
   if not keys_of_halves:  # the HALVES chunks' kernel forms its kw itself
+    k = lambda: rows(k_ref, 0, C) * (1.0 if scales is None else scales.k)
     jax.lax.cond(layout == factors.HALVES, lambda: None,
-                 lambda: _store_write_keys(rows(k, 0, C), b, beta_ref, ci_ref, kw_ref))
-  jax.lax.cond(whole,
-               lambda: _whole_chunk(_loader(q), _loader(k), b, beta_ref, r_ref, akk_ref, aqk_ref),
-               lambda: None)
+                 lambda: _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref))
+  jax.lax.cond(
+      whole, lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, beta_ref, r_ref, akk_ref,
+                                  aqk_ref, scales), lambda: None)
   if halves:
     jax.lax.cond(layout == factors.HALVES,
-                 lambda: _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref), lambda: None)
+                 lambda: _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, scales),
+                 lambda: None)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
@@ -266,8 +277,8 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
 
 # The first pass's warps: four ran faster than eight (docs/kernel_tuning.md, "KDA in-chunk
 # scores"); it spills little since it takes WHOLE_CHUNK chunks alone. Normalising q and k
-# too, its code at four warps outgrows the SM's instruction cache and eight ran faster
-# (docs/kernel_tuning.md, "Code size").
+# too, it spills at four warps (304 bytes a thread by layout, 564 factored first) and at
+# eight not (experiments/kernel_resources.py --option qk_norm=kernel).
 FACTORED_WARPS = 4
 NORMALIZING_WARPS = 8
 # The forms whose first kernel can normalise q and k for the kernels after it
@@ -279,10 +290,11 @@ def _first_pass_warps(factored_warps, normalize):
 
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
-                keys_of_halves, halves=False):
+                keys_of_halves, halves=False, keep_normalized=True):
   """The first kernel of the scores by layout (_first_pass_kernel; with `halves`, of
     factored_first): (qg, kg, kw, A_kk, A_qk, layout flags, q, k as the later kernels read
-    them: normalised where asked)."""
+    them: normalised where asked, for every chunk where keep_normalized, else for the later
+    kernels' chunks alone)."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -290,8 +302,9 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
   outputs = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(
       F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C), L.shape(jnp.int32, B, H, n, C))
   qg, kg, kw, a_kk, a_qk, layouts, *normed = L.call(
-      functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves, halves=halves),
-      (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
+      functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves, halves=halves,
+                        keep_normalized=keep_normalized), (B, H, n),
+      [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
       (keys, keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(normed),
       outputs + normed, name="kda_chunk_scores_" + ("factored" if halves else "whole_chunk"),
       interpret=interpret, num_warps=warps, num_stages=2)(q, k, b, beta, runs, carry_in, in_last)
@@ -314,11 +327,13 @@ def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpr
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
-                 form="one_kernel", factored_warps=None, normalize=False):
+                 form="one_kernel", factored_warps=None, normalize=False, keep_normalized=True):
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
-    A_qk [B, H, n, C, C] in cd), and with `normalize` q and k L2-normalised per token (in
-    their dtypes), from which all of it is formed: the first kernel normalises them on its
-    way (form="by_layout" or "factored_first").
+    A_qk [B, H, n, C, C] in cd), all of it, with `normalize`, of q and k L2-normalised per
+    token: the first kernel scales its products and rows by the inverse norms and writes the
+    normalised rows (in q's and k's dtypes) that the later kernels read (form="by_layout" or
+    "factored_first"); with keep_normalized it writes them for every chunk and they follow
+    the outputs (what the backward reads).
 
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
@@ -347,21 +362,21 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   qg, kg, kw, a_kk, a_qk, layouts, q, k = _first_pass(q, k, b, beta, runs, carry_in, in_last, cd=cd,
                                                       interpret=interpret, warps=warps,
                                                       normalize=normalize, keys_of_halves=True,
-                                                      halves=halves)
+                                                      halves=halves,
+                                                      keep_normalized=keep_normalized)
   for layout in (factors.SUB_CHUNKS,) if halves else (factors.HALVES, factors.SUB_CHUNKS):
     a_kk, a_qk = _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
                              interpret=interpret, num_warps=num_warps)
-  return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize else ())
+  return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else ())
 
 
 def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,
                            emit_inverse, normalize=False, num_warps=4, factored_warps=None,
-                           solve_warps=4):
+                           solve_warps=4, keep_normalized=True):
   """The scores by layout with the HALVES chunks solved in place (_kda_intra's chunk form):
     (qg, kg, w [B, Tp, H, Dk], u0 [B, Tp, H, Dv], A_qk [B, H, n, C, C], all in cd,
-    T [B, H, n, C, C] in cd when emit_inverse), and with `normalize` q and k L2-normalised
-    per token (in their dtypes; the first kernel normalises them on its way, as
-    chunk_scores does).
+    T [B, H, n, C, C] in cd when emit_inverse), of q and k L2-normalised with `normalize`,
+    as chunk_scores normalises them (keep_normalized: the normalised q, k follow).
 
     Four kernels: chunk_scores(form="by_layout")'s first (factored_warps; kw of every chunk
     but the HALVES ones), its HALVES one, which also solves its chunks (num_warps), and its
@@ -377,7 +392,8 @@ def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, int
       (L.shape(cd, B, H, n, C, C),) if emit_inverse else ())
   qg, kg, kw, a_kk, a_qk, layouts, q, k = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
-      warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=False)
+      warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=False,
+      keep_normalized=keep_normalized)
   a_qk, *solved = L.call(functools.partial(_halves_solving_kernel, cd=cd,
                                            interpret=interpret), (B, H, n),
                          [keys, keys, keys, beta_spec, flag, flag, values, layout, square],
@@ -395,4 +411,5 @@ def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, int
       solved_shapes, name="kda_chunk_solve_unless_halves",
       input_output_aliases={len(ins) + i: i for i in range(len(solved_specs))}, interpret=interpret,
       num_warps=solve_warps)(layouts, a_kk, kw, v, beta, *solved)
-  return (qg, kg, solved[0], solved[1], a_qk, *solved[2:]) + ((q, k) if normalize else ())
+  return (qg, kg, solved[0], solved[1], a_qk, *solved[2:]) + (
+      (q, k) if normalize and keep_normalized else ())

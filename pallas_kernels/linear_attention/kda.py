@@ -132,14 +132,14 @@ def check_forward(forward, fits, interpret, requirement):
 
 
 def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
-  """(q and k as the kernels read them, normalised where t.normalize; the in-chunk
+  """(q and k as the backward reads them, normalised where t.normalize; the in-chunk
     quantities; (o, final state); per-chunk states; v_new): the last two None where the
-    fused forward is not asked for them (not for_backward)."""
+    fused forward is not asked for them (not for_backward), q and k too where normalised."""
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
                       emit_inverse=for_backward, interpret=t.interpret, scores=t.scores,
                       normalize=t.normalize, solve=t.solve)
   if t.normalize:
-    *intra, q, k = intra
+    *intra, q, k = intra if for_backward else (*intra, None, None)
   return q, k, intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
 
 
