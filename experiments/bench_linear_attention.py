@@ -33,7 +33,7 @@ from experiments.timing import failed, interleaved_ratios, median_ms, peer, to_t
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
 from pallas_kernels.linear_attention._chunk_factors import KEY_GRAD_KERNELS, SCORE_KERNELS
 from pallas_kernels.linear_attention.gla import Tiling
-from pallas_kernels.linear_attention.kda import QK_NORMS, SOLVES
+from pallas_kernels.linear_attention.kda import DECAY_SUMS, QK_NORMS, SOLVES
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
 REFERENCE_SKIP = {
@@ -490,23 +490,36 @@ def default_kda_forwards():
   return ["fused"] if on_hopper() else ["split"]
 
 
+# chunked_kda's kernel choices the benchmark varies, each with its choices and the
+# command-line flag that names them
+KDA_CHOICES = {
+    "scores": (SCORE_KERNELS, "--kda-scores"),
+    "key_grads": (KEY_GRAD_KERNELS, "--kda-key-grads"),
+    "qk_norm": (QK_NORMS, "--kda-qk-norms"),
+    "solve": (SOLVES, "--kda-solves"),
+    "decay_sum": (DECAY_SUMS, "--kda-decay-sums"),
+}
+
+
 def _kda_defaults():
-  """chunked_kda's own choice of scores and key-gradient kernels and of where the norm runs."""
+  """chunked_kda's own value of each of KDA_CHOICES."""
   from pallas_kernels.linear_attention import chunked_kda
   params = inspect.signature(chunked_kda).parameters
-  return {name: params[name].default for name in ("scores", "key_grads", "qk_norm", "solve")}
+  return {name: params[name].default for name in KDA_CHOICES}
 
 
 KDA_DEFAULTS = _kda_defaults()
 
 
-def kda_settings(walks, forwards, scores, key_grads, qk_norms, solves=(KDA_DEFAULTS["solve"],)):
-  """[(name, chunked_kda with those settings)]: every combination asked for, the op's
+def kda_settings(walks, forwards, **choices):
+  """[(name, chunked_kda with those settings)]: every combination of the values asked for
+    (choices: name of KDA_CHOICES -> values; the default where not given), the op's
     defaults unnamed."""
   from pallas_kernels.linear_attention import chunked_kda
   impls = []
-  for kind, key_kind, norm, solve in itertools.product(scores, key_grads, qk_norms, solves):
-    kernels = dict(scores=kind, key_grads=key_kind, qk_norm=norm, solve=solve)
+  values = [choices.get(name) or (KDA_DEFAULTS[name],) for name in KDA_CHOICES]
+  for combination in itertools.product(*values):
+    kernels = dict(zip(KDA_CHOICES, combination))
     named = "".join(
         f",{name}={value}" for name, value in kernels.items() if value != KDA_DEFAULTS[name])
     impls += [(f"pallas[state_walk={walk}{named}]",
@@ -521,13 +534,13 @@ def kda_settings(walks, forwards, scores, key_grads, qk_norms, solves=(KDA_DEFAU
 
 def bench_kda(shapes, skip_reference, breakdown=False, gates=("logsigmoid",), peers=(),
               walks=STATE_WALKS, forwards=("split",), correctness_shape=CORRECTNESS_SHAPE,
-              scores=(KDA_DEFAULTS["scores"],), key_grads=(KDA_DEFAULTS["key_grads"],),
-              qk_norms=(KDA_DEFAULTS["qk_norm"],), solves=(KDA_DEFAULTS["solve"],)):
+              **choices):
   """`--op kda`: Pallas chunked_kda vs the plain-JAX kda_chunked and the peers, fwd and
-    fwd+bwd; first each setting's correctness at correctness_shape (None: none)."""
+    fwd+bwd; first each setting's correctness at correctness_shape (None: none). choices:
+    as kda_settings takes them."""
   from pallas_kernels.linear_attention import kda_chunked
 
-  impls = kda_settings(walks, forwards, scores, key_grads, qk_norms, solves)
+  impls = kda_settings(walks, forwards, **choices)
   if correctness_shape:
     correctness("kda", impls, kda_chunked, kda_inputs, gates, correctness_shape)
   for shape, regime in itertools.product(shapes, gates):
@@ -571,40 +584,41 @@ def main():
       "log_sigmoid of N(0, 1) or of N(-3, 1), or as fla's KDA layer initialises them")
   ap.add_argument("--state-walks", nargs="+", choices=STATE_WALKS, default=list(STATE_WALKS),
                   help="--op kda: the state walks to time (auto: mosaic where it runs)")
-  ap.add_argument(
-      "--kda-scores", nargs="+", choices=SCORE_KERNELS, default=[KDA_DEFAULTS["scores"]],
-      help="--op kda: the in-chunk scores' kernels to time: one kernel branching per chunk "
-      "(one_kernel), one per layout (by_layout), or the factored chunks' and then the "
-      "SUB_CHUNKS ones' (factored_first); default: the op's own")
+  helps = {
+      "scores": "the in-chunk scores' kernels: one kernel branching per chunk (one_kernel), "
+                "one per layout (by_layout), or the factored chunks' and then the SUB_CHUNKS "
+                "ones' (factored_first)",
+      "key_grads": "the key gradients' kernels: one kernel branching per chunk (one_kernel) "
+                   "or the whole-chunk-anchored chunks' and then the others' (by_layout)",
+      "qk_norm": "where the L2 norm of q and k runs: as a plain-JAX pass before the kernels "
+                 "(xla) or inside the first scores kernel (kernel, with --kda-scores by_layout "
+                 "or factored_first)",
+      "solve": "where the in-chunk solve runs: in the scores' kernels (in_scores, with "
+               "--kda-scores by_layout) or in a kernel of its own (own_kernel)",
+      "decay_sum": "where the in-chunk cumulative decay is summed: in a kernel of its own "
+                   "(own_kernel) or in the first scores kernel (in_scores, with --kda-scores "
+                   "by_layout or factored_first)",
+  }
+  for name, (known, flag) in KDA_CHOICES.items():
+    ap.add_argument(flag, nargs="+", choices=known, default=[KDA_DEFAULTS[name]],
+                    help=f"--op kda: {helps[name]}; default: the op's own")
   ap.add_argument(
       "--kda-forwards", nargs="+", choices=("split", "fused"), default=None,
       help="--op kda: the forwards to time: split (with each of --state-walks) "
       "and fused (walk and outputs in one Mosaic GPU kernel, Hopper); by default the "
       "op's own: fused on Hopper, else split")
-  ap.add_argument(
-      "--kda-key-grads", nargs="+", choices=KEY_GRAD_KERNELS, default=[KDA_DEFAULTS["key_grads"]],
-      help="--op kda: the key gradients' kernels to time: one kernel branching per chunk "
-      "(one_kernel) or the whole-chunk-anchored chunks' and then the others' (by_layout); "
-      "default: the op's own")
-  ap.add_argument(
-      "--kda-qk-norms", nargs="+", choices=QK_NORMS, default=[KDA_DEFAULTS["qk_norm"]],
-      help="--op kda: where the L2 norm of q and k runs: as a plain-JAX pass before the "
-      "kernels (xla) or inside the first scores kernel (kernel, with --kda-scores "
-      "by_layout); default: the op's own")
-  ap.add_argument(
-      "--kda-solves", nargs="+", choices=SOLVES, default=[KDA_DEFAULTS["solve"]],
-      help="--op kda: where the in-chunk solve runs: in the scores' kernels (in_scores, with "
-      "--kda-scores by_layout) or in a kernel of its own (own_kernel); default: the op's own")
   args = ap.parse_args()
   if "fla" in args.peers and importlib.util.find_spec("fla"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
   print(jax.devices(), flush=True)
   if args.op == "kda":
-    return bench_kda(args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers,
-                     args.state_walks, args.kda_forwards or default_kda_forwards(),
-                     None if args.skip_correctness else CORRECTNESS_SHAPE, scores=args.kda_scores,
-                     key_grads=args.kda_key_grads, qk_norms=args.kda_qk_norms,
-                     solves=args.kda_solves)
+    return bench_kda(
+        args.shapes, args.skip_reference, args.breakdown, args.gates, args.peers, args.state_walks,
+        args.kda_forwards or default_kda_forwards(),
+        None if args.skip_correctness else CORRECTNESS_SHAPE, **{
+            name: getattr(args, flag[2:].replace("-", "_"))
+            for name, (_, flag) in KDA_CHOICES.items()
+        })
   gla_impls = [(f"pallas{name}", functools.partial(chunked_gla, tiling=tiling))
                for name, tiling in args.tiling]
   if not args.skip_correctness:

@@ -161,6 +161,8 @@ def capture_kernels(op: str, impl: str, size: str = "bench", **options) -> list[
   check = CHECKS[op]
   args, arrays, static = _input_shapes(check, size)
   fn = functools.partial(catalog().resolve(op, impl), **static, **options)
+  # an option replaces the check's argument of its name (decay=None: g taken as the decays)
+  arrays = {name: a for name, a in arrays.items() if name not in options}
 
   def run(args, arrays):
     if not check.grad_argnums:

@@ -11,13 +11,15 @@ chunks' kernel first; the last two normalising q and k on their way, as
 chunked_kda(qk_norm="kernel") does without gradients), scores and solve together (the
 scores in one kernel, then the solve; by layout, then the solve; by layout, the HALVES
 chunks solved in the scores' kernel), the fused state walk and outputs, the forward (and
-with qk_norm="kernel" in either form). jla (when installed): its cumulative decay, its
+with qk_norm="kernel" in either form, the decays summed in their own kernel or in the first
+scores kernel). jla (when installed): its cumulative decay, its
 in-chunk kernel with the L2 norm inside and the decayed rows out (the forward's path when
 no gradient is asked), without the norm, without the rows, its solve and its state walk
 that applies T itself. One JSON line per gate regime.
 """
 import argparse
 import dataclasses
+import itertools
 import json
 
 import jax
@@ -30,6 +32,7 @@ from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum
 from pallas_kernels.linear_attention._inputs import l2_normalize
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_scores import chunk_scores
+from pallas_kernels.linear_attention.kda import DECAY_SUMS
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
@@ -70,10 +73,11 @@ def ours(q, k, v, g, beta):
                                                   block_v=64, out_dtype=v.dtype, interpret=False))
     ms["walk_and_outputs"] = median_ms(walk, w, u0, kg, qg, aqk, b)
   ms["forward"] = median_ms(jax.jit(lambda *a: chunked_kda(*a)[0]), q, k, v, g, beta)
-  for form in ("by_layout", "factored_first"):
-    ms[f"forward_{form}_qk_norm_kernel"] = median_ms(
-        jax.jit(lambda *a, form=form: chunked_kda(*a, scores=form, qk_norm="kernel")[0]), q, k, v,
-        g, beta)
+  for form, decay_sum in itertools.product(("by_layout", "factored_first"), DECAY_SUMS):
+    name = f"forward_{form}_qk_norm_kernel" + ("_decay_sum" if decay_sum == "in_scores" else "")
+    ms[name] = median_ms(
+        jax.jit(lambda *a, form=form, decay_sum=decay_sum: chunked_kda(
+            *a, scores=form, qk_norm="kernel", decay_sum=decay_sum)[0]), q, k, v, g, beta)
   return ms
 
 

@@ -64,7 +64,7 @@ def test_correctness_reports_each_setting_in_each_gate_regime(capsys):
 def test_kda_correctness_reports_each_setting(capsys):
   """Each setting asked for, named by how it differs from chunked_kda's defaults."""
   bench.bench_kda([], skip_reference=True, forwards=("fused",), gates=("logsigmoid_strong",),
-                  scores=("one_kernel",), qk_norms=("kernel",), solves=("own_kernel", "in_scores"),
+                  scores=("one_kernel",), qk_norm=("kernel",), solve=("own_kernel", "in_scores"),
                   correctness_shape=(1, 64, 1, 64))
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [r["setting"] for r in rows] == [
@@ -137,7 +137,9 @@ def test_forward_stages_time_every_stage_of_ours(monkeypatch):
                "scores_by_layout_normalizing", "scores_factored_first_normalizing",
                "scores_and_solve", "scores_by_layout_then_solve", "scores_by_layout_solving",
                "forward", "forward_by_layout_qk_norm_kernel",
-               "forward_factored_first_qk_norm_kernel"):
+               "forward_factored_first_qk_norm_kernel",
+               "forward_by_layout_qk_norm_kernel_decay_sum",
+               "forward_factored_first_qk_norm_kernel_decay_sum"):
     assert ms[name] > 0, (name, ms)
 
 

@@ -59,8 +59,14 @@ def _fwd(g):
   return _scan(g, reverse=False), None
 
 
+def reverse_chunk_cumsum(db):
+  """The transpose of chunk_cumsum, fp32: the gradient of the log decays for that of their
+    in-chunk cumulative sum db [B, Tp, H, D] (for a kernel that sums the decays itself)."""
+  return _scan(db.astype(F32), reverse=True)
+
+
 def _bwd(_, db):
-  return (_scan(db, reverse=True),)
+  return (reverse_chunk_cumsum(db),)
 
 
 _chunk_cumsum_f32.defvjp(_fwd, _bwd)

@@ -24,12 +24,18 @@ def segment_masks(runs):
   return carry_in.reshape(B, Tp).astype(jnp.int32), in_last.reshape(B, Tp).astype(jnp.int32)
 
 
-def prepare(q, k, v, g, segment_ids, B, T, decay=None):
-  """Pads to a multiple of the chunk (zero tokens: no contribution, no decay). With a
-    decay_gate.DecayGate, g is the gate projection and the decay its function."""
+def prepare(q, k, v, g, segment_ids, B, T, decay=None, summed=True):
+  """(q, k, v, b, runs): padded to a multiple of the chunk (zero tokens: no contribution,
+    no decay), b the in-chunk cumulative log decay. With a decay_gate.DecayGate, g is the
+    gate projection and the decay its function. summed=False: b is the padded log decays g
+    themselves, for a kernel that sums them (without a decay gate only)."""
   Tp = padded_length(T)
   runs = pad_time(run_ids(segment_ids, B, T), Tp, "edge")
   q, k, v = (pad_time(x, Tp) for x in (q, k, v))
+  if not summed:
+    if decay is not None:
+      raise ValueError("prepare(summed=False) takes the log decays g, not a decay gate's input")
+    return q, k, v, pad_time(g, Tp), runs
   b = chunk_cumsum(pad_time(g, Tp)) if decay is None else decay_cumsum(pad_time(g, Tp), decay, T)
   return q, k, v, b, runs
 

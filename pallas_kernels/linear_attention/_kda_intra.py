@@ -37,24 +37,29 @@ SOLVES = ("own_kernel", "in_scores")
 
 
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
-                scores="one_kernel", solve_warps=SOLVE_WARPS, normalize=False, solve="own_kernel"):
+                scores="one_kernel", solve_warps=SOLVE_WARPS, normalize=False, solve="own_kernel",
+                from_gates=False):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd; with `normalize`, of q and k L2-normalised
     per token by the first scores kernel (chunk_scores), and with emit_inverse too (what the
     backward reads) the normalised q, k [B,Tp,H,Dk] (in their dtypes) follow. solve: one of
-    SOLVES (solve_warps: the own kernel's warps)."""
+    SOLVES (solve_warps: the own kernel's warps). b: the in-chunk cumulative log decay, or
+    with from_gates the log decays, summed by the first scores kernel (chunk_scores; b
+    then comes last)."""
   if solve not in SOLVES:
     raise ValueError(f"solve = {solve!r}: expected one of {list(SOLVES)}")
   if solve == "in_scores" and scores == "by_layout":
     return chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, cd=cd,
                                   interpret=interpret, emit_inverse=emit_inverse,
-                                  normalize=normalize, keep_normalized=emit_inverse)
+                                  normalize=normalize, keep_normalized=emit_inverse,
+                                  from_gates=from_gates)
   B, Tp, H, Dk = k.shape
   Dv = v.shape[-1]
   n = Tp // C
-  qg, kg, kw, a_kk, a_qk, *normed = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
-                                                 interpret=interpret, form=scores,
-                                                 normalize=normalize, keep_normalized=emit_inverse)
+  qg, kg, kw, a_kk, a_qk, *after = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
+                                                interpret=interpret, form=scores,
+                                                normalize=normalize, keep_normalized=emit_inverse,
+                                                from_gates=from_gates)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
   out_specs, out_shape = [keys, values], [L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)]
   if emit_inverse:
@@ -64,4 +69,4 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
                   (B, H, n), [square, keys, values, L.chunk_beta()], tuple(out_specs),
                   tuple(out_shape), interpret=interpret, name="kda_chunk_solve",
                   num_warps=solve_warps)(a_kk, kw, v, beta)
-  return (qg, kg, solved[0], solved[1], a_qk, *solved[2:], *normed)
+  return (qg, kg, solved[0], solved[1], a_qk, *solved[2:], *after)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
@@ -190,16 +191,32 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
                           lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
 
 
+def _sum_decays(g_ref, b_ref, interpret):
+  """b = the in-chunk cumulative sum of the chunk's log decays g_ref [C, D] (fp32) into
+    b_ref, where the rest of the kernel loads its rows at each use (held from here, they
+    spilled more: experiments/kernel_resources.py) and the later kernels read it; the
+    barrier makes every thread's rows visible to the others first."""
+  b_ref[...] = jnp.cumsum(g_ref[...].astype(F32), axis=0)
+  if not interpret:
+    plgpu.debug_barrier()
+
+
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
-                       akk_ref, aqk_ref, flag_ref, *normed_refs, keys_of_halves, halves,
-                       keep_normalized):
+                       akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, halves,
+                       keep_normalized, normalize, from_gates, interpret):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
     ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (and with `halves` of the HALVES ones),
-    and every chunk's layout for the later passes; with normed_refs, all of it from q and k
-    L2-normalised (_RowScales), and the normalised rows written for the later passes'
-    chunks (keep_normalized: for every chunk)."""
+    and every chunk's layout for the later passes; with `normalize` (extra_refs: the
+    normalised q, k), all of it from q and k L2-normalised (_RowScales), and the normalised
+    rows written for the later passes' chunks (keep_normalized: for every chunk); with
+    from_gates, b_ref holds the log decays g and b is summed here into the last of
+    extra_refs (_sum_decays)."""
+  normed_refs = extra_refs[:2] if normalize else ()
+  if from_gates:  # b_ref holds g; from here on, the b it sums to
+    _sum_decays(b_ref, extra_refs[-1], interpret)
+    b_ref = extra_refs[-1]
   b, scales = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
-                            kw_ref if keys_of_halves else None, bool(normed_refs))
+                            kw_ref if keys_of_halves else None, normalize)
   whole, layout = factors.record_layout(flag_ref, b_ref)
   if normed_refs:
     store = lambda: _store_normalised(q_ref, k_ref, scales, normed_refs)
@@ -281,8 +298,9 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
 # eight not (experiments/kernel_resources.py --option qk_norm=kernel).
 FACTORED_WARPS = 4
 NORMALIZING_WARPS = 8
-# The forms whose first kernel can normalise q and k for the kernels after it
-NORMALIZING_FORMS = ("by_layout", "factored_first")
+# The forms with a first kernel over every chunk, which can normalise q and k and sum the
+# decays on its way for the kernels after it
+FIRST_KERNEL_FORMS = ("by_layout", "factored_first")
 
 
 def _first_pass_warps(factored_warps, normalize):
@@ -290,25 +308,31 @@ def _first_pass_warps(factored_warps, normalize):
 
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
-                keys_of_halves, halves=False, keep_normalized=True):
+                keys_of_halves, halves=False, keep_normalized=True, from_gates=False):
   """The first kernel of the scores by layout (_first_pass_kernel; with `halves`, of
     factored_first): (qg, kg, kw, A_kk, A_qk, layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
-    kernels' chunks alone)."""
+    kernels' chunks alone, b: the in-chunk cumulative decay, summed here from the log decays
+    given as b where from_gates)."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
   normed = (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)) if normalize else ()
+  summed = (L.shape(F32, B, Tp, H, Dk),) if from_gates else ()
   outputs = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(
       F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C), L.shape(jnp.int32, B, H, n, C))
-  qg, kg, kw, a_kk, a_qk, layouts, *normed = L.call(
-      functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves, halves=halves,
-                        keep_normalized=keep_normalized), (B, H, n),
-      [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
-      (keys, keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(normed),
-      outputs + normed, name="kda_chunk_scores_" + ("factored" if halves else "whole_chunk"),
+  kernel = functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves, halves=halves,
+                             keep_normalized=keep_normalized, normalize=normalize,
+                             from_gates=from_gates, interpret=interpret)
+  extra = normed + summed
+  qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
+      kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
+      (keys, keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(extra),
+      outputs + extra, name="kda_chunk_scores_" + ("factored" if halves else "whole_chunk"),
       interpret=interpret, num_warps=warps, num_stages=2)(q, k, b, beta, runs, carry_in, in_last)
-  return (qg, kg, kw, a_kk, a_qk, layouts, *(normed or (q, k)))
+  if from_gates:
+    *extra, b = extra
+  return (qg, kg, kw, a_kk, a_qk, layouts, *(extra or (q, k)), b)
 
 
 def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpret, num_warps):
@@ -327,13 +351,16 @@ def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpr
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
-                 form="one_kernel", factored_warps=None, normalize=False, keep_normalized=True):
+                 form="one_kernel", factored_warps=None, normalize=False, keep_normalized=True,
+                 from_gates=False):
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), all of it, with `normalize`, of q and k L2-normalised per
     token: the first kernel scales its products and rows by the inverse norms and writes the
     normalised rows (in q's and k's dtypes) that the later kernels read (form="by_layout" or
     "factored_first"); with keep_normalized it writes them for every chunk and they follow
-    the outputs (what the backward reads).
+    the outputs (what the backward reads). b: the in-chunk cumulative log decay, or with
+    from_gates the log decays g themselves, which the first kernel sums (those forms too);
+    b then comes last.
 
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
@@ -342,9 +369,10 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     chunks too."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
-  if normalize and form not in NORMALIZING_FORMS:
-    raise ValueError(
-        f"chunk_scores(normalize=True) needs a form of {list(NORMALIZING_FORMS)}, not {form!r}")
+  for name, asked in (("normalize", normalize), ("from_gates", from_gates)):
+    if asked and form not in FIRST_KERNEL_FORMS:
+      raise ValueError(
+          f"chunk_scores({name}=True) needs a form of {list(FIRST_KERNEL_FORMS)}, not {form!r}")
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -359,24 +387,27 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
   warps = _first_pass_warps(factored_warps, normalize)
   halves = form == "factored_first"
-  qg, kg, kw, a_kk, a_qk, layouts, q, k = _first_pass(q, k, b, beta, runs, carry_in, in_last, cd=cd,
-                                                      interpret=interpret, warps=warps,
-                                                      normalize=normalize, keys_of_halves=True,
-                                                      halves=halves,
-                                                      keep_normalized=keep_normalized)
+  qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(q, k, b, beta, runs, carry_in, in_last,
+                                                         cd=cd, interpret=interpret, warps=warps,
+                                                         normalize=normalize, keys_of_halves=True,
+                                                         halves=halves,
+                                                         keep_normalized=keep_normalized,
+                                                         from_gates=from_gates)
   for layout in (factors.SUB_CHUNKS,) if halves else (factors.HALVES, factors.SUB_CHUNKS):
     a_kk, a_qk = _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
                              interpret=interpret, num_warps=num_warps)
-  return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else ())
+  return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
+                                     ()) + ((b,) if from_gates else ())
 
 
 def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,
                            emit_inverse, normalize=False, num_warps=4, factored_warps=None,
-                           solve_warps=4, keep_normalized=True):
+                           solve_warps=4, keep_normalized=True, from_gates=False):
   """The scores by layout with the HALVES chunks solved in place (_kda_intra's chunk form):
     (qg, kg, w [B, Tp, H, Dk], u0 [B, Tp, H, Dv], A_qk [B, H, n, C, C], all in cd,
     T [B, H, n, C, C] in cd when emit_inverse), of q and k L2-normalised with `normalize`,
-    as chunk_scores normalises them (keep_normalized: the normalised q, k follow).
+    as chunk_scores normalises them (keep_normalized: the normalised q, k follow; from_gates:
+    b is the log decays, summed in the first kernel, and comes last).
 
     Four kernels: chunk_scores(form="by_layout")'s first (factored_warps; kw of every chunk
     but the HALVES ones), its HALVES one, which also solves its chunks (num_warps), and its
@@ -390,10 +421,10 @@ def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, int
   solved_specs = (keys, values) + ((square,) if emit_inverse else ())
   solved_shapes = (L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)) + (
       (L.shape(cd, B, H, n, C, C),) if emit_inverse else ())
-  qg, kg, kw, a_kk, a_qk, layouts, q, k = _first_pass(
+  qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=False,
-      keep_normalized=keep_normalized)
+      keep_normalized=keep_normalized, from_gates=from_gates)
   a_qk, *solved = L.call(functools.partial(_halves_solving_kernel, cd=cd,
                                            interpret=interpret), (B, H, n),
                          [keys, keys, keys, beta_spec, flag, flag, values, layout, square],
@@ -412,4 +443,4 @@ def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, int
       input_output_aliases={len(ins) + i: i for i in range(len(solved_specs))}, interpret=interpret,
       num_warps=solve_warps)(layouts, a_kk, kw, v, beta, *solved)
   return (qg, kg, solved[0], solved[1], a_qk, *solved[2:]) + (
-      (q, k) if normalize and keep_normalized else ())
+      (q, k) if normalize and keep_normalized else ()) + ((b,) if from_gates else ())

@@ -38,7 +38,8 @@ from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile
                                                      l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import SOLVES, chunk_intra
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
-from pallas_kernels.linear_attention._kda_scores import NORMALIZING_FORMS
+from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
+from pallas_kernels.linear_attention._kda_scores import FIRST_KERNEL_FORMS
 from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
                                                              chunk_wy_grads)
 from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
@@ -66,6 +67,9 @@ class Tiling(NamedTuple):
   key_grads: str = "by_layout"
   normalize: bool = False  # q, k L2-normalised by the first scores kernel (qk_norm="kernel")
   solve: str = "own_kernel"  # _kda_intra.SOLVES
+  # the decays summed by the first scores kernel (decay_sum="in_scores"): the op takes the
+  # log decays g where it would take their in-chunk sum b
+  sums_decays: bool = False
 
 
 def available_state_walks(interpret):
@@ -132,15 +136,19 @@ def check_forward(forward, fits, interpret, requirement):
 
 
 def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
-  """(q and k as the backward reads them, normalised where t.normalize; the in-chunk
-    quantities; (o, final state); per-chunk states; v_new): the last two None where the
-    fused forward is not asked for them (not for_backward), q and k too where normalised."""
+  """(q and k as the backward reads them, normalised where t.normalize; b, the in-chunk
+    cumulative decay (summed from the log decays given as b where t.sums_decays); the
+    in-chunk quantities; (o, final state); per-chunk states; v_new): the last two None where
+    the fused forward is not asked for them (not for_backward), q and k too where
+    normalised."""
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
                       emit_inverse=for_backward, interpret=t.interpret, scores=t.scores,
-                      normalize=t.normalize, solve=t.solve)
+                      normalize=t.normalize, solve=t.solve, from_gates=t.sums_decays)
+  if t.sums_decays:
+    *intra, b = intra
   if t.normalize:
     *intra, q, k = intra if for_backward else (*intra, None, None)
-  return q, k, intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
+  return q, k, b, intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
 
 
 def _normalize_vjp(x, dy):
@@ -150,7 +158,7 @@ def _normalize_vjp(x, dy):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
-  return _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, False)[3]
+  return _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, False)[4]
 
 
 def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
@@ -158,16 +166,18 @@ def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
   # in-chunk results as residuals"), so its results are kept for the backward
   # (bf16, 1.8 KB per token and head at D = 128 with the chunk states) instead of
   # recomputed; tagged so that a remat policy keeping "attention" keeps them too.
-  # With t.normalize the inputs q, k are kept too, for the normalisation's gradient.
-  qn, kn, intra, out, h, vn = _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, True)
+  # With t.normalize the inputs q, k are kept too, for the normalisation's gradient; with
+  # t.sums_decays, the log decays' dtype (a 0-d array) for their gradient's.
+  qn, kn, bs, intra, out, h, vn = _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, True)
   qg, kg, w, _, aqk, inverse = intra
   qg, kg, w, aqk, inverse, h, vn = residuals.keep(qg, kg, w, aqk, inverse, h, vn)
   raw = (q, k) if t.normalize else ()
-  return out, (qn, kn, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn, raw)
+  decays = jnp.zeros((), b.dtype)
+  return out, (qn, kn, v, bs, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn, raw, decays)
 
 
 def _kda_core_bwd(scale, t, res, cts):
-  q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn, raw = res
+  q, k, v, b, beta, runs, masks, qg, kg, w, aqk, inverse, h, vn, raw, decays = res
   do, dht = cts
   do = do.astype(v.dtype)
   cd = compute_dtype(q.dtype)
@@ -180,6 +190,8 @@ def _kda_core_bwd(scale, t, res, cts):
                                         scale=scale, block_k=t.block_k, form=t.key_grads, **kw)
   if raw:
     dq, dk = _normalize_vjp(raw[0], dq), _normalize_vjp(raw[1], dk)
+  if t.sums_decays:  # the gradient of the log decays, through the first kernel's sum
+    db = reverse_chunk_cumsum(db).astype(decays.dtype)
   return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None
 
 
@@ -187,12 +199,14 @@ _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
 
 # Where chunked_kda's L2 norm of q and k runs (qk_norm)
 QK_NORMS = ("kernel", "xla")
+# Where chunked_kda's in-chunk cumulative decay is summed (decay_sum)
+DECAY_SUMS = ("own_kernel", "in_scores")
 
 
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
-                qk_norm="xla", solve="own_kernel"):
+                qk_norm="xla", solve="own_kernel", decay_sum="own_kernel"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -215,17 +229,24 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     (the default), a kernel after the scores', or "in_scores", the HALVES chunks' in the
     scores' HALVES kernel, on A_kk in registers, the others' after (with
     scores="by_layout", else as "own_kernel"; within 3% of "own_kernel" either way:
-    docs/performance.md, "Layouts from the chunk's end rows")."""
+    docs/performance.md, "Layouts from the chunk's end rows").
+    decay_sum: where the in-chunk cumulative decay is summed, one of DECAY_SUMS:
+    "own_kernel" (the default), a kernel before the others (_chunk_cumsum), or "in_scores",
+    the first scores kernel on its way (one pass over the decays fewer; with scores
+    "by_layout" or "factored_first" and no `decay` gate, else as "own_kernel")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
-  if qk_norm not in QK_NORMS:
-    raise ValueError(f"qk_norm = {qk_norm!r}: expected one of {list(QK_NORMS)}")
-  in_kernel = normalize_qk and qk_norm == "kernel" and scores in NORMALIZING_FORMS
+  for name, choice, known in (("qk_norm", qk_norm, QK_NORMS), ("decay_sum", decay_sum, DECAY_SUMS)):
+    if choice not in known:
+      raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
+  in_kernel = normalize_qk and qk_norm == "kernel" and scores in FIRST_KERNEL_FORMS
+  sums_decays = decay_sum == "in_scores" and scores in FIRST_KERNEL_FORMS and decay is None
   if normalize_qk and not in_kernel:  # plain JAX (autodiff), back to the input dtype
     q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
   # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)
-  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T, decay)
+  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T, decay,
+                                            summed=not sums_decays)
   beta = pad_time(beta.astype(jnp.float32), qp.shape[1])
   masks = _chunk_prep.segment_masks(runs)
   h0 = (jnp.zeros(
@@ -243,6 +264,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     if choice not in known:
       raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
-             scores=scores, key_grads=key_grads, normalize=in_kernel, solve=solve)
+             scores=scores, key_grads=key_grads, normalize=in_kernel, solve=solve,
+             sums_decays=sums_decays)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

@@ -130,6 +130,21 @@ def test_qk_norm_as_row_scales_in_the_first_scores_kernel(scores):
     assert err <= 1.2 * errors[jnp.bfloat16]["xla"][name], (name, errors[jnp.bfloat16])
 
 
+@pytest.mark.parametrize("scores, qk_norm, solve", [("by_layout", "xla", "own_kernel"),
+                                                    ("factored_first", "kernel", "own_kernel"),
+                                                    ("by_layout", "kernel", "in_scores")])
+def test_decays_summed_in_the_first_scores_kernel(scores, qk_norm, solve):
+  """decay_sum="in_scores": the first scores kernel sums the log decays into b for itself,
+  the later kernels and the backward, which hands the decays' gradient back through the
+  sum's transpose; fp32, one chunk of each scores layout, resets and padding (T = 150), with
+  each scores form that has a first kernel, the norm there or not and the HALVES chunks
+  solved in place."""
+  x = _one_chunk_of_each_scores_layout(make_inputs(seed=27, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
+  _assert_within(_errors(x, scores=scores, qk_norm=qk_norm, solve=solve, decay_sum="in_scores"),
+                 1e-4, 1e-4)
+
+
 @pytest.mark.parametrize("layouts", ["three", "halves"])
 def test_scores_with_the_factored_chunks_first(layouts):
   """scores="factored_first": one kernel for the WHOLE_CHUNK and HALVES chunks, then the
