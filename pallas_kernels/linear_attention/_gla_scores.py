@@ -24,7 +24,8 @@ from pallas_kernels.linear_attention._gla_layout import Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_call,
                                                             compute_dtype, iota, masked_exp, mm,
-                                                            rows, store_decayed_rows, store_where)
+                                                            rows, store_decayed_rows, store_where,
+                                                            sum_decays)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -107,9 +108,19 @@ def _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b):
   return a_ref, rest
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
+def _summed(b_ref, refs, from_gates, interpret):
+  """(b_ref, refs): with from_gates, b_ref holds the log decays, summed into the last of
+    refs (sum_decays), which takes its place."""
+  if not from_gates:
+    return b_ref, refs
+  sum_decays(b_ref, refs[-1], interpret)
+  return refs[-1], refs[:-1]
+
+
+def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, interpret):
   """The chunk's [C, C] scores in the chunk's layout (_chunk_factors); with `decayed`, also
-    qg and kg (_decayed_rows)."""
+    qg and kg (_decayed_rows); with from_gates, b summed here first (_summed)."""
+  b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
   b = rows(b_ref, 0, C)
   a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
   factors.by_score_layout(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
@@ -117,10 +128,11 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed):
                           lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
 
-def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, halves):
+def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, halves, from_gates, interpret):
   """The first pass: A of the WHOLE_CHUNK chunks (and with `halves` of the HALVES ones),
     qg and kg of every chunk with `decayed`, and every chunk's layout for the later
-    passes."""
+    passes; with from_gates, b summed here first (_summed)."""
+  b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
   whole, layout = factors.record_layout(flag_ref, b_ref)
@@ -156,7 +168,7 @@ FACTORED_WARPS = 4
 
 
 def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None,
-                 form="one_kernel"):
+                 form="one_kernel", from_gates=False):
   """The in-chunk scores A [B, H, NT, C, C] (unscaled, zero above the diagonal) in the
     compute dtype: every use of A is a matmul operand in that dtype (A v, A^T do);
     num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
@@ -165,7 +177,9 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     that branches per chunk (num_warps); by_layout, three kernels, the WHOLE_CHUNK
     chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
     factored_first, by_layout's first and third kernels, the first taking the HALVES
-    chunks too."""
+    chunks too. b: the in-chunk cumulative log decay [B, Tp, H, Dk], or with from_gates the
+    log decays g, which the (first) kernel sums; b [B, Tp, H, Dk] fp32 then comes last of
+    a tuple (with A alone, (A, b))."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   B, Tp, H, Dk = q.shape
@@ -181,25 +195,34 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     out_specs += (g.chunk(Dk), g.chunk(Dk))
     outs += (jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
   grid, launch = (B, H, Tp // C, 1), dict(interpret=interpret, num_stages=num_stages)
+  sums = dict(from_gates=from_gates, interpret=interpret)
+  if from_gates:  # the summed decays: the kernel's last output
+    summed_spec, summed = (g.chunk(Dk),), (jax.ShapeDtypeStruct(q.shape, F32),)
+  else:
+    summed_spec, summed = (), ()
+  result = lambda out: tuple(out) if decayed or from_gates else out[0]
   if form == "one_kernel":
-    out = chunk_call(functools.partial(_scores_kernel, cd=cd,
-                                       decayed=decayed), grid, specs, out_specs, outs,
+    out = chunk_call(functools.partial(_scores_kernel, cd=cd, decayed=decayed,
+                                       **sums), grid, specs, out_specs + summed_spec, outs + summed,
                      num_warps=num_warps, name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
-    return tuple(out) if decayed else out[0]
+    return result(out)
   halves = form == "factored_first"
-  *out, layout = chunk_call(functools.partial(_first_pass_kernel, decayed=decayed,
-                                              halves=halves), grid, specs,
-                            out_specs + (g.layout_flag(),), outs + (jax.ShapeDtypeStruct(
-                                (B, H, Tp // C, C), jnp.int32),), num_warps=FACTORED_WARPS,
-                            name="gla_chunk_scores_" + ("factored" if halves else "whole_chunk"),
-                            **launch)(q, k, b, runs, *flags)
+  out = list(
+      chunk_call(functools.partial(_first_pass_kernel, decayed=decayed, halves=halves,
+                                   **sums), grid, specs,
+                 out_specs + (g.layout_flag(),) + summed_spec, outs + (jax.ShapeDtypeStruct(
+                     (B, H, Tp // C, C), jnp.int32),) + summed, num_warps=FACTORED_WARPS,
+                 name="gla_chunk_scores_" + ("factored" if halves else "whole_chunk"),
+                 **launch)(q, k, b, runs, *flags))
+  b = out.pop() if from_gates else b
+  layout = out.pop()
   later = ((factors.HALVES, "halves"),) * (not halves) + ((factors.SUB_CHUNKS, "sub_chunks"),)
   for code, name in later:
     out[0] = chunk_call(functools.partial(_later_pass_kernel, layout=code, cd=cd), grid,
                         specs[:4] + [g.layout_flag(), g.scores()], g.scores(), outs[0],
                         num_warps=num_warps, name=f"gla_chunk_scores_{name}",
                         input_output_aliases={5: 0}, **launch)(q, k, b, runs, layout, out[0])
-  return tuple(out) if decayed else out[0]
+  return result(out + [b] * from_gates)
 
 
 def chunk_score_grads(v, runs, do, *, scale, interpret, num_warps=4):

@@ -21,7 +21,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
@@ -32,7 +31,7 @@ from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, sto
                                                         write_keys)
 from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota,
                                                             masked_exp, rows, store_decayed_rows,
-                                                            store_where)
+                                                            store_where, sum_decays)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -191,16 +190,6 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
                           lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
 
 
-def _sum_decays(g_ref, b_ref, interpret):
-  """b = the in-chunk cumulative sum of the chunk's log decays g_ref [C, D] (fp32) into
-    b_ref, where the rest of the kernel loads its rows at each use (held from here, they
-    spilled more: experiments/kernel_resources.py) and the later kernels read it; the
-    barrier makes every thread's rows visible to the others first."""
-  b_ref[...] = jnp.cumsum(g_ref[...].astype(F32), axis=0)
-  if not interpret:
-    plgpu.debug_barrier()
-
-
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                        akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, halves,
                        keep_normalized, normalize, from_gates, interpret):
@@ -210,10 +199,10 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     normalised q, k), all of it from q and k L2-normalised (_RowScales), and the normalised
     rows written for the later passes' chunks (keep_normalized: for every chunk); with
     from_gates, b_ref holds the log decays g and b is summed here into the last of
-    extra_refs (_sum_decays)."""
+    extra_refs (sum_decays)."""
   normed_refs = extra_refs[:2] if normalize else ()
   if from_gates:  # b_ref holds g; from here on, the b it sums to
-    _sum_decays(b_ref, extra_refs[-1], interpret)
+    sum_decays(b_ref, extra_refs[-1], interpret)
     b_ref = extra_refs[-1]
   b, scales = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
                             kw_ref if keys_of_halves else None, normalize)

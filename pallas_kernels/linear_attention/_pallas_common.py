@@ -50,6 +50,17 @@ def store_decayed_rows(q, k, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b):
   kg_ref[...] = kg.astype(kg_ref.dtype)
 
 
+def sum_decays(g_ref, b_ref, interpret):
+  """b = the in-chunk cumulative sum of the chunk's log decays g_ref [C, D] (fp32) into
+    b_ref, for a scores kernel that sums them itself: the rest of the kernel loads b's rows
+    from b_ref at each use (held from here, they spilled more:
+    experiments/kernel_resources.py), as the later kernels and the backward do; the barrier
+    makes every thread's rows visible to the others first."""
+  b_ref[...] = jnp.cumsum(g_ref[...].astype(F32), axis=0)
+  if not interpret:
+    plgpu.debug_barrier()
+
+
 def store_where(ref, start, region, x):
   """Columns [start, start + n) of the [C, C] ref take x [C, n] (in the ref's dtype) where
     region, all of them when region is None."""

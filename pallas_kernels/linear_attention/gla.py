@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels import residuals
 from pallas_kernels.linear_attention import (_chunk_prep, _gla_forward_mosaic, _gla_states,
                                              _gla_states_mosaic)
+from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
 from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS
 from pallas_kernels.linear_attention._gla_chunks import (chunk_key_grads, chunk_outputs,
                                                          chunk_value_grads)
@@ -66,11 +67,16 @@ class Tiling(NamedTuple):
   # the key gradients' kernels: one that branches per chunk ("one_kernel") or the
   # one-anchor chunks', then the others' ("by_layout"); _gla_chunks.chunk_key_grads
   key_grads: str = "one_kernel"
+  # where the in-chunk cumulative decay is summed (DECAY_SUMS): in a kernel of its own
+  # before the others ("own_kernel", _chunk_cumsum) or in the (first) scores kernel on its
+  # way ("in_scores": one pass over the decays fewer)
+  decay_sum: str = "own_kernel"
   interpret: bool = False
 
 
 # GLA's key gradients come in two of _chunk_factors.KEY_GRAD_KERNELS' forms
 _KEY_GRAD_FORMS = ("one_kernel", "by_layout")
+DECAY_SUMS = ("own_kernel", "in_scores")
 
 
 def state_walk_kind(t: Tiling, dtypes, Dk, Dv):
@@ -110,27 +116,35 @@ def _states(k, v, b, masks, h0, t: Tiling):
   return state_walks(t)[0](k, v, b, in_last, carry_in, h0)
 
 
+def _scores(q, k, b, runs, t, decayed_with=None):
+  """chunk_scores with t's settings: (A, [qg, kg,] b), b summed there from the log decays
+    given as b where t.decay_sum says so, else b as given."""
+  from_gates = t.decay_sum == "in_scores"
+  out = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
+                     num_stages=t.score_stages, form=t.scores, decayed_with=decayed_with,
+                     from_gates=from_gates)
+  out = out if isinstance(out, tuple) else (out,)
+  return out if from_gates else (*out, b)
+
+
 def _split_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
   del with_states  # the outputs kernel reads them: always in memory
+  a, b = _scores(q, k, b, runs, t)
   h, ht = _states(k, v, b, masks, h0, t)
-  a = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
-                   num_stages=t.score_stages, form=t.scores)
   o = chunk_outputs(q, v, b, masks[0], h, a, scale=scale, block_v=t.block_v, interpret=t.interpret,
                     num_warps=t.chunk_warps)
-  return (o, ht), a, h
+  return (o, ht), a, h, b
 
 
 def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
-  kw = dict(interpret=t.interpret, num_warps=t.score_warps, num_stages=t.score_stages,
-            form=t.scores)
   if t.decayed_rows == "scores":
-    a, qg, kg = chunk_scores(q, k, b, runs, decayed_with=masks, **kw)
+    a, qg, kg, b = _scores(q, k, b, runs, t, decayed_with=masks)
   else:
-    a = chunk_scores(q, k, b, runs, **kw)
+    a, b = _scores(q, k, b, runs, t)
     qg, kg = _chunk_prep.decayed_rows(q, k, b, *masks, a.dtype)
   o, ht, *h = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
                                               interpret=t.interpret, with_states=with_states)
-  return (o, ht), a, (h[0] if with_states else None)
+  return (o, ht), a, (h[0] if with_states else None), b
 
 
 # Tiling.forward: "split" (state kernel, then the outputs kernel) or "fused" (the
@@ -143,7 +157,8 @@ _DECAYED_ROWS = ("scores", "xla")
 
 def _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=False):
   """((o, final state), A, the per-chunk states where with_states asks for them or the
-    forward writes them anyway, else None)."""
+    forward writes them anyway, else None, b: the in-chunk cumulative decay, summed in the
+    scores kernel from the log decays given as b where t.decay_sum is "in_scores")."""
   return _FORWARDS[t.forward](q, k, v, b, h0, runs, masks, scale, t, with_states)
 
 
@@ -153,7 +168,8 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
   if t.decayed_rows not in _DECAYED_ROWS:
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
-  for name, known in (("scores", SCORE_KERNELS), ("key_grads", _KEY_GRAD_FORMS)):
+  for name, known in (("scores", SCORE_KERNELS), ("key_grads", _KEY_GRAD_FORMS), ("decay_sum",
+                                                                                  DECAY_SUMS)):
     if getattr(t, name) not in known:
       raise ValueError(f"Tiling.{name} = {getattr(t, name)!r}: expected one of "
                        f"{list(known)}")
@@ -173,13 +189,15 @@ def _gla_core(q, k, v, b, h0, runs, masks, scale, t):
 
 
 def _gla_core_fwd(q, k, v, b, h0, runs, masks, scale, t):
-  out, a, h = _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=True)
+  # with the decays summed in the scores kernel, the log decays' dtype (a 0-d array) is
+  # kept for their gradient's
+  out, a, h, bs = _forward(q, k, v, b, h0, runs, masks, scale, t, with_states=True)
   a, = residuals.keep(a)  # kept with the core's output by a remat policy saving "attention"
-  return out, (q, k, v, b, h0, runs, masks, a, h)
+  return out, (q, k, v, bs, h0, runs, masks, a, h, jnp.zeros((), b.dtype))
 
 
 def _gla_core_bwd(scale, t, res, cts):
-  q, k, v, b, h0, runs, masks, a, h = res
+  q, k, v, b, h0, runs, masks, a, h, decays = res
   do, dht = cts
   do = do.astype(v.dtype)
   ds, dh0 = state_walks(t)[1](q, b, masks[0], do, dht, scale=scale)
@@ -190,6 +208,8 @@ def _gla_core_bwd(scale, t, res, cts):
   dq, dk, db = chunk_key_grads(q, k, v, b, *masks, h, ds, do, da, dat, scale=scale,
                                block_k=t.block_k, interpret=t.interpret, num_warps=t.grad_warps,
                                num_stages=t.grad_stages, by_layout=t.key_grads == "by_layout")
+  if t.decay_sum == "in_scores":  # the gradient of the log decays, through the kernel's sum
+    db = reverse_chunk_cumsum(db).astype(decays.dtype)
   return dq, dk, dv, db, dh0, None, None
 
 
@@ -204,11 +224,13 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
   B, T, H, Dk, Dv = validate(q, k, v, g, None, initial_state, segment_ids)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
-  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T)
+  t = tiling or Tiling()
+  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T, summed=t.decay_sum
+                                            != "in_scores")
   masks = _chunk_prep.segment_masks(runs)
   h0 = (jnp.zeros(
       (B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32))
-  t = (tiling or Tiling())._replace(interpret=interpret_mode())
+  t = t._replace(interpret=interpret_mode())
   t = t._replace(block_k=check_tile("block_k", min(t.block_k, Dk), "Dk", Dk),
                  block_v=check_tile("block_v", min(t.block_v, Dv), "Dv",
                                     Dv), grad_block_v=check_tile("grad_block_v",

@@ -78,10 +78,11 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
   _check(x, out_tol, grad_tol, tiling=Tiling(scores=scores))
 
 
-def _three_score_layouts(seed):
-  """fp32 inputs (T = 192) whose scores take HALVES, WHOLE_CHUNK and SUB_CHUNKS, a chunk
-  each: with_halves' first chunk, then mild gates, then g = -20 on every third token."""
-  x = with_halves(make_inputs(seed=seed, T=192, Dk=32, Dv=32))
+def _three_score_layouts(seed, D=32):
+  """fp32 inputs (T = 192, Dk = Dv = D) whose scores take HALVES, WHOLE_CHUNK and
+  SUB_CHUNKS, a chunk each: with_halves' first chunk, then mild gates, then g = -20 on every
+  third token."""
+  x = with_halves(make_inputs(seed=seed, T=192, Dk=D, Dv=D))
   t = jnp.arange(192)[None, :, None, None]
   mild = -jax.random.uniform(jax.random.key(seed), x["g"].shape)
   g = jnp.where(t < 64, x["g"], jnp.where(t < 128, mild, jnp.where(t % 3 == 0, -20.0, mild)))
@@ -114,6 +115,25 @@ def test_scores_with_the_factored_chunks_first():
                                          form=form) for form in ("factored_first", "one_kernel"))
   for a, b in zip(first, one):
     chex.assert_trees_all_close(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("scores, forward", [("one_kernel", "split"), ("by_layout", "split"),
+                                             ("factored_first", "fused")])
+def test_decays_summed_in_the_scores_kernel(scores, forward):
+  """Tiling(decay_sum="in_scores"): the (first) scores kernel sums the log decays into b
+  for itself, the later kernels, the forward's walk and the backward, which hands the
+  decays' gradient back through the sum's transpose; every scores form, one chunk of each
+  layout, padding (T = 150), both forwards (the fused one over bf16 heads of 64)."""
+  x = _three_score_layouts(29, D=64 if forward == "fused" else 32)
+  x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
+  tiling = Tiling(scores=scores, forward=forward, decay_sum="in_scores")
+  if forward == "fused":  # its Mosaic GPU kernels take 16-bit inputs
+    x = {n: a.astype(jnp.bfloat16) if n in "qkv" else a for n, a in x.items()}
+    _check(x, 5e-3, 1e-2, tiling=tiling._replace(state_walk="mosaic"))
+  else:
+    _check(x, 1e-4, 1e-4, tiling=tiling)
+  with pytest.raises(ValueError, match=r"Tiling.decay_sum = 'xla': expected one of"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(decay_sum="xla"))
 
 
 def test_fp32_exact_over_key_and_value_blocks():

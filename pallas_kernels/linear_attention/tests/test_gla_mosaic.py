@@ -84,12 +84,12 @@ def test_fused_forward_matches_the_split_forward():
   q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
   masks = _chunk_prep.segment_masks(runs)
   split = Tiling(state_walk="mosaic", forward="split", interpret=True)
-  (o_ref, s_ref), a_ref, h_ref = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3,
-                                              split)
+  (o_ref, s_ref), a_ref, h_ref, _ = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3,
+                                                 split)
   for decayed_rows, with_states in [("scores", False), ("scores", True), ("xla", True)]:
     fused = split._replace(forward="fused", decayed_rows=decayed_rows)
-    (o, s), a, h = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3, fused,
-                                with_states=with_states)
+    (o, s), a, h, _ = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3, fused,
+                                   with_states=with_states)
     assert o.dtype == o_ref.dtype and rel_rms(o_ref, o) < 1e-4 and rel_rms(s_ref, s) < 1e-5
     assert rel_rms(a_ref, a) == 0.0
     if with_states:
