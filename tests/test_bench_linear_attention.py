@@ -64,12 +64,12 @@ def test_correctness_reports_each_setting_in_each_gate_regime(capsys):
 def test_kda_correctness_reports_each_setting(capsys):
   """Each setting asked for, named by how it differs from chunked_kda's defaults."""
   bench.bench_kda([], skip_reference=True, forwards=("fused",), gates=("logsigmoid_strong",),
-                  scores=("one_kernel",), qk_norm=("kernel",), solve=("own_kernel", "in_scores"),
+                  scores=("one_kernel",), qk_norm=("xla",), solve=("own_kernel", "in_scores"),
                   correctness_shape=(1, 64, 1, 64))
   rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [r["setting"] for r in rows] == [
-      "reference[bfloat16]", "pallas[forward=fused,scores=one_kernel,qk_norm=kernel]",
-      "pallas[forward=fused,scores=one_kernel,qk_norm=kernel,solve=in_scores]"
+      "reference[bfloat16]", "pallas[forward=fused,scores=one_kernel,qk_norm=xla]",
+      "pallas[forward=fused,scores=one_kernel,qk_norm=xla,solve=in_scores]"
   ]
   for r in rows:
     assert r["gates"] == "logsigmoid_strong"

@@ -206,7 +206,7 @@ DECAY_SUMS = ("own_kernel", "in_scores")
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
-                qk_norm="xla", solve="own_kernel", decay_sum="own_kernel"):
+                qk_norm="kernel", solve="own_kernel", decay_sum="own_kernel"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -221,10 +221,11 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     in-chunk scores' and the key gradients' kernels, one of _chunk_factors.SCORE_KERNELS
     and of KEY_GRAD_KERNELS (by default one kernel per layout family for each; see the
     module's docstring). qk_norm: where normalize_qk's L2 norm runs, one of QK_NORMS:
-    "xla", a plain-JAX pass before the kernels (the default: the faster,
-    docs/performance.md), or "kernel", inside the first scores kernel, which writes the
-    normalised q and k the later kernels read (with scores="by_layout" or
-    "factored_first", else as "xla").
+    "kernel" (the default, the faster: docs/performance.md, "The L2 norm as row
+    scales"), inside the first scores kernel, which scales its products by the inverse
+    norms and writes the normalised q and k only where later kernels or the backward read
+    them (with scores="by_layout" or "factored_first", else as "xla"), or "xla", a
+    plain-JAX pass before the kernels.
     solve: where T = (I + A_kk)^-1 and w, u0 are formed, one of SOLVES: "own_kernel"
     (the default), a kernel after the scores', or "in_scores", the HALVES chunks' in the
     scores' HALVES kernel, on A_kk in registers, the others' after (with
