@@ -266,6 +266,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   chunk_states, chunk_state_grads = state_walks(t)
   prep = jax.jit(lambda q, k, v, g: _chunk_prep.prepare(q, k, v, g, None, B, T))
   qp, kp, vp, b, runs = prep(q, k, v, g)
+  gp = _chunk_prep.prepare(q, k, v, g, None, B, T, summed=False)[3]  # the decays unsummed
   ci, il = _chunk_prep.segment_masks(runs)
   h0 = jnp.zeros((B, H, D, D), jnp.float32)
   scale = D**-0.5
@@ -278,8 +279,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   sk = dict(interpret=interp, num_warps=t.score_warps, num_stages=t.score_stages)
   scores = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, **sk))
   scores_by_layout = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, form="by_layout", **sk))
-  scores_factored_first = jax.jit(
-      lambda q, k, b: chunk_scores(q, k, b, runs, form="factored_first", **sk))
+  scores_summing = jax.jit(lambda q, k, g: chunk_scores(q, k, g, runs, from_gates=True, **sk))
   a = scores(qp, kp, b)
   outputs = jax.jit(
       lambda q, v, b, h, a: chunk_outputs(q, v, b, ci, h, a, scale=scale, block_v=t.block_v, **ck))
@@ -300,7 +300,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
       "states": round(median_ms(states, kp, vp, b), 3),
       "scores": round(median_ms(scores, qp, kp, b), 3),
       "scores_by_layout": round(median_ms(scores_by_layout, qp, kp, b), 3),
-      "scores_factored_first": round(median_ms(scores_factored_first, qp, kp, b), 3),
+      "scores_summing_decays": round(median_ms(scores_summing, qp, kp, gp), 3),
       "outputs": round(median_ms(outputs, qp, vp, b, h, a), 3),
       "state_grads": round(median_ms(dstates, qp, b, vp), 3),
       "score_grads": round(median_ms(dscores, vp, vp), 3),
@@ -341,6 +341,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   q, k, v, g = inputs(*shape, gates=gates)
   beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), shape[:3], jnp.float32))
   qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, None, B, T)
+  gp = _chunk_prep.prepare(q, k, v, g, None, B, T, summed=False)[3]  # the decays unsummed
   beta = jnp.pad(beta, ((0, 0), (0, qp.shape[1] - T), (0, 0)))
   ci, il = _chunk_prep.segment_masks(runs)
   h0 = jnp.zeros((B, H, D, D), jnp.float32)
@@ -361,7 +362,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   scores = scores_with()
   scores_by_layout = scores_with(form="by_layout")
   scores_normalizing = scores_with(form="by_layout", normalize=True)
-  scores_factored_first = scores_with(form="factored_first")
+  scores_summing = scores_with(form="by_layout", normalize=True, keep_normalized=False,
+                               from_gates=True)
   walks = available_state_walks(interp)
   chunk_states, chunk_state_grads = walks["triton"]
   states = jax.jit(lambda w, u0, kg, b: chunk_states(w, u0, kg, b, ci, h0, **kw))
@@ -429,8 +431,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(median_ms(scores_normalizing, qp, kp, b, beta), 3),
               "scores_by_layout":
                   round(median_ms(scores_by_layout, qp, kp, b, beta), 3),
-              "scores_factored_first":
-                  round(median_ms(scores_factored_first, qp, kp, b, beta), 3),
+              "scores_normalizing_summing_decays":
+                  round(median_ms(scores_summing, qp, kp, gp, beta), 3),
               "output":
                   round(median_ms(output, qg, aqk, h, vn), 3),
               "dv_local":
@@ -585,19 +587,18 @@ def main():
   ap.add_argument("--state-walks", nargs="+", choices=STATE_WALKS, default=list(STATE_WALKS),
                   help="--op kda: the state walks to time (auto: mosaic where it runs)")
   helps = {
-      "scores": "the in-chunk scores' kernels: one kernel branching per chunk (one_kernel), "
-                "one per layout (by_layout), or the factored chunks' and then the SUB_CHUNKS "
-                "ones' (factored_first)",
+      "scores": "the in-chunk scores' kernels: one kernel branching per chunk (one_kernel) "
+                "or one per layout (by_layout)",
       "key_grads": "the key gradients' kernels: one kernel branching per chunk (one_kernel) "
                    "or the whole-chunk-anchored chunks' and then the others' (by_layout)",
       "qk_norm": "where the L2 norm of q and k runs: as a plain-JAX pass before the kernels "
-                 "(xla) or inside the first scores kernel (kernel, with --kda-scores by_layout "
-                 "or factored_first)",
+                 "(xla) or inside the first scores kernel (kernel, with --kda-scores "
+                 "by_layout)",
       "solve": "where the in-chunk solve runs: in the scores' kernels (in_scores, with "
                "--kda-scores by_layout) or in a kernel of its own (own_kernel)",
       "decay_sum": "where the in-chunk cumulative decay is summed: in a kernel of its own "
                    "(own_kernel) or in the first scores kernel (in_scores, with --kda-scores "
-                   "by_layout or factored_first)",
+                   "by_layout)",
   }
   for name, (known, flag) in KDA_CHOICES.items():
     ap.add_argument(flag, nargs="+", choices=known, default=[KDA_DEFAULTS[name]],

@@ -6,20 +6,18 @@
 Each stage alone (`experiments.timing.median_ms`: one call at a time, so every figure
 carries a launch and a wait; compare stages, not sums), then the whole forward of each side.
 Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, the in-chunk scores
-in each form (one kernel; one kernel per layout, chunked_kda's default; the factored
-chunks' kernel first; the last two normalising q and k on their way, as
-chunked_kda(qk_norm="kernel") does without gradients), scores and solve together (the
-scores in one kernel, then the solve; by layout, then the solve; by layout, the HALVES
-chunks solved in the scores' kernel), the fused state walk and outputs, the forward (and
-with qk_norm="kernel" in either form, the decays summed in their own kernel or in the first
-scores kernel). jla (when installed): its cumulative decay, its
-in-chunk kernel with the L2 norm inside and the decayed rows out (the forward's path when
-no gradient is asked), without the norm, without the rows, its solve and its state walk
-that applies T itself. One JSON line per gate regime.
+in each form (one kernel; one kernel per layout, chunked_kda's default, and the same
+normalising q and k on its way, as chunked_kda does without gradients), scores and solve
+together (the scores in one kernel, then the solve; by layout, then the solve; by layout,
+the HALVES chunks solved in the scores' kernel), the fused state walk and outputs, the
+forward (chunked_kda's defaults; with the norm as a plain-JAX pass; with the decays summed
+in the first scores kernel). jla (when installed): its cumulative decay, its in-chunk
+kernel with the L2 norm inside and the decayed rows out (the forward's path when no
+gradient is asked), without the norm, without the rows, its solve and its state walk that
+applies T itself. One JSON line per gate regime.
 """
 import argparse
 import dataclasses
-import itertools
 import json
 
 import jax
@@ -32,7 +30,6 @@ from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum
 from pallas_kernels.linear_attention._inputs import l2_normalize
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_scores import chunk_scores
-from pallas_kernels.linear_attention.kda import DECAY_SUMS
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
@@ -45,18 +42,15 @@ def ours(q, k, v, g, beta):
   qp, kp, vp, b, runs = _chunk_prep.prepare(*norm(q, k), v, g, None, B, T)
   ci, il = _chunk_prep.segment_masks(runs)
   ms["cumsum"] = median_ms(jax.jit(chunk_cumsum), g)
-  for name, form in (("scores", "one_kernel"), ("scores_by_layout", "by_layout"),
-                     ("scores_factored_first", "factored_first")):
+  for name, form in (("scores", "one_kernel"), ("scores_by_layout", "by_layout")):
     scores = jax.jit(lambda q, k, b, beta, form=form: chunk_scores(q, k, b, beta, runs, ci, il, cd=
                                                                    cd, interpret=interp, form=form))
     ms[name] = median_ms(scores, qp, kp, b, beta)
   raw = _chunk_prep.prepare(q, k, v, g, None, B, T)[:2]
-  for name, form in (("scores_by_layout_normalizing", "by_layout"),
-                     ("scores_factored_first_normalizing", "factored_first")):
-    normalizing = jax.jit(lambda q, k, b, beta, form=form: chunk_scores(
-        q, k, b, beta, runs, ci, il, cd=cd, interpret=interp, form=form, normalize=True,
-        keep_normalized=False))
-    ms[name] = median_ms(normalizing, *raw, b, beta)
+  normalizing = jax.jit(
+      lambda q, k, b, beta: chunk_scores(q, k, b, beta, runs, ci, il, cd=cd, interpret=interp, form=
+                                         "by_layout", normalize=True, keep_normalized=False))
+  ms["scores_by_layout_normalizing"] = median_ms(normalizing, *raw, b, beta)
   for name, form, solve in (("scores_and_solve", "one_kernel", "own_kernel"),
                             ("scores_by_layout_then_solve", "by_layout",
                              "own_kernel"), ("scores_by_layout_solving", "by_layout", "in_scores")):
@@ -72,12 +66,10 @@ def ours(q, k, v, g, beta):
         lambda w, u0, kg, qg, aqk, b: kda_forward(w, u0, kg, qg, aqk, b, ci, h0, scale=D**-0.5,
                                                   block_v=64, out_dtype=v.dtype, interpret=False))
     ms["walk_and_outputs"] = median_ms(walk, w, u0, kg, qg, aqk, b)
-  ms["forward"] = median_ms(jax.jit(lambda *a: chunked_kda(*a)[0]), q, k, v, g, beta)
-  for form, decay_sum in itertools.product(("by_layout", "factored_first"), DECAY_SUMS):
-    name = f"forward_{form}_qk_norm_kernel" + ("_decay_sum" if decay_sum == "in_scores" else "")
-    ms[name] = median_ms(
-        jax.jit(lambda *a, form=form, decay_sum=decay_sum: chunked_kda(
-            *a, scores=form, qk_norm="kernel", decay_sum=decay_sum)[0]), q, k, v, g, beta)
+  for name, options in (("forward", {}), ("forward_qk_norm_xla", dict(qk_norm="xla")),
+                        ("forward_decay_sum_in_scores", dict(decay_sum="in_scores"))):
+    ms[name] = median_ms(jax.jit(lambda *a, options=options: chunked_kda(*a, **options)[0]), q, k,
+                         v, g, beta)
   return ms
 
 

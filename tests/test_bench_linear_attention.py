@@ -23,7 +23,7 @@ def _once(f, *args, **timing):
 def test_breakdown_runs_every_kernel(monkeypatch):
   monkeypatch.setattr(bench, "median_ms", _once)
   ms = bench.kernel_breakdown((1, 128, 2, 64), Tiling())["kernel_ms"]
-  for name in ("prepare", "states", "scores", "scores_by_layout", "scores_factored_first",
+  for name in ("prepare", "states", "scores", "scores_by_layout", "scores_summing_decays",
                "outputs", "state_grads", "score_grads", "value_grads", "key_grads",
                "key_grads_by_layout", "fused.scores_with_decayed_rows", "fused.decayed_rows_xla",
                "fused.state_outputs"):
@@ -35,7 +35,7 @@ def test_kda_breakdown_runs_every_kernel(monkeypatch):
   ms = bench.kda_kernel_breakdown((1, 64, 1, 64))["kernel_ms"]
   for name in ("intra", "intra_with_inverse", "intra_with_inverse_solve_8_warps",
                "intra_by_layout_solve_in_scores", "intra_by_layout_solve_own_kernel",
-               "of_which_scores", "scores_by_layout", "scores_factored_first",
+               "of_which_scores", "scores_by_layout", "scores_normalizing_summing_decays",
                "scores_normalizing_q_k", "output", "dv_local", "wy_grads", "key_grads",
                "key_grads_8_warps", "key_grads_in_one_kernel", "key_grads_other_chunks_8_warps",
                "states_triton", "state_grads_triton", "states_mosaic", "state_grads_mosaic",
@@ -133,13 +133,9 @@ def test_forward_stages_time_every_stage_of_ours(monkeypatch):
   x = bench.inputs(1, 128, 1, 64, gates="logsigmoid_strong")
   beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(7), (1, 128, 1)))
   ms = stages.ours(*x, beta)
-  for name in ("normalize", "cumsum", "scores", "scores_by_layout", "scores_factored_first",
-               "scores_by_layout_normalizing", "scores_factored_first_normalizing",
+  for name in ("normalize", "cumsum", "scores", "scores_by_layout", "scores_by_layout_normalizing",
                "scores_and_solve", "scores_by_layout_then_solve", "scores_by_layout_solving",
-               "forward", "forward_by_layout_qk_norm_kernel",
-               "forward_factored_first_qk_norm_kernel",
-               "forward_by_layout_qk_norm_kernel_decay_sum",
-               "forward_factored_first_qk_norm_kernel_decay_sum"):
+               "forward", "forward_qk_norm_xla", "forward_decay_sum_in_scores"):
     assert ms[name] > 0, (name, ms)
 
 
@@ -150,7 +146,7 @@ def test_scores_check_finds_every_scores_kernel_exact_in_every_regime():
   from experiments import linear_attention_scores_check as check
   for gates in ("logsigmoid", "logsigmoid_strong"):
     row = check.check((1, 128, 1, 64), gates)
-    for form in ("by_layout", "one_kernel", "factored_first"):
+    for form in ("by_layout", "one_kernel"):
       assert max(row[form].values()) < 1e-2, (gates, form, row)
   q, k, v, g = bench.inputs(1, 128, 1, 64, gates="logsigmoid_strong")
   from pallas_kernels.linear_attention import _chunk_prep

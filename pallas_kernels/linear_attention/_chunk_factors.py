@@ -277,20 +277,15 @@ def unless_whole_chunk(b_ref, compute):
 #                     (one kernel holding two or three of them spills more:
 #                     experiments/kernel_resources.py). The flags' codes are int32
 #                     (_code): as weak literals they lowered to 0 or 1 on the GPU, and
-#                     the later kernels skipped their chunks (docs/performance.md);
-#   factored_first    by_layout's first kernel forming the HALVES chunks' scores too, then
-#                     the SUB_CHUNKS one: no second read of q, k and b for the HALVES chunks
-#                     (the strong-gate regime's), at the cost of one kernel holding both
-#                     factored paths (KDA: 161 KiB of code, 288 spill bytes; untimed). A
-#                     first version, every factored chunk by the HALVES products, ran the
-#                     strong-gate forward 7% faster than by_layout and the others' 8-12%
-#                     slower (docs/performance.md, "The HALVES chunks in the first scores
-#                     kernel").
-SCORE_KERNELS = ("one_kernel", "by_layout", "factored_first")
+#                     the later kernels skipped their chunks (docs/performance.md).
+SCORE_KERNELS = ("one_kernel", "by_layout")
 # The scores' SUB_CHUNKS chunks' kernel first, then one for the others (sub_chunks_first),
 # and the key gradients' forms other_chunks_first (the same pattern) and by_layout_one_loop
 # (the second kernel's two loops as one) were measured no faster than by_layout and removed
-# (docs/performance.md, "The HALVES chunks in the first scores kernel").
+# (docs/performance.md, "The HALVES chunks in the first scores kernel"); so was
+# factored_first, by_layout's first kernel forming the HALVES chunks' scores too (a kernel
+# holding both factored paths, past the instruction cache: docs/performance.md, "The L2
+# norm as row scales; the decays summed in the scores kernel").
 # The forms of the key gradients' kernels (KDA: _kda_key_grads.chunk_key_grads(form=...);
 # GLA: _gla_chunks.chunk_key_grads(by_layout=...)): one kernel branching per chunk, or the
 # whole-chunk-anchored chunks' kernel, then the others' into its outputs (by_layout, the

@@ -9,8 +9,8 @@ block); diagonal blocks factor through the sub-chunk's first token where its dec
 allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly, one key at
 a time, so decays down to g = -20 per token stay finite. The kernels come in the forms of
 _chunk_factors.SCORE_KERNELS (chunk_scores(form=...)): one kernel branching per chunk (the
-default), one kernel per layout over the first one's output, or one kernel for the chunks
-whose decays factor and one for the others after it. dA = scale * do v^T needs no decay at all.
+default) or one kernel per layout over the first one's output; either can sum the decays
+on its way (from_gates). dA = scale * do v^T needs no decay at all.
 """
 import functools
 
@@ -128,18 +128,15 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, i
                           lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
 
-def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, halves, from_gates, interpret):
-  """The first pass: A of the WHOLE_CHUNK chunks (and with `halves` of the HALVES ones),
-    qg and kg of every chunk with `decayed`, and every chunk's layout for the later
-    passes; with from_gates, b summed here first (_summed)."""
+def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, from_gates, interpret):
+  """The first pass: A of the WHOLE_CHUNK chunks, qg and kg of every chunk with `decayed`,
+    and every chunk's layout for the later passes; with from_gates, b summed here first
+    (_summed)."""
   b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  whole, layout = factors.record_layout(flag_ref, b_ref)
+  whole, _ = factors.record_layout(flag_ref, b_ref)  # the later passes read the layout
   jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref), lambda: None)
-  if halves:
-    jax.lax.cond(layout == factors.HALVES, lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref),
-                 lambda: None)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, layout, cd):
@@ -175,9 +172,7 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
     compute dtype (see _decayed_rows). form (_chunk_factors.SCORE_KERNELS): one kernel
     that branches per chunk (num_warps); by_layout, three kernels, the WHOLE_CHUNK
-    chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
-    factored_first, by_layout's first and third kernels, the first taking the HALVES
-    chunks too. b: the in-chunk cumulative log decay [B, Tp, H, Dk], or with from_gates the
+    chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps). b: the in-chunk cumulative log decay [B, Tp, H, Dk], or with from_gates the
     log decays g, which the (first) kernel sums; b [B, Tp, H, Dk] fp32 then comes last of
     a tuple (with A alone, (A, b))."""
   if form not in factors.SCORE_KERNELS:
@@ -206,18 +201,14 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
                                        **sums), grid, specs, out_specs + summed_spec, outs + summed,
                      num_warps=num_warps, name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
     return result(out)
-  halves = form == "factored_first"
   out = list(
-      chunk_call(functools.partial(_first_pass_kernel, decayed=decayed, halves=halves,
-                                   **sums), grid, specs,
+      chunk_call(functools.partial(_first_pass_kernel, decayed=decayed, **sums), grid, specs,
                  out_specs + (g.layout_flag(),) + summed_spec, outs + (jax.ShapeDtypeStruct(
                      (B, H, Tp // C, C), jnp.int32),) + summed, num_warps=FACTORED_WARPS,
-                 name="gla_chunk_scores_" + ("factored" if halves else "whole_chunk"),
-                 **launch)(q, k, b, runs, *flags))
+                 name="gla_chunk_scores_whole_chunk", **launch)(q, k, b, runs, *flags))
   b = out.pop() if from_gates else b
   layout = out.pop()
-  later = ((factors.HALVES, "halves"),) * (not halves) + ((factors.SUB_CHUNKS, "sub_chunks"),)
-  for code, name in later:
+  for code, name in ((factors.HALVES, "halves"), (factors.SUB_CHUNKS, "sub_chunks")):
     out[0] = chunk_call(functools.partial(_later_pass_kernel, layout=code, cd=cd), grid,
                         specs[:4] + [g.layout_flag(), g.scores()], g.scores(), outs[0],
                         num_warps=num_warps, name=f"gla_chunk_scores_{name}",

@@ -11,9 +11,11 @@ matrix, or two. Others go by
 tensor-core matmul each for A_kk and A_qk); the diagonal block factors through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and is otherwise
 formed exactly, one key at a time. The kernels come in the forms of
-_chunk_factors.SCORE_KERNELS: one kernel branching per chunk (the default), one kernel per
-layout over the first one's outputs, or one kernel for the chunks whose decays factor and
-one for the others after it.
+_chunk_factors.SCORE_KERNELS: one kernel branching per chunk (this module's default), or one
+kernel per layout over the first one's outputs (chunked_kda's). The first kernel of the
+latter can take q and k unnormalised, scaling what it forms by their inverse norms
+(_RowScales) and writing the normalised rows for the kernels after it, and the log decays
+in place of b, which it sums (_pallas_common.sum_decays).
 """
 import functools
 from typing import NamedTuple
@@ -108,13 +110,11 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, scales=None):
 HALVES_BLOCK_D = 64
 
 
-def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, scales=None):
-  """A_kk and A_qk of a HALVES chunk: two matmuls each (scales: as _store_columns takes
-    them, which makes the pairs across the halves a [C, C] product too)."""
+def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref):
+  """A_kk and A_qk of a HALVES chunk: two matmuls each."""
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk, scales),
-      block_d=HALVES_BLOCK_D, full_across=scales is not None)
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D)
 
 
 class _RowScales(NamedTuple):
@@ -191,11 +191,11 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 
 
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
-                       akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, halves,
-                       keep_normalized, normalize, from_gates, interpret):
+                       akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, keep_normalized,
+                       normalize, from_gates, interpret):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
-    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (and with `halves` of the HALVES ones),
-    and every chunk's layout for the later passes; with `normalize` (extra_refs: the
+    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the later
+    passes; with `normalize` (extra_refs: the
     normalised q, k), all of it from q and k L2-normalised (_RowScales), and the normalised
     rows written for the later passes' chunks (keep_normalized: for every chunk); with
     from_gates, b_ref holds the log decays g and b is summed here into the last of
@@ -212,8 +212,7 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     if keep_normalized:
       store()
     else:  # the chunks of the later kernels alone
-      later = layout == factors.SUB_CHUNKS if halves else layout != factors.WHOLE_CHUNK
-      jax.lax.cond(later, store, lambda: None)
+      jax.lax.cond(whole, lambda: None, store)
   if not keys_of_halves:  # the HALVES chunks' kernel forms its kw itself
     k = lambda: rows(k_ref, 0, C) * (1.0 if scales is None else scales.k)
     jax.lax.cond(layout == factors.HALVES, lambda: None,
@@ -221,10 +220,6 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
   jax.lax.cond(
       whole, lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, beta_ref, r_ref, akk_ref,
                                   aqk_ref, scales), lambda: None)
-  if halves:
-    jax.lax.cond(layout == factors.HALVES,
-                 lambda: _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, scales),
-                 lambda: None)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
@@ -283,13 +278,13 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
 
 # The first pass's warps: four ran faster than eight (docs/kernel_tuning.md, "KDA in-chunk
 # scores"); it spills little since it takes WHOLE_CHUNK chunks alone. Normalising q and k
-# too, it spills at four warps (304 bytes a thread by layout, 564 factored first) and at
-# eight not (experiments/kernel_resources.py --option qk_norm=kernel).
+# too, it spills at four warps (304 bytes a thread) and at eight not, and ran faster there
+# (experiments/kernel_resources.py --option qk_norm=kernel; docs/kernel_tuning.md).
 FACTORED_WARPS = 4
 NORMALIZING_WARPS = 8
 # The forms with a first kernel over every chunk, which can normalise q and k and sum the
 # decays on its way for the kernels after it
-FIRST_KERNEL_FORMS = ("by_layout", "factored_first")
+FIRST_KERNEL_FORMS = ("by_layout",)
 
 
 def _first_pass_warps(factored_warps, normalize):
@@ -297,9 +292,9 @@ def _first_pass_warps(factored_warps, normalize):
 
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
-                keys_of_halves, halves=False, keep_normalized=True, from_gates=False):
-  """The first kernel of the scores by layout (_first_pass_kernel; with `halves`, of
-    factored_first): (qg, kg, kw, A_kk, A_qk, layout flags, q, k as the later kernels read
+                keys_of_halves, keep_normalized=True, from_gates=False):
+  """The first kernel of the scores by layout (_first_pass_kernel): (qg, kg, kw, A_kk, A_qk,
+    layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
     kernels' chunks alone, b: the in-chunk cumulative decay, summed here from the log decays
     given as b where from_gates)."""
@@ -310,15 +305,15 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
   summed = (L.shape(F32, B, Tp, H, Dk),) if from_gates else ()
   outputs = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(
       F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C), L.shape(jnp.int32, B, H, n, C))
-  kernel = functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves, halves=halves,
+  kernel = functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves,
                              keep_normalized=keep_normalized, normalize=normalize,
                              from_gates=from_gates, interpret=interpret)
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
       kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
       (keys, keys, keys, square, square, L.chunk_layout_flag()) + (keys,) * len(extra),
-      outputs + extra, name="kda_chunk_scores_" + ("factored" if halves else "whole_chunk"),
-      interpret=interpret, num_warps=warps, num_stages=2)(q, k, b, beta, runs, carry_in, in_last)
+      outputs + extra, name="kda_chunk_scores_whole_chunk", interpret=interpret, num_warps=warps,
+      num_stages=2)(q, k, b, beta, runs, carry_in, in_last)
   if from_gates:
     *extra, b = extra
   return (qg, kg, kw, a_kk, a_qk, layouts, *(extra or (q, k)), b)
@@ -345,17 +340,15 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), all of it, with `normalize`, of q and k L2-normalised per
     token: the first kernel scales its products and rows by the inverse norms and writes the
-    normalised rows (in q's and k's dtypes) that the later kernels read (form="by_layout" or
-    "factored_first"); with keep_normalized it writes them for every chunk and they follow
+    normalised rows (in q's and k's dtypes) that the later kernels read (form="by_layout");
+    with keep_normalized it writes them for every chunk and they follow
     the outputs (what the backward reads). b: the in-chunk cumulative log decay, or with
-    from_gates the log decays g themselves, which the first kernel sums (those forms too);
-    b then comes last.
+    from_gates the log decays g themselves, which the first kernel sums (by_layout too); b
+    then comes last.
 
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
-    _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps);
-    factored_first, by_layout's first and third kernels, the first taking the HALVES
-    chunks too."""
+    _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps)."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   for name, asked in (("normalize", normalize), ("from_gates", from_gates)):
@@ -374,15 +367,11 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n), inputs,
                   (keys, keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
-  warps = _first_pass_warps(factored_warps, normalize)
-  halves = form == "factored_first"
-  qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(q, k, b, beta, runs, carry_in, in_last,
-                                                         cd=cd, interpret=interpret, warps=warps,
-                                                         normalize=normalize, keys_of_halves=True,
-                                                         halves=halves,
-                                                         keep_normalized=keep_normalized,
-                                                         from_gates=from_gates)
-  for layout in (factors.SUB_CHUNKS,) if halves else (factors.HALVES, factors.SUB_CHUNKS):
+  qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
+      q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
+      warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
+      keep_normalized=keep_normalized, from_gates=from_gates)
+  for layout in (factors.HALVES, factors.SUB_CHUNKS):
     a_kk, a_qk = _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
                              interpret=interpret, num_warps=num_warps)
   return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else

@@ -60,17 +60,16 @@ class Tiling(NamedTuple):
   decayed_rows: str = "scores"
   # the scores' kernels, a form of _chunk_factors.SCORE_KERNELS: one that branches per
   # chunk ("one_kernel", 2-10% faster forwards than by_layout, docs/performance.md,
-  # "Layouts from the chunk's end rows"); the WHOLE_CHUNK chunks', then the others' into
-  # its output ("by_layout"); or the WHOLE_CHUNK and HALVES chunks', then the SUB_CHUNKS
-  # ones' ("factored_first", untimed); _gla_scores
+  # "Layouts from the chunk's end rows") or the WHOLE_CHUNK chunks', then the others' into
+  # its output ("by_layout"); _gla_scores
   scores: str = "one_kernel"
   # the key gradients' kernels: one that branches per chunk ("one_kernel") or the
   # one-anchor chunks', then the others' ("by_layout"); _gla_chunks.chunk_key_grads
   key_grads: str = "one_kernel"
   # where the in-chunk cumulative decay is summed (DECAY_SUMS): in the (first) scores
   # kernel on its way ("in_scores": one pass over the decays fewer, 3-4% faster forwards,
-  # docs/performance.md, "The decays summed in the scores kernel") or in a kernel of its
-  # own before the others ("own_kernel", _chunk_cumsum)
+  # docs/performance.md, "The L2 norm as row scales; the decays summed in the scores
+  # kernel") or in a kernel of its own before the others ("own_kernel", _chunk_cumsum)
   decay_sum: str = "in_scores"
   interpret: bool = False
 

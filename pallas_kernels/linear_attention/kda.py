@@ -3,9 +3,9 @@ backward (custom_vjp). Same contract as reference.kda_chunked.
 
 Forward, per 64-token chunk (see _kda_intra for the chunk form):
   kda_chunk_scores (parallel) A_kk, A_qk, qg, kg: one kernel per in-chunk layout, or
-               the other forms of _chunk_factors.SCORE_KERNELS; with scores="by_layout"
-               or "factored_first" the first can also L2-normalise q and k
-               (qk_norm="kernel")
+               the other form of _chunk_factors.SCORE_KERNELS; with scores="by_layout"
+               the first also L2-normalises q and k (qk_norm="kernel", the default) and
+               can sum the decays (decay_sum="in_scores")
   kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0; with
                solve="in_scores" the scores' HALVES kernel solves its chunks in place
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
@@ -224,7 +224,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     "kernel" (the default, the faster: docs/performance.md, "The L2 norm as row
     scales"), inside the first scores kernel, which scales its products by the inverse
     norms and writes the normalised q and k only where later kernels or the backward read
-    them (with scores="by_layout" or "factored_first", else as "xla"), or "xla", a
+    them (with scores="by_layout", else as "xla"), or "xla", a
     plain-JAX pass before the kernels.
     solve: where T = (I + A_kk)^-1 and w, u0 are formed, one of SOLVES: "own_kernel"
     (the default), a kernel after the scores', or "in_scores", the HALVES chunks' in the
@@ -234,7 +234,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     decay_sum: where the in-chunk cumulative decay is summed, one of DECAY_SUMS:
     "own_kernel" (the default), a kernel before the others (_chunk_cumsum), or "in_scores",
     the first scores kernel on its way (one pass over the decays fewer; with scores
-    "by_layout" or "factored_first" and no `decay` gate, else as "own_kernel")."""
+    "by_layout" and no `decay` gate, else as "own_kernel")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)

@@ -102,23 +102,8 @@ def test_scores_in_one_kernel_per_layout():
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(scores="fused"))
 
 
-def test_scores_with_the_factored_chunks_first():
-  """Tiling(scores="factored_first"): the WHOLE_CHUNK and HALVES chunks' kernel, then the
-  SUB_CHUNKS one into its output; with the fused forward's decayed rows qg, kg too, as the
-  one kernel writes them."""
-  from pallas_kernels.linear_attention import _chunk_prep, _gla_scores
-  x = _three_score_layouts(23)
-  _check(x, 1e-4, 1e-4, tiling=Tiling(scores="factored_first"))
-  q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], 1, 192)
-  masks = _chunk_prep.segment_masks(runs)
-  first, one = (_gla_scores.chunk_scores(q, k, b, runs, interpret=True, decayed_with=masks,
-                                         form=form) for form in ("factored_first", "one_kernel"))
-  for a, b in zip(first, one):
-    chex.assert_trees_all_close(a, b, atol=1e-6)
-
-
 @pytest.mark.parametrize("scores, forward", [("one_kernel", "split"), ("by_layout", "split"),
-                                             ("factored_first", "fused")])
+                                             ("one_kernel", "fused")])
 def test_decays_summed_in_the_scores_kernel(scores, forward):
   """Tiling(decay_sum="in_scores"): the (first) scores kernel sums the log decays into b
   for itself, the later kernels, the forward's walk and the backward, which hands the

@@ -87,11 +87,11 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
 
 
 @pytest.mark.parametrize("scores, qk_norm", [("by_layout", "xla"), ("one_kernel", "xla"),
-                                             ("factored_first", "kernel")])
+                                             ("by_layout", "kernel")])
 def test_halves_scores_over_channel_blocks(scores, qk_norm, monkeypatch):
   """The HALVES products summed over channel blocks (_kda_scores.HALVES_BLOCK_D; 64 of the
-  released heads' 128, here 16 of 32) at the gate bound, fp32; with factored_first, over
-  the first kernel's normalised rows."""
+  released heads' 128, here 16 of 32) at the gate bound, fp32; by layout, over the rows
+  the first kernel normalised too."""
   monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
   x = with_halves(make_inputs(seed=23, T=192, Dk=32, Dv=32, segment_rate=0.03))
   _assert_within(_errors(x, scores=scores, qk_norm=qk_norm), 1e-4, 1e-4)
@@ -109,8 +109,7 @@ def _one_chunk_of_each_scores_layout(x):
   return dict(x, g=g.astype(x["g"].dtype))
 
 
-@pytest.mark.parametrize("scores", ["by_layout", "factored_first"])
-def test_qk_norm_as_row_scales_in_the_first_scores_kernel(scores):
+def test_qk_norm_as_row_scales_in_the_first_scores_kernel():
   """qk_norm="kernel": the first scores kernel scales its products and decayed rows by the
   inverse norms and writes the normalised rows for the later kernels and the backward. On
   unnormalised inputs (q, k x 3), one chunk of each layout: in fp32 the outputs and every
@@ -122,7 +121,7 @@ def test_qk_norm_as_row_scales_in_the_first_scores_kernel(scores):
     x = _one_chunk_of_each_scores_layout(
         make_inputs(seed=21, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
     x = dict(x, q=3.0 * x["q"], k=3.0 * x["k"])
-    errors[dtype] = {norm: _errors(x, scores=scores, qk_norm=norm) for norm in ("kernel", "xla")}
+    errors[dtype] = {norm: _errors(x, qk_norm=norm) for norm in ("kernel", "xla")}
   for name, err in errors[jnp.float32]["kernel"].items():
     assert err <= errors[jnp.float32]["xla"][name] + 1e-5, (name, errors[jnp.float32])
   _assert_within(errors[jnp.bfloat16]["kernel"], 5e-3, 1e-2)
@@ -130,48 +129,16 @@ def test_qk_norm_as_row_scales_in_the_first_scores_kernel(scores):
     assert err <= 1.2 * errors[jnp.bfloat16]["xla"][name], (name, errors[jnp.bfloat16])
 
 
-@pytest.mark.parametrize("scores, qk_norm, solve", [("by_layout", "xla", "own_kernel"),
-                                                    ("factored_first", "kernel", "own_kernel"),
-                                                    ("by_layout", "kernel", "in_scores")])
-def test_decays_summed_in_the_first_scores_kernel(scores, qk_norm, solve):
+@pytest.mark.parametrize("qk_norm, solve", [("xla", "own_kernel"), ("kernel", "own_kernel"),
+                                            ("kernel", "in_scores")])
+def test_decays_summed_in_the_first_scores_kernel(qk_norm, solve):
   """decay_sum="in_scores": the first scores kernel sums the log decays into b for itself,
   the later kernels and the backward, which hands the decays' gradient back through the
-  sum's transpose; fp32, one chunk of each scores layout, resets and padding (T = 150), with
-  each scores form that has a first kernel, the norm there or not and the HALVES chunks
-  solved in place."""
+  sum's transpose; fp32, one chunk of each scores layout, resets and padding (T = 150), the
+  norm in that kernel or not, the HALVES chunks solved in place or not."""
   x = _one_chunk_of_each_scores_layout(make_inputs(seed=27, T=192, Dk=32, Dv=32, segment_rate=0.03))
   x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
-  _assert_within(_errors(x, scores=scores, qk_norm=qk_norm, solve=solve, decay_sum="in_scores"),
-                 1e-4, 1e-4)
-
-
-@pytest.mark.parametrize("layouts", ["three", "halves"])
-def test_scores_with_the_factored_chunks_first(layouts):
-  """scores="factored_first": one kernel for the WHOLE_CHUNK and HALVES chunks, then the
-  SUB_CHUNKS one into its outputs; over WHOLE_CHUNK and SUB_CHUNKS chunks (three) and HALVES
-  ones at the gate bound (halves), with q and k normalised in the first kernel for the
-  halves (its HALVES products over the normalised rows)."""
-  data = with_three_layouts if layouts == "three" else with_halves
-  x = data(make_inputs(seed=25, T=192, Dk=32, Dv=32, segment_rate=0.03))
-  qk_norm = "kernel" if layouts == "halves" else "xla"
-  _assert_within(_errors(x, scores="factored_first", qk_norm=qk_norm), 1e-4, 1e-4)
-
-
-def test_factored_chunks_first_as_the_one_kernel():
-  """scores="factored_first" writes what the one kernel does, its first kernel's HALVES
-  and WHOLE_CHUNK chunks alike (bf16 inputs at the gate bound: two HALVES chunks, one
-  WHOLE_CHUNK)."""
-  from pallas_kernels.linear_attention import _chunk_prep
-  x = with_halves(make_inputs(seed=26, T=192, Dk=32, Dv=32, dtype=jnp.bfloat16))
-  q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], 1, 192)
-  beta = x["beta"].astype(jnp.float32)
-  masks = _chunk_prep.segment_masks(runs)
-  first, one = (_kda_scores.chunk_scores(q, k, b, beta, runs, *masks, cd=jnp.bfloat16,
-                                         interpret=True, form=form)
-                for form in ("factored_first", "one_kernel"))
-  assert factors.score_layouts(x["g"])[0, :, 0].tolist().count(factors.HALVES) == 2
-  for a, b in zip(first, one):
-    chex.assert_trees_all_close(a.astype(jnp.float32), b.astype(jnp.float32), atol=1e-6)
+  _assert_within(_errors(x, qk_norm=qk_norm, solve=solve, decay_sum="in_scores"), 1e-4, 1e-4)
 
 
 @pytest.mark.parametrize("layouts", ["three", "halves"])
