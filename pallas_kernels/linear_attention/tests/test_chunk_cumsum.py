@@ -28,3 +28,24 @@ def test_chunk_cumsum_and_its_transpose(dtype):
   tol = 1e-5 if dtype == jnp.float32 else 1e-2  # both cast an fp32 sum to bf16
   np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(ref_grad, np.float32),
                              rtol=tol, atol=tol)
+
+
+def test_the_unsummed_decays_for_a_summing_kernel():
+  """prepare(summed=False) hands the padded log decays through (zeros past the end, no
+  decay) for a scores kernel that sums them, and reverse_chunk_cumsum is the sum's
+  transpose; a decay gate's input, which only its own kernel turns into decays, is
+  refused."""
+  from pallas_kernels.linear_attention import _chunk_prep
+  from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
+  from pallas_kernels.linear_attention.decay_gate import DecayGate
+  g = -jax.random.uniform(jax.random.PRNGKey(3), (1, CHUNK + 5, 2, 16))
+  x = jnp.ones((1, CHUNK + 5, 2, 16), jnp.bfloat16)
+  unsummed = _chunk_prep.prepare(x, x, x, g, None, 1, CHUNK + 5, summed=False)[3]
+  np.testing.assert_array_equal(unsummed[:, :CHUNK + 5], g)
+  assert unsummed.shape[1] == 2 * CHUNK and not unsummed[:, CHUNK + 5:].any()
+  ct = jax.random.normal(jax.random.PRNGKey(4), unsummed.shape)
+  np.testing.assert_allclose(reverse_chunk_cumsum(ct),
+                             jax.vjp(_reference, unsummed)[1](ct)[0], rtol=1e-5, atol=1e-5)
+  gate = DecayGate(jnp.zeros((2,)), jnp.zeros((2, 16)), -5.0)
+  with pytest.raises(ValueError, match="summed=False.*takes the log decays g"):
+    _chunk_prep.prepare(x, x, x, g, None, 1, CHUNK + 5, decay=gate, summed=False)

@@ -236,6 +236,8 @@ def test_bad_keywords_and_head_dims(small):
     chunked_kda(*args, scores="fused")
   with pytest.raises(ValueError, match=r"qk_norm = 'triton': expected one of \['kernel', 'xla'\]"):
     chunked_kda(*args, qk_norm="triton")
+  with pytest.raises(ValueError, match=r"decay_sum = 'xla': expected one of \['own_kernel', "):
+    chunked_kda(*args, decay_sum="xla")
   with pytest.raises(ValueError, match=r"key_grads = 'split': expected one of \['one_kernel'"):
     chunked_kda(*args, key_grads="split")
   with pytest.raises(ValueError, match=r"solve = 'fused': expected one of \['own_kernel'"):
