@@ -107,7 +107,7 @@ def test_scores_in_one_kernel_per_layout():
 def test_decays_summed_in_the_scores_kernel(scores, forward):
   """Tiling(decay_sum="in_scores"): the (first) scores kernel sums the log decays into b
   for itself, the later kernels, the forward's walk and the backward, which hands the
-  decays' gradient back through the sum's transpose; every scores form, one chunk of each
+  decays' gradient back through the sum's transpose; both scores forms, one chunk of each
   layout, padding (T = 150), both forwards (the fused one over bf16 heads of 64)."""
   x = _three_score_layouts(29, D=64 if forward == "fused" else 32)
   x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
