@@ -250,11 +250,11 @@ def factored_or(factored_ok, factored, others):
     jax.lax.cond(factored_ok, factored, others)
 
 
-def if_whole_chunk(b_ref, compute, otherwise=lambda: None):
+def if_whole_chunk(b_ref, compute):
   """compute() for a chunk whose decays factor over one anchor, with only that path
-    compiled; else otherwise()."""
+    compiled; else nothing."""
   anchors, whole = whole_chunk_anchors(b_ref)
-  jax.lax.cond(whole, lambda: compute(lambda: (anchors, True)), otherwise)
+  jax.lax.cond(whole, lambda: compute(lambda: (anchors, True)), lambda: None)
 
 
 def unless_whole_chunk(b_ref, compute):
