@@ -31,8 +31,10 @@ import jax.numpy as jnp
 
 from experiments.timing import failed, interleaved_ratios, median_ms, peer, to_torch
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
-from pallas_kernels.linear_attention._chunk_factors import KEY_GRAD_KERNELS, SCORE_KERNELS
+from pallas_kernels.linear_attention._chunk_factors import (KEY_GRAD_KERNELS, SCORE_KERNELS,
+                                                            SCORE_OPERANDS)
 from pallas_kernels.linear_attention.gla import Tiling
+from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention.kda import DECAY_SUMS, QK_NORMS, SOLVES
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
@@ -500,6 +502,8 @@ KDA_CHOICES = {
     "qk_norm": (QK_NORMS, "--kda-qk-norms"),
     "solve": (SOLVES, "--kda-solves"),
     "decay_sum": (DECAY_SUMS, "--kda-decay-sums"),
+    "score_operands": (SCORE_OPERANDS, "--kda-score-operands"),
+    "inverse": (INVERSES, "--kda-inverses"),
 }
 
 
@@ -599,6 +603,10 @@ def main():
       "decay_sum": "where the in-chunk cumulative decay is summed: in a kernel of its own "
                    "(own_kernel) or in the first scores kernel (in_scores, with --kda-scores "
                    "by_layout)",
+      "score_operands": "the operand dtype of the factored in-chunk score products: fp32 "
+                        "(TF32) or the compute dtype (compute)",
+      "inverse": "how the solve's own kernel forms the in-chunk inverse: by doubling over "
+                 "the whole chunk (whole_chunk) or each half on its own, joined (by_halves)",
   }
   for name, (known, flag) in KDA_CHOICES.items():
     ap.add_argument(flag, nargs="+", choices=known, default=[KDA_DEFAULTS[name]],

@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
-from pallas_kernels.linear_attention._pallas_common import N_SUB, SUB, iota, rows
+from pallas_kernels.linear_attention._pallas_common import F32, N_SUB, SUB, iota, mm, rows
 
 WHOLE_CHUNK, PER_SUB_CHUNK, SUB_CHUNKS, HALVES = 0, 1, 2, 3
 C = N_SUB * SUB
@@ -150,18 +149,20 @@ def halves_bounded(b_ref):
 # The scores' decayed products sum_d x_t[d] k_s[d] exp(b_t[d] - b_s[d]) of a chunk, for each
 # query-side x, by columns: store(col, region, *products) with products [C, n] for columns
 # [col, col + n) and region the entries to write (None: all); each is meaningful on the
-# pairs s <= t only (the rest may be inf: the caller masks them).
+# pairs s <= t only (the rest may be inf: the caller masks them). dtypes: each product's
+# operand dtype (fp32 products run as TF32 on the GPU); None: fp32 for all.
 
 
-def whole_chunk_products(k, b, queries, store):
+def whole_chunk_products(k, b, queries, store, dtypes=None):
   """WHOLE_CHUNK: one [C, D] x [D, C] product per query (k and queries: loaders of the
     chunk's [C, D] fp32 rows, called at each use; b: its rows of b, loaded)."""
   down, up = factors(b, rows_midpoint(b)[0])
   keys = k() * up
-  store(0, None, *(diag.f32_mm(x() * down, keys, trans_b=True) for x in queries))
+  dtypes = dtypes or (F32,) * len(queries)
+  store(0, None, *(mm(x() * down, keys, dtype, trans_b=True) for x, dtype in zip(queries, dtypes)))
 
 
-def halves_products(k_ref, b_ref, query_refs, store, block_d=None, full_across=False):
+def halves_products(k_ref, b_ref, query_refs, store, block_d=None, full_across=False, dtypes=None):
   """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and a
     [C, D] x [D, HALF] one for those across (k_ref, b_ref and query_refs: the chunk's [C, D]
     refs). block_d: the channels taken at a time, each block's products summed (fewer
@@ -170,6 +171,7 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, full_across=F
     that every store is [C, C] (a caller assembling the whole matrix in registers)."""
   D = k_ref.shape[-1]
   block_d = min(block_d or D, D)
+  dtypes = dtypes or (F32,) * len(query_refs)
   first = iota(C, 0, (C, 1)) < HALF
   # per block, a loader of rows [start, start + n) of a ref's block_d channels (fp32)
   blocks = [rows] if block_d == D else [
@@ -182,7 +184,10 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, full_across=F
     sums = None
     for load in blocks:
       down, keys = operands(load)
-      parts = [diag.f32_mm(load(x, 0, C) * down, keys, trans_b=True) for x in query_refs]
+      parts = [
+          mm(load(x, 0, C) * down, keys, dtype, trans_b=True)
+          for x, dtype in zip(query_refs, dtypes)
+      ]
       sums = parts if sums is None else [a + p for a, p in zip(sums, parts)]
     store(0, region, *sums)
 
@@ -291,6 +296,20 @@ SCORE_KERNELS = ("one_kernel", "by_layout")
 # whole-chunk-anchored chunks' kernel, then the others' into its outputs (by_layout, the
 # scores' by_layout pattern).
 KEY_GRAD_KERNELS = ("one_kernel", "by_layout")
+
+# The operand dtype of the factored layouts' score products (WHOLE_CHUNK, HALVES), the GLA
+# and KDA ops' score_operands: "fp32" (TF32 on the GPU) or "compute", the compute dtype
+# (bf16 for bf16 inputs), as the SUB_CHUNKS blocks below the diagonal take it. KDA's A_kk
+# takes it too: its sum is still fp32 and stored so (docs/performance.md, "Score products
+# on bf16 operands").
+SCORE_OPERANDS = ("fp32", "compute")
+
+
+def operand_dtype(choice, cd):
+  """The score products' operand dtype for a SCORE_OPERANDS choice and compute dtype cd."""
+  if choice not in SCORE_OPERANDS:
+    raise ValueError(f"score_operands = {choice!r}: expected one of {list(SCORE_OPERANDS)}")
+  return cd if choice == "compute" else F32
 
 
 def by_score_layout(b_ref, whole_chunk, halves, sub_chunks):

@@ -74,17 +74,18 @@ def _store_columns(r_ref, a_ref, start, region, a):
   store_where(a_ref, start, region, jnp.where(keep, a, 0.0))
 
 
-def _whole_chunk(q_ref, k_ref, b, r_ref, a_ref):
-  """A of a WHOLE_CHUNK chunk: one matmul (b: its rows, loaded)."""
+def _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand):
+  """A of a WHOLE_CHUNK chunk: one matmul of `operand` dtype operands (b: its rows, loaded)."""
   factors.whole_chunk_products(
       lambda: rows(k_ref, 0, C), b, (lambda: rows(q_ref, 0, C),),
-      lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a))
+      lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a), (operand,))
 
 
-def _halves(q_ref, k_ref, b_ref, r_ref, a_ref):
-  """A of a HALVES chunk: two matmuls."""
+def _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand):
+  """A of a HALVES chunk: two matmuls of `operand` dtype operands."""
   factors.halves_products(k_ref, b_ref, (q_ref,),
-                          lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a))
+                          lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a),
+                          dtypes=(operand,))
 
 
 def _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd):
@@ -117,18 +118,18 @@ def _summed(b_ref, refs, from_gates, interpret):
   return refs[-1], refs[:-1]
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, interpret):
+def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, interpret, operand):
   """The chunk's [C, C] scores in the chunk's layout (_chunk_factors); with `decayed`, also
     qg and kg (_decayed_rows); with from_gates, b summed here first (_summed)."""
   b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
   b = rows(b_ref, 0, C)
   a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  factors.by_score_layout(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref),
-                          lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref),
+  factors.by_score_layout(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand),
+                          lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand),
                           lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
 
 
-def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, from_gates, interpret):
+def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, from_gates, interpret, operand):
   """The first pass: A of the WHOLE_CHUNK chunks, qg and kg of every chunk with `decayed`,
     and every chunk's layout for the later passes; with from_gates, b summed here first
     (_summed)."""
@@ -136,15 +137,15 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, from_gates, i
   b = rows(b_ref, 0, C)
   a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
   whole, _ = factors.record_layout(flag_ref, b_ref)  # the later passes read the layout
-  jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref), lambda: None)
+  jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand), lambda: None)
 
 
-def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, layout, cd):
+def _later_pass_kernel(q_ref, k_ref, b_ref, r_ref, flag_ref, _a_in, a_ref, *, layout, cd, operand):
   """A later pass: A of the chunks in `layout` (HALVES or SUB_CHUNKS); its memory is the
     first pass's output, the other chunks' stay as written."""
   args = (q_ref, k_ref, b_ref, r_ref, a_ref)
   if layout == factors.HALVES:
-    compute = lambda: _halves(*args)
+    compute = lambda: _halves(*args, operand)
   else:
     compute = lambda: _by_sub_chunks(*args, cd)
   factors.if_layout(flag_ref, layout, compute)
@@ -165,7 +166,7 @@ FACTORED_WARPS = 4
 
 
 def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None,
-                 form="one_kernel", from_gates=False):
+                 form="one_kernel", from_gates=False, operands="compute"):
   """The in-chunk scores A [B, H, NT, C, C] (unscaled, zero above the diagonal) in the
     compute dtype: every use of A is a matmul operand in that dtype (A v, A^T do);
     num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
@@ -174,12 +175,14 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     that branches per chunk (num_warps); by_layout, three kernels, the WHOLE_CHUNK
     chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps). b: the in-chunk cumulative log decay [B, Tp, H, Dk], or with from_gates the
     log decays g, which the (first) kernel sums; b [B, Tp, H, Dk] fp32 then comes last of
-    a tuple (with A alone, (A, b))."""
+    a tuple (with A alone, (A, b)). operands: the factored products' operand dtype, one of
+    _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   B, Tp, H, Dk = q.shape
   g = Grid()
   cd = compute_dtype(q.dtype)
+  operand = factors.operand_dtype(operands, cd)
   specs, out_specs, outs = [g.chunk(Dk), g.chunk(Dk), g.chunk(Dk), g.flags()], \
       (g.scores(),), (scores_shape(B, H, Tp, cd),)
   flags = ()
@@ -190,7 +193,7 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     out_specs += (g.chunk(Dk), g.chunk(Dk))
     outs += (jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
   grid, launch = (B, H, Tp // C, 1), dict(interpret=interpret, num_stages=num_stages)
-  sums = dict(from_gates=from_gates, interpret=interpret)
+  sums = dict(from_gates=from_gates, interpret=interpret, operand=operand)
   if from_gates:  # the summed decays: the kernel's last output
     summed_spec, summed = (g.chunk(Dk),), (jax.ShapeDtypeStruct(q.shape, F32),)
   else:
@@ -209,8 +212,8 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
   b = out.pop() if from_gates else b
   layout = out.pop()
   for code, name in ((factors.HALVES, "halves"), (factors.SUB_CHUNKS, "sub_chunks")):
-    out[0] = chunk_call(functools.partial(_later_pass_kernel, layout=code, cd=cd), grid,
-                        specs[:4] + [g.layout_flag(), g.scores()], g.scores(), outs[0],
+    out[0] = chunk_call(functools.partial(_later_pass_kernel, layout=code, cd=cd, operand=operand),
+                        grid, specs[:4] + [g.layout_flag(), g.scores()], g.scores(), outs[0],
                         num_warps=num_warps, name=f"gla_chunk_scores_{name}",
                         input_output_aliases={5: 0}, **launch)(q, k, b, runs, layout, out[0])
   return result(out + [b] * from_gates)

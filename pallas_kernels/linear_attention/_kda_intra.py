@@ -24,7 +24,7 @@ import functools
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_scores import chunk_scores, chunk_scores_and_solve
-from pallas_kernels.linear_attention._kda_solve import solve_kernel
+from pallas_kernels.linear_attention._kda_solve import INVERSES, solve_kernel
 
 # Four warps spill a little at two programs an SM; eight do not, at one, and took 1.5x the
 # time: docs/kernel_tuning.md, "KDA in-chunk solve"
@@ -38,34 +38,37 @@ SOLVES = ("own_kernel", "in_scores")
 
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
                 scores="one_kernel", solve_warps=SOLVE_WARPS, normalize=False, solve="own_kernel",
-                from_gates=False):
+                from_gates=False, operands="compute", inverse="whole_chunk"):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd; with `normalize`, of q and k L2-normalised
     per token by the first scores kernel (chunk_scores), and with emit_inverse too (what the
     backward reads) the normalised q, k [B,Tp,H,Dk] (in their dtypes) follow. solve: one of
     SOLVES (solve_warps: the own kernel's warps). b: the in-chunk cumulative log decay, or
     with from_gates the log decays, summed by the first scores kernel (chunk_scores; b
-    then comes last)."""
-  if solve not in SOLVES:
-    raise ValueError(f"solve = {solve!r}: expected one of {list(SOLVES)}")
+    then comes last). operands: the factored score products' operand dtype
+    (_chunk_factors.SCORE_OPERANDS); inverse: how the solve's own kernel forms T
+    (_kda_solve.INVERSES)."""
+  for name, choice, known in (("solve", solve, SOLVES), ("inverse", inverse, INVERSES)):
+    if choice not in known:
+      raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   if solve == "in_scores" and scores == "by_layout":
     return chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, cd=cd,
                                   interpret=interpret, emit_inverse=emit_inverse,
                                   normalize=normalize, keep_normalized=emit_inverse,
-                                  from_gates=from_gates)
+                                  from_gates=from_gates, operands=operands, inverse=inverse)
   B, Tp, H, Dk = k.shape
   Dv = v.shape[-1]
   n = Tp // C
   qg, kg, kw, a_kk, a_qk, *after = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
                                                 interpret=interpret, form=scores,
                                                 normalize=normalize, keep_normalized=emit_inverse,
-                                                from_gates=from_gates)
+                                                from_gates=from_gates, operands=operands)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
   out_specs, out_shape = [keys, values], [L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)]
   if emit_inverse:
     out_specs.append(square)
     out_shape.append(L.shape(cd, B, H, n, C, C))
-  solved = L.call(functools.partial(solve_kernel, cd=cd, interpret=interpret),
+  solved = L.call(functools.partial(solve_kernel, cd=cd, interpret=interpret, inverse=inverse),
                   (B, H, n), [square, keys, values, L.chunk_beta()], tuple(out_specs),
                   tuple(out_shape), interpret=interpret, name="kda_chunk_solve",
                   num_warps=solve_warps)(a_kk, kw, v, beta)

@@ -5,8 +5,8 @@ With b the in-chunk cumulative log decay, the chunk's
                                                    T = (I + A_kk)^-1 amplifies rounding)
   A_qk[t, s] = q_t . (k_s exp(b_t - b_s))          s <= t, same run
 and qg = q exp(b) ci and kg = k exp(b_last - b) il (see _kda_intra). A chunk whose decays
-factor (_chunk_factors: WHOLE_CHUNK, HALVES) takes one fp32-operand matmul for each score
-matrix, or two. Others go by
+factor (_chunk_factors: WHOLE_CHUNK, HALVES) takes one matmul for each score matrix, or
+two, on operands in the compute dtype or fp32 (_chunk_factors.SCORE_OPERANDS). Others go by
 16-token sub-chunks: keys of earlier sub-chunks are one block (_score_rows: one
 tensor-core matmul each for A_kk and A_qk); the diagonal block factors through the
 sub-chunk's first token where its decays allow (_diagonal_blocks) and is otherwise
@@ -97,12 +97,12 @@ def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk,
   store_where(aqk_ref, start, region, jnp.where(same & (s <= t), a_qk, 0.0))
 
 
-def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, scales=None):
-  """A_kk and A_qk of a WHOLE_CHUNK chunk: one matmul each (q, k: loaders of its rows; b:
-    its rows, loaded; scales: as _store_columns takes them)."""
+def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, operand, scales=None):
+  """A_kk and A_qk of a WHOLE_CHUNK chunk: one matmul each of `operand` dtype operands (q,
+    k: loaders of its rows; b: its rows, loaded; scales: as _store_columns takes them)."""
   factors.whole_chunk_products(
       k, b, (k, q), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk, scales))
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk, scales), (operand,) * 2)
 
 
 # The HALVES products 64 channels at a time: two queries' operands over all of D = 128 do
@@ -110,11 +110,12 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, scales=None):
 HALVES_BLOCK_D = 64
 
 
-def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref):
-  """A_kk and A_qk of a HALVES chunk: two matmuls each."""
+def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand):
+  """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands."""
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D)
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
+      dtypes=(operand,) * 2)
 
 
 class _RowScales(NamedTuple):
@@ -182,17 +183,18 @@ def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
-                   akk_ref, aqk_ref, *, cd):
+                   akk_ref, aqk_ref, *, cd, operand):
   """One chunk: qg, kg, kw, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
   b, _ = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.by_score_layout(b_ref, lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, *refs[3:]),
-                          lambda: _halves(*refs), lambda: _by_sub_chunks(*refs, cd))
+  factors.by_score_layout(
+      b_ref, lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, *refs[3:], operand),
+      lambda: _halves(*refs, operand), lambda: _by_sub_chunks(*refs, cd))
 
 
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                        akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, keep_normalized,
-                       normalize, from_gates, interpret):
+                       normalize, from_gates, interpret, operand):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
     ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the later
     passes; with `normalize` (extra_refs: the
@@ -219,16 +221,16 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
                  lambda: _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref))
   jax.lax.cond(
       whole, lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, beta_ref, r_ref, akk_ref,
-                                  aqk_ref, scales), lambda: None)
+                                  aqk_ref, operand, scales), lambda: None)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
-                       aqk_ref, *, layout, cd):
+                       aqk_ref, *, layout, cd, operand):
   """A later pass: A_kk and A_qk of the chunks in `layout` (HALVES or SUB_CHUNKS); their
     memory is the first pass's outputs, the other chunks' stay as written."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   if layout == factors.HALVES:
-    compute = lambda: _halves(*refs)
+    compute = lambda: _halves(*refs, operand)
   else:
     compute = lambda: _by_sub_chunks(*refs, cd)
   factors.if_layout(flag_ref, layout, compute)
@@ -259,7 +261,7 @@ def _kept_scores(r_ref, beta, aqk_ref):
 
 
 def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, flag_ref, _aqk_in,
-                           aqk_ref, w_ref, u0_ref, *inverse_ref, cd, interpret):
+                           aqk_ref, w_ref, u0_ref, *inverse_ref, cd, interpret, operand):
   """The HALVES pass with the solve: A_qk of the HALVES chunks into the first pass's output,
     their w, u0 (and T) into arrays the solve's kernel completes with the other chunks'."""
 
@@ -267,7 +269,7 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
     beta = beta_ref[...].astype(F32)[:, None]
     store, a_kk = _kept_scores(r_ref, beta, aqk_ref)
     factors.halves_products(k_ref, b_ref, (k_ref, q_ref), store, block_d=HALVES_BLOCK_D,
-                            full_across=True)
+                            full_across=True, dtypes=(operand,) * 2)
     kw_cols = lambda cols: write_keys(k_ref[:, cols].astype(F32), b_ref[:, cols].astype(F32), beta,
                                       lambda: flag_column(ci_ref, 0, C))
     store_solved(a_kk(), kw_cols, v_ref, lambda: beta, w_ref, u0_ref, inverse_ref, cd=cd,
@@ -292,7 +294,7 @@ def _first_pass_warps(factored_warps, normalize):
 
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
-                keys_of_halves, keep_normalized=True, from_gates=False):
+                keys_of_halves, operand, keep_normalized=True, from_gates=False):
   """The first kernel of the scores by layout (_first_pass_kernel): (qg, kg, kw, A_kk, A_qk,
     layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
@@ -307,7 +309,7 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
       F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C), L.shape(jnp.int32, B, H, n, C))
   kernel = functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves,
                              keep_normalized=keep_normalized, normalize=normalize,
-                             from_gates=from_gates, interpret=interpret)
+                             from_gates=from_gates, interpret=interpret, operand=operand)
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
       kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
@@ -319,7 +321,8 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
   return (qg, kg, kw, a_kk, a_qk, layouts, *(extra or (q, k)), b)
 
 
-def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpret, num_warps):
+def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpret, num_warps,
+                operand):
   """(A_kk, A_qk) with the chunks of `layout` (HALVES or SUB_CHUNKS) formed in place
     (_later_pass_kernel)."""
   B, Tp, H, Dk = k.shape
@@ -328,15 +331,15 @@ def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpr
   name = {factors.HALVES: "halves", factors.SUB_CHUNKS: "sub_chunks"}[layout]
   shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (a_kk, a_qk))
   aliases = {len(inputs): 0, len(inputs) + 1: 1}
-  return L.call(functools.partial(_later_pass_kernel, layout=layout, cd=cd), (B, H, Tp // C),
-                inputs + [square, square], (square, square), shapes,
+  return L.call(functools.partial(_later_pass_kernel, layout=layout, cd=cd, operand=operand),
+                (B, H, Tp // C), inputs + [square, square], (square, square), shapes,
                 name=f"kda_chunk_scores_{name}", input_output_aliases=aliases, interpret=interpret,
                 num_warps=num_warps, num_stages=2)(q, k, b, beta, runs, layouts, a_kk, a_qk)
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
                  form="one_kernel", factored_warps=None, normalize=False, keep_normalized=True,
-                 from_gates=False):
+                 from_gates=False, operands="compute"):
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), all of it, with `normalize`, of q and k L2-normalised per
     token: the first kernel scales its products and rows by the inverse norms and writes the
@@ -348,13 +351,15 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
 
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
-    _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps)."""
+    _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps).
+    operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
   for name, asked in (("normalize", normalize), ("from_gates", from_gates)):
     if asked and form not in FIRST_KERNEL_FORMS:
       raise ValueError(
           f"chunk_scores({name}=True) needs a form of {list(FIRST_KERNEL_FORMS)}, not {form!r}")
+  operand = factors.operand_dtype(operands, cd)
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -364,33 +369,36 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   # two stages keep the sub-chunk path's loads over earlier sub-chunks in flight
   launch = dict(interpret=interpret, num_warps=num_warps, num_stages=2)
   if form == "one_kernel":
-    return L.call(functools.partial(_scores_kernel, cd=cd), (B, H, n), inputs,
+    return L.call(functools.partial(_scores_kernel, cd=cd, operand=operand), (B, H, n), inputs,
                   (keys, keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
   qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
-      keep_normalized=keep_normalized, from_gates=from_gates)
+      keep_normalized=keep_normalized, from_gates=from_gates, operand=operand)
   for layout in (factors.HALVES, factors.SUB_CHUNKS):
     a_kk, a_qk = _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
-                             interpret=interpret, num_warps=num_warps)
+                             interpret=interpret, num_warps=num_warps, operand=operand)
   return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
                                      ()) + ((b,) if from_gates else ())
 
 
 def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,
                            emit_inverse, normalize=False, num_warps=4, factored_warps=None,
-                           solve_warps=4, keep_normalized=True, from_gates=False):
+                           solve_warps=4, keep_normalized=True, from_gates=False,
+                           operands="compute", inverse="whole_chunk"):
   """The scores by layout with the HALVES chunks solved in place (_kda_intra's chunk form):
     (qg, kg, w [B, Tp, H, Dk], u0 [B, Tp, H, Dv], A_qk [B, H, n, C, C], all in cd,
     T [B, H, n, C, C] in cd when emit_inverse), of q and k L2-normalised with `normalize`,
     as chunk_scores normalises them (keep_normalized: the normalised q, k follow; from_gates:
-    b is the log decays, summed in the first kernel, and comes last).
+    b is the log decays, summed in the first kernel, and comes last; operands: as
+    chunk_scores takes them; inverse: how the solve's kernel forms T, _kda_solve.INVERSES).
 
     Four kernels: chunk_scores(form="by_layout")'s first (factored_warps; kw of every chunk
     but the HALVES ones), its HALVES one, which also solves its chunks (num_warps), and its
     SUB_CHUNKS one (num_warps); then the solve's kernel for the chunks not HALVES
     (solve_warps), into the HALVES kernel's w, u0 (and T) (input_output_aliases)."""
+  operand = factors.operand_dtype(operands, cd)
   B, Tp, H, Dk = k.shape
   Dv = v.shape[-1]
   n = Tp // C
@@ -402,21 +410,19 @@ def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, int
   qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=False,
-      keep_normalized=keep_normalized, from_gates=from_gates)
-  a_qk, *solved = L.call(functools.partial(_halves_solving_kernel, cd=cd,
-                                           interpret=interpret), (B, H, n),
-                         [keys, keys, keys, beta_spec, flag, flag, values, layout, square],
-                         (square,) + solved_specs, (L.shape(cd, B, H, n, C, C),) + solved_shapes,
-                         name="kda_chunk_scores_solve_halves", input_output_aliases={8: 0},
-                         interpret=interpret, num_warps=num_warps, num_stages=2)(q, k, b, beta,
-                                                                                 runs, carry_in, v,
-                                                                                 layouts, a_qk)
+      keep_normalized=keep_normalized, from_gates=from_gates, operand=operand)
+  a_qk, *solved = L.call(
+      functools.partial(_halves_solving_kernel, cd=cd, interpret=interpret, operand=operand),
+      (B, H, n), [keys, keys, keys, beta_spec, flag, flag, values, layout, square],
+      (square,) + solved_specs, (L.shape(cd, B, H, n, C, C),) + solved_shapes,
+      name="kda_chunk_scores_solve_halves", input_output_aliases={8: 0}, interpret=interpret,
+      num_warps=num_warps, num_stages=2)(q, k, b, beta, runs, carry_in, v, layouts, a_qk)
   a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
-                           interpret=interpret, num_warps=num_warps)
+                           interpret=interpret, num_warps=num_warps, operand=operand)
   ins = [layout, square, keys, values, beta_spec]
   solved = L.call(
-      functools.partial(solve_unless_kernel, layout=factors.HALVES, cd=cd,
-                        interpret=interpret), (B, H, n), ins + list(solved_specs), solved_specs,
+      functools.partial(solve_unless_kernel, layout=factors.HALVES, cd=cd, interpret=interpret,
+                        inverse=inverse), (B, H, n), ins + list(solved_specs), solved_specs,
       solved_shapes, name="kda_chunk_solve_unless_halves",
       input_output_aliases={len(ins) + i: i for i in range(len(solved_specs))}, interpret=interpret,
       num_warps=solve_warps)(layouts, a_kk, kw, v, beta, *solved)

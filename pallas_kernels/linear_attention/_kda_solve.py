@@ -3,12 +3,19 @@ u0 = T diag(beta) v (see _kda_intra for the chunk form). Called by the solve's o
 (solve_kernel, and solve_unless_kernel for the chunks the scores' HALVES kernel did not
 solve) and at the end of that kernel, which solves its chunks in place on a [C, C] A_kk
 held in registers (_kda_scores.chunk_scores_and_solve).
+
+The solve's own kernel forms T in one of the INVERSES: "whole_chunk", recursive doubling
+over the whole [C, C] chunk (unit_lower_inverse), or "by_halves", each 32-token half's
+inverse by doubling on its own [C/2, C/2] diagonal block, joined by the block below them
+(halves_inverse): every level's products are then half as wide, about a quarter of the
+tensor-core work (the whole chunk's first levels multiply blocks of zeros).
 """
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
+from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import F32, iota, mm
 
 
@@ -64,6 +71,23 @@ def unit_lower_inverse(a, *, interpret, unrolled=True):
   return t
 
 
+# How the solve's own kernel forms T (chunk_intra(inverse=...)): see the module's docstring
+INVERSES = ("whole_chunk", "by_halves")
+HALF = C // 2
+
+
+def halves_inverse(a_kk, interpret):
+  """(T_00, T_10, T_11), the blocks of T = (I + A)^-1 for a strictly lower-triangular
+    [C, C] A given as a_kk(rows, cols) -> its block [C/2, C/2] (fp32): each half's own
+    inverse (unit_lower_inverse) and the block below them, -T_11 A_10 T_00 (the block inverse
+    of [[X, 0], [Z, Y]]); T_01 is zero."""
+  top, bottom = pl.ds(0, HALF), pl.ds(HALF, HALF)
+  t00 = unit_lower_inverse(a_kk(top, top), interpret=interpret)
+  t11 = unit_lower_inverse(a_kk(bottom, bottom), interpret=interpret)
+  t10 = -exact_dot(t11, exact_dot(a_kk(bottom, top), t00, interpret), interpret)
+  return t00, t10, t11
+
+
 def column_blocks(d):
   """Column slices of at most 64 channels: the live [C, block] tiles stay small at D = 256."""
   block = min(d, 64)
@@ -94,19 +118,49 @@ def store_solved(a_kk, kw_cols, v_ref, beta_col, w_ref, u0_ref, inverse_refs, *,
     inv_ref[...] = t.astype(inv_ref.dtype)
 
 
-def solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, *inverse_ref, cd, interpret):
-  """The solve's own kernel, one chunk: T from A_kk and w, u0 from kw and v (store_solved), and
-    T itself for the backward when asked (inverse_ref)."""
+def store_solved_by_halves(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, inverse_refs, *, cd,
+                           interpret):
+  """store_solved with T by halves (halves_inverse) from the chunk's refs: the top rows of w
+    and u0 take T_00's product with the top rows of kw and beta v, the bottom ones T_10's
+    and T_11's."""
+  top, bottom = pl.ds(0, HALF), pl.ds(HALF, HALF)
+  t00, t10, t11 = halves_inverse(lambda rows, cols: akk_ref[rows, cols].astype(F32), interpret)
+
+  def store(out_ref, x):  # x(rows, cols) -> the [C/2, n] rows of the operand T multiplies
+    for cols in column_blocks(out_ref.shape[1]):
+      x_top = x(top, cols)
+      out_ref[top, cols] = mm(t00, x_top, cd).astype(out_ref.dtype)
+      out_ref[bottom,
+              cols] = (mm(t10, x_top, cd) + mm(t11, x(bottom, cols), cd)).astype(out_ref.dtype)
+
+  store(w_ref, lambda rows, cols: kw_ref[rows, cols].astype(F32))
+  store(u0_ref,
+        lambda rows, cols: beta_ref[rows].astype(F32)[:, None] * v_ref[rows, cols].astype(F32))
+  if inverse_refs:
+    (inv_ref,) = inverse_refs
+    for rows, cols, block in ((top, top, t00), (bottom, top, t10), (bottom, bottom, t11),
+                              (top, bottom, jnp.zeros_like(t00))):
+      inv_ref[rows, cols] = block.astype(inv_ref.dtype)
+
+
+def solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, *inverse_ref, cd, interpret,
+                 inverse="whole_chunk"):
+  """The solve's own kernel, one chunk: T from A_kk (one of INVERSES) and w, u0 from kw and v
+    (store_solved), and T itself for the backward when asked (inverse_ref)."""
+  if inverse == "by_halves":
+    store_solved_by_halves(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, inverse_ref, cd=cd,
+                           interpret=interpret)
+    return
   store_solved(akk_ref[...].astype(F32), lambda cols: kw_ref[:, cols].astype(F32), v_ref,
                lambda: beta_ref[...].astype(F32)[:, None], w_ref, u0_ref, inverse_ref, cd=cd,
                interpret=interpret)
 
 
-def solve_unless_kernel(flag_ref, akk_ref, kw_ref, v_ref, beta_ref, *refs, layout, cd, interpret):
+def solve_unless_kernel(flag_ref, akk_ref, kw_ref, v_ref, beta_ref, *refs, layout, cd, interpret,
+                        inverse="whole_chunk"):
   """solve_kernel for the chunks whose layout flag is not `layout` (that layout's kernel
     solved them in place), into the outputs aliased to refs' first half."""
   outputs = refs[len(refs) // 2:]
   factors.if_layout(
-      flag_ref, layout,
-      lambda: solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, *outputs, cd=cd, interpret=interpret),
-      unless=True)
+      flag_ref, layout, lambda: solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, *outputs, cd=cd,
+                                             interpret=interpret, inverse=inverse), unless=True)

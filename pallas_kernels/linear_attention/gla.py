@@ -21,7 +21,7 @@ from pallas_kernels import residuals
 from pallas_kernels.linear_attention import (_chunk_prep, _gla_forward_mosaic, _gla_states,
                                              _gla_states_mosaic)
 from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
-from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS
+from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS, SCORE_OPERANDS
 from pallas_kernels.linear_attention._gla_chunks import (chunk_key_grads, chunk_outputs,
                                                          chunk_value_grads)
 from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
@@ -71,6 +71,10 @@ class Tiling(NamedTuple):
   # docs/performance.md, "The L2 norm as row scales; the decays summed in the scores
   # kernel") or in a kernel of its own before the others ("own_kernel", _chunk_cumsum)
   decay_sum: str = "in_scores"
+  # the operand dtype of the factored score products (_chunk_factors.SCORE_OPERANDS):
+  # "compute" (A's own dtype, bf16 for bf16 inputs; 3-9% faster forwards, docs/performance.md,
+  # "Score products on bf16 operands") or "fp32" (TF32 on the GPU)
+  score_operands: str = "compute"
   interpret: bool = False
 
 
@@ -122,7 +126,7 @@ def _scores(q, k, b, runs, t, decayed_with=None):
   from_gates = t.decay_sum == "in_scores"
   out = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
                      num_stages=t.score_stages, form=t.scores, decayed_with=decayed_with,
-                     from_gates=from_gates)
+                     from_gates=from_gates, operands=t.score_operands)
   out = out if isinstance(out, tuple) else (out,)
   return out if from_gates else (*out, b)
 
@@ -168,8 +172,8 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
   if t.decayed_rows not in _DECAYED_ROWS:
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
-  for name, known in (("scores", SCORE_KERNELS), ("key_grads", _KEY_GRAD_FORMS), ("decay_sum",
-                                                                                  DECAY_SUMS)):
+  for name, known in (("scores", SCORE_KERNELS), ("key_grads", _KEY_GRAD_FORMS),
+                      ("decay_sum", DECAY_SUMS), ("score_operands", SCORE_OPERANDS)):
     if getattr(t, name) not in known:
       raise ValueError(f"Tiling.{name} = {getattr(t, name)!r}: expected one of "
                        f"{list(known)}")

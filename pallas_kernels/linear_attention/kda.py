@@ -33,10 +33,12 @@ import jax.numpy as jnp
 from pallas_kernels import residuals
 from pallas_kernels.linear_attention import (_chunk_prep, _kda_forward_mosaic, _kda_states,
                                              _kda_states_mosaic)
-from pallas_kernels.linear_attention._chunk_factors import KEY_GRAD_KERNELS, SCORE_KERNELS
+from pallas_kernels.linear_attention._chunk_factors import (KEY_GRAD_KERNELS, SCORE_KERNELS,
+                                                            SCORE_OPERANDS)
 from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
                                                      l2_normalize, pad_time, validate)
 from pallas_kernels.linear_attention._kda_intra import SOLVES, chunk_intra
+from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
 from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
 from pallas_kernels.linear_attention._kda_scores import FIRST_KERNEL_FORMS
@@ -70,6 +72,8 @@ class Tiling(NamedTuple):
   # the decays summed by the first scores kernel (decay_sum="in_scores"): the op takes the
   # log decays g where it would take their in-chunk sum b
   sums_decays: bool = False
+  score_operands: str = "compute"  # _chunk_factors.SCORE_OPERANDS
+  inverse: str = "whole_chunk"  # _kda_solve.INVERSES
 
 
 def available_state_walks(interpret):
@@ -143,7 +147,8 @@ def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
     normalised."""
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
                       emit_inverse=for_backward, interpret=t.interpret, scores=t.scores,
-                      normalize=t.normalize, solve=t.solve, from_gates=t.sums_decays)
+                      normalize=t.normalize, solve=t.solve, from_gates=t.sums_decays,
+                      operands=t.score_operands, inverse=t.inverse)
   if t.sums_decays:
     *intra, b = intra
   if t.normalize:
@@ -206,7 +211,8 @@ DECAY_SUMS = ("own_kernel", "in_scores")
 def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
-                qk_norm="kernel", solve="own_kernel", decay_sum="own_kernel"):
+                qk_norm="kernel", solve="own_kernel", decay_sum="own_kernel",
+                score_operands="compute", inverse="whole_chunk"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -234,11 +240,21 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     decay_sum: where the in-chunk cumulative decay is summed, one of DECAY_SUMS:
     "own_kernel" (the default), a kernel before the others (_chunk_cumsum), or "in_scores",
     the first scores kernel on its way (one pass over the decays fewer; with scores
-    "by_layout" and no `decay` gate, else as "own_kernel")."""
+    "by_layout" and no `decay` gate, else as "own_kernel").
+    score_operands: the operand dtype of the in-chunk score products (A_kk, A_qk) where the
+    decays factor (WHOLE_CHUNK, HALVES chunks), one of SCORE_OPERANDS: "compute" (the
+    default, the faster: docs/performance.md, "Score products on bf16 operands"), the
+    compute dtype (bf16 for bf16 inputs), or "fp32" (TF32 on the GPU).
+    inverse: how the solve's own kernel forms T = (I + A_kk)^-1, one of INVERSES:
+    "whole_chunk" (the default), recursive doubling over the whole chunk, or "by_halves",
+    each 32-token half's inverse on its own, joined by the block below them (a quarter of
+    the tensor-core work; docs/performance.md, "Score products on bf16 operands")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
-  for name, choice, known in (("qk_norm", qk_norm, QK_NORMS), ("decay_sum", decay_sum, DECAY_SUMS)):
+  for name, choice, known in (("qk_norm", qk_norm, QK_NORMS), ("decay_sum", decay_sum, DECAY_SUMS),
+                              ("score_operands", score_operands,
+                               SCORE_OPERANDS), ("inverse", inverse, INVERSES)):
     if choice not in known:
       raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   in_kernel = normalize_qk and qk_norm == "kernel" and scores in FIRST_KERNEL_FORMS
@@ -266,6 +282,6 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
       raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
              scores=scores, key_grads=key_grads, normalize=in_kernel, solve=solve,
-             sums_decays=sums_decays)
+             sums_decays=sums_decays, score_operands=score_operands, inverse=inverse)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
-from pallas_kernels.linear_attention import chunked_gla, gla_recurrent
+from pallas_kernels.linear_attention import _chunk_prep, chunked_gla, gla_recurrent
+from pallas_kernels.linear_attention._gla_scores import chunk_scores
 from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention.tests._data import (make_inputs, outputs_and_grads, rel_rms,
                                                          with_halves, with_strong_decay,
@@ -119,6 +120,32 @@ def test_decays_summed_in_the_scores_kernel(scores, forward):
     _check(x, 1e-4, 1e-4, tiling=tiling)
   with pytest.raises(ValueError, match=r"Tiling.decay_sum = 'xla': expected one of"):
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(decay_sum="xla"))
+
+
+@pytest.mark.parametrize("scores", ["one_kernel", "by_layout"])
+def test_factored_score_products_in_the_compute_dtype(scores):
+  """Tiling(score_operands="compute") (the default): the HALVES and WHOLE_CHUNK chunks'
+  products on bf16 operands; bf16 inputs, one chunk of each scores layout. Against the
+  fp32-operand products, A moves in the factored chunks by about bf16's rounding and not at
+  all in the SUB_CHUNKS one; the op stays within the bf16 tolerances; a name it does not
+  know is refused."""
+  x = _three_score_layouts(31)
+  x = {n: a.astype(jnp.bfloat16) if n in "qkv" else a for n, a in x.items()}
+  B, T = x["q"].shape[:2]
+  qp, kp, _, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
+  a = {
+      operands:
+          chunk_scores(qp, kp, b, runs, interpret=True, form=scores,
+                       operands=operands).astype(jnp.float32)[0]
+      for operands in factors.SCORE_OPERANDS
+  }
+  moved = jnp.sqrt(
+      jnp.sum((a["compute"] - a["fp32"])**2, (0, 2, 3)) / jnp.sum(a["fp32"]**2, (0, 2, 3)))
+  assert bool(jnp.all(moved[:2] > 0)) and float(jnp.max(moved)) < 1e-2, moved
+  assert float(moved[2]) == 0.0, moved
+  _check(x, 5e-3, 1e-2, tiling=Tiling(scores=scores, score_operands="compute"))
+  with pytest.raises(ValueError, match=r"Tiling.score_operands = 'tf32': expected one of"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(score_operands="tf32"))
 
 
 def test_fp32_exact_over_key_and_value_blocks():

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
-from pallas_kernels.linear_attention import _kda_scores
+from pallas_kernels.linear_attention import _chunk_prep, _kda_scores
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
 from pallas_kernels.linear_attention.tests._data import (fast_jit, make_inputs, outputs_and_grads,
                                                          rel_rms, with_halves, with_strong_decay,
@@ -129,6 +129,36 @@ def test_qk_norm_as_row_scales_in_the_first_scores_kernel():
     assert err <= 1.2 * errors[jnp.bfloat16]["xla"][name], (name, errors[jnp.bfloat16])
 
 
+@pytest.mark.parametrize("form", ["by_layout", "one_kernel"])
+def test_factored_score_products_in_the_compute_dtype(form):
+  """score_operands="compute" (the default): the WHOLE_CHUNK and HALVES chunks' products on
+  bf16 operands; bf16 inputs, one chunk of each scores layout. Against the fp32-operand
+  products, A_kk and A_qk move in the factored chunks by about bf16's rounding, and not at
+  all in the SUB_CHUNKS one; A_kk stays fp32; the op stays within the bf16 tolerances."""
+  x = _one_chunk_of_each_scores_layout(
+      make_inputs(seed=29, T=192, Dk=32, Dv=32, dtype=jnp.bfloat16, segment_rate=0.03))
+  B, T = x["q"].shape[:2]
+  qp, kp, _, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
+  masks = _chunk_prep.segment_masks(runs)
+  scores = {
+      operands:
+          _kda_scores.chunk_scores(qp, kp, b, x["beta"], runs, *masks, cd=jnp.bfloat16,
+                                   interpret=True, form=form, operands=operands)[3:5]
+      for operands in factors.SCORE_OPERANDS
+  }
+  chex.assert_type(scores["compute"], [jnp.float32, jnp.bfloat16])
+
+  def moved(a, ref):  # per chunk [3], relative
+    a, ref = a.astype(jnp.float32)[0], ref.astype(jnp.float32)[0]
+    return jnp.sqrt(jnp.sum((a - ref)**2, (0, 2, 3)) / jnp.sum(ref**2, (0, 2, 3)))
+
+  for compute, fp32 in zip(scores["compute"], scores["fp32"]):
+    by_chunk = moved(compute, fp32)
+    assert bool(jnp.all(by_chunk[:2] > 0)) and float(jnp.max(by_chunk)) < 1e-2, by_chunk
+    assert float(by_chunk[2]) == 0.0, by_chunk
+  _assert_within(_errors(x, scores=form, score_operands="compute"), 6e-3, 1.2e-2)
+
+
 @pytest.mark.parametrize("qk_norm, solve", [("xla", "own_kernel"), ("kernel", "own_kernel"),
                                             ("kernel", "in_scores")])
 def test_decays_summed_in_the_first_scores_kernel(qk_norm, solve):
@@ -151,6 +181,20 @@ def test_the_halves_chunks_solved_in_the_scores_kernel(layouts):
   x = data(make_inputs(seed=24, T=192, Dk=32, Dv=32, segment_rate=0.03))
   qk_norm = "kernel" if layouts == "halves" else "xla"
   _assert_within(_errors(x, solve="in_scores", qk_norm=qk_norm), 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("solve", ["own_kernel", "in_scores"])
+def test_the_inverse_by_halves_in_the_solve_kernel(solve):
+  """inverse="by_halves": the solve's own kernel inverts each 32-token half and joins them;
+  fp32, resets and padding (T = 150), one chunk of each scores layout, all of them in the
+  solve's kernel or the HALVES one in the scores' kernel (solve="in_scores"); the outputs,
+  the T the backward reads and every gradient as exact as the whole chunk's doubling. A name
+  it does not know is refused."""
+  x = _one_chunk_of_each_scores_layout(make_inputs(seed=33, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
+  _assert_within(_errors(x, inverse="by_halves", solve=solve), 1e-4, 1e-4)
+  with pytest.raises(ValueError, match=r"inverse = 'lu': expected one of"):
+    chunked_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], inverse="lu")
 
 
 @pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 1e-4, 1e-4),

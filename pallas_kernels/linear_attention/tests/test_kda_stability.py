@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear_attention import chunked_kda, kda_chunked, kda_recurrent
-from pallas_kernels.linear_attention._kda_solve import unit_lower_inverse
+from pallas_kernels.linear_attention._kda_solve import halves_inverse, unit_lower_inverse
 from pallas_kernels.linear_attention.tests._data import fast_jit, rel_rms
 
 
@@ -54,4 +54,24 @@ def test_doubling_inverse_of_near_parallel_keys(interpret, unrolled):
   t = np.asarray(
       jax.jit(lambda a: unit_lower_inverse(a, interpret=interpret, unrolled=unrolled))(a),
       np.float64)
+  assert np.linalg.norm(t - exact) / np.linalg.norm(exact) < (1e-6 if interpret else 5e-5)
+
+
+@pytest.mark.parametrize("interpret", [True, False], ids=["fp32_products", "split_bf16_products"])
+def test_inverse_by_halves_of_near_parallel_keys(interpret):
+  """The solve kernel's inverse by halves (each 32-token half by doubling, joined by the
+    block below them), assembled, against the float64 triangular solve on the chunk of
+    near-parallel keys above, as accurate as the whole chunk's doubling; its block above
+    the diagonal is zero."""
+  _, k, _, _, beta = _near_parallel_keys(T=64)
+  k = k[0, :, 0] / jnp.linalg.norm(k[0, :, 0], axis=-1, keepdims=True)
+  a = jnp.tril(beta[0, :, 0, None] * (k @ k.T), -1)
+  a = a + jnp.triu(jnp.full_like(a, jnp.nan))  # never read: on and above the diagonal
+  exact = np.linalg.inv(np.eye(64) + np.nan_to_num(np.asarray(a, np.float64)))
+
+  def by_halves(a):
+    t00, t10, t11 = halves_inverse(lambda rows, cols: a[rows, cols], interpret)
+    return jnp.block([[t00, jnp.zeros_like(t00)], [t10, t11]])
+
+  t = np.asarray(jax.jit(by_halves)(a), np.float64)
   assert np.linalg.norm(t - exact) / np.linalg.norm(exact) < (1e-6 if interpret else 5e-5)

@@ -1,0 +1,112 @@
+"""GPU benchmark: tuning constants of the linear-attention kernels against each other and
+jla, in alternating rounds of one process.
+
+    PYTHONPATH=src:. python3 -m experiments.bench_kernel_constants --op kda \
+        --shape 1,32768,32,128 --gates logsigmoid_strong kda_init \
+        --setting b64:_kda_scores.HALVES_BLOCK_D=64 --setting b128:_kda_scores.HALVES_BLOCK_D=128
+
+A setting is NAME:MODULE.CONSTANT=VALUE[;MODULE.CONSTANT=VALUE...], MODULE a module of
+pallas_kernels.linear_attention and VALUE a Python literal. Each setting's op (chunked_kda or
+chunked_gla with its defaults) is traced and compiled with its constants in place, which are
+then restored: the kernels read them at trace time, so each compiled function keeps its
+own. Then every setting's forward and forward+backward (bench_linear_attention's
+fwd_and_fwdbwd) is timed against jla's (experiments.timing.interleaved_ratios; without jla,
+against the first setting). One JSON line per gate regime: per pass, each setting's median
+ms and median per-round ratio (baseline / setting: > 1, the setting faster).
+"""
+import argparse
+import ast
+import contextlib
+import functools
+import importlib
+import json
+
+import jax
+
+from experiments.bench_linear_attention import (GATES, fwd_and_fwdbwd, inputs, kda_inputs, peer_fns)
+from experiments.timing import interleaved_ratios
+
+PACKAGE = "pallas_kernels.linear_attention"
+
+
+def parse_setting(spec):
+  """"name:_kda_scores.X=1;_kda_solve.Y=2" -> (name, [(module, "X", 1), (module, "Y", 2)]),
+    after checking that every module holds the constant it names."""
+  name, sep, body = spec.partition(":")
+  if not sep or not name or not body:
+    raise ValueError(f"setting {spec!r}: expected NAME:MODULE.CONSTANT=VALUE[;...]")
+  patches = []
+  for item in filter(None, body.split(";")):
+    target, eq, value = item.partition("=")
+    module, dot, constant = target.rpartition(".")
+    if not (eq and dot):
+      raise ValueError(f"setting {spec!r}: {item!r} is not MODULE.CONSTANT=VALUE")
+    mod = importlib.import_module(f"{PACKAGE}.{module}")
+    if not hasattr(mod, constant):
+      raise ValueError(f"setting {spec!r}: {PACKAGE}.{module} has no {constant}")
+    patches.append((mod, constant, ast.literal_eval(value)))
+  return name, patches
+
+
+@contextlib.contextmanager
+def patched(patches):
+  """The constants set for the block, restored after it."""
+  saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+  try:
+    for mod, name, value in patches:
+      setattr(mod, name, value)
+    yield
+  finally:
+    for mod, name, value in saved:
+      setattr(mod, name, value)
+
+
+def compiled(op, patches, x):
+  """(forward, forward+backward) of the op on x, traced and compiled under the patches, as
+    functions of no arguments."""
+  from pallas_kernels.linear_attention import chunked_gla, chunked_kda
+  fwd, fwdbwd = fwd_and_fwdbwd({"kda": chunked_kda, "gla": chunked_gla}[op], len(x))
+  with patched(patches):
+    jax.block_until_ready((fwd(*x), fwdbwd(*x)))
+  return functools.partial(fwd, *x), functools.partial(fwdbwd, *x)
+
+
+def bench(op, shape, gates, settings, peer=True, rounds=15, calls=10):
+  """{gates, shape, fwd: {name: [ms, ratio]}, fwdbwd: ..., baseline}: the settings' ops
+    against jla's (or, without it or with peer=False, the first setting's)."""
+  x = kda_inputs(shape, gates=gates) if op == "kda" else inputs(*shape, gates=gates)
+  sides = {name: compiled(op, patches, x) for name, patches in settings}
+  made = peer_fns("jla", op, x) if peer else "not asked"
+  baseline = "jla" if not isinstance(made, str) else settings[0][0]
+  base = made if baseline == "jla" else sides[baseline]
+  row = {"op": op, "shape": list(shape), "gates": gates, "baseline": baseline}
+  for i, kind in enumerate(("fwd", "fwdbwd")):
+    report = interleaved_ratios({
+        n: fns[i] for n, fns in sides.items()
+    }, base[i], rounds=rounds, calls=calls)
+    row[kind] = {n: [round(report[n]["ms"], 4), report[n]["median"]] for n in sides}
+    row[kind]["baseline_ms"] = round(report["baseline_ms"], 4)
+  return row
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--op", choices=("kda", "gla"), default="kda")
+  ap.add_argument("--shape", type=lambda s: tuple(map(int, s.split(","))),
+                  default=(1, 32768, 32, 128))
+  ap.add_argument("--gates", nargs="+", choices=GATES, default=["logsigmoid"])
+  ap.add_argument("--setting", action="append", type=parse_setting, required=True,
+                  help="NAME:MODULE.CONSTANT=VALUE[;...] (repeat for each setting)")
+  ap.add_argument("--no-peer", action="store_true", help="against the first setting, not jla")
+  ap.add_argument("--rounds", type=int, default=15)
+  ap.add_argument("--calls", type=int, default=10)
+  args = ap.parse_args(argv)
+  for gates in args.gates:
+    print(
+        json.dumps(
+            bench(args.op, args.shape, gates, args.setting, not args.no_peer, args.rounds,
+                  args.calls)), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,52 @@
+"""experiments/bench_kernel_constants.py on CPU (kernels interpreted), at a tiny shape: each
+setting's op is traced under its constants, which are restored after; bad settings are
+refused with the reason."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import bench_kernel_constants as bench
+from pallas_kernels.linear_attention import _chunk_factors, _kda_scores
+
+
+def test_settings_parse_and_bad_ones_are_refused():
+  name, patches = bench.parse_setting(
+      "b32:_kda_scores.HALVES_BLOCK_D=32;_chunk_factors.HALF_LIMIT=1.5")
+  assert name == "b32"
+  assert patches == [(_kda_scores, "HALVES_BLOCK_D", 32), (_chunk_factors, "HALF_LIMIT", 1.5)]
+  for spec, match in (("_kda_scores.HALVES_BLOCK_D=32", "expected NAME:"),
+                      ("x:_kda_scores.HALVES_BLOCK_D", "is not MODULE.CONSTANT=VALUE"),
+                      ("x:_kda_scores.NO_SUCH=1", "has no NO_SUCH"), ("x:_no_such_module.X=1",
+                                                                      "No module named")):
+    with pytest.raises((ValueError, ModuleNotFoundError), match=match):
+      bench.parse_setting(spec)
+
+
+def test_constants_hold_while_tracing_and_are_restored():
+  """HALF_LIMIT = -1 sends the HALVES chunks of strong gates down the sub-chunk path: the
+    outputs move by rounding alone, so the constant was in place when the op was traced; after
+    it, the module holds its own value again, also when the block raises."""
+  x = bench.inputs(1, 128, 1, 32, gates="logsigmoid_strong")
+  own = _chunk_factors.HALF_LIMIT
+  plain = bench.compiled("gla", [], x)[0]()
+  sub_chunks = bench.compiled("gla", [(_chunk_factors, "HALF_LIMIT", -1.0)], x)[0]()
+  assert _chunk_factors.HALF_LIMIT == own
+  a, b = (np.asarray(o, np.float32) for o in (plain, sub_chunks))
+  assert not np.array_equal(a, b)
+  np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05)
+  with pytest.raises(RuntimeError):
+    with bench.patched([(_chunk_factors, "HALF_LIMIT", 0.0)]):
+      raise RuntimeError
+  assert _chunk_factors.HALF_LIMIT == own
+
+
+def test_a_row_against_the_first_setting_without_jla():
+  settings = [
+      bench.parse_setting(s)
+      for s in ("a:_kda_scores.HALVES_BLOCK_D=64", "b:_kda_scores.HALVES_BLOCK_D=16")
+  ]
+  row = bench.bench("gla", (1, 64, 1, 32), "logsigmoid", settings, peer=False, rounds=1, calls=1)
+  assert row["baseline"] == "a" and row["gates"] == "logsigmoid"
+  for kind in ("fwd", "fwdbwd"):
+    assert set(row[kind]) == {"a", "b", "baseline_ms"}
+    assert all(ms > 0 and ratio > 0 for ms, ratio in (row[kind]["a"], row[kind]["b"]))
