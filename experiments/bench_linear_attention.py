@@ -355,8 +355,9 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
       static_argnames=("e", "warps"))
   qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
   intra_by_layout = jax.jit(
-      lambda *a, solve: chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=False, interpret=interp,
-                                    scores="by_layout", solve=solve), static_argnames="solve")
+      lambda *a, solve, inverse="whole_chunk":
+      chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=False, interpret=interp, scores="by_layout",
+                  solve=solve, inverse=inverse), static_argnames=("solve", "inverse"))
 
   def scores_with(**setting):
     return jax.jit(lambda *a: chunk_scores(*a, runs, ci, il, cd=cd, interpret=interp, **setting))
@@ -427,6 +428,11 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(
                       median_ms(lambda *a: intra_by_layout(*a, solve="own_kernel"), qp, kp, vp, b,
                                 beta), 3),
+              "intra_by_layout_inverse_by_halves":
+                  round(
+                      median_ms(
+                          lambda *a: intra_by_layout(*a, solve="own_kernel", inverse="by_halves"),
+                          qp, kp, vp, b, beta), 3),
               "of_which_scores":
                   round(median_ms(scores, qp, kp, b, beta), 3),
               "scores_normalizing_q_k":

@@ -12,8 +12,8 @@ and the next state is keep exp(b_last) S + kg^T v_new.
 
 The scores A_kk, A_qk, qg, kg and the write keys kw = diag(beta) k exp(b) ci, one program
 per chunk (_kda_scores); then, one program per chunk, T by recursive doubling (ten
-whole-chunk fp32-accurate products, no serial substitution) and w = T kw, u0 as
-[C, C] x [C, 64] products (_kda_solve). Live tiles are [C, C] and [C, 64] fp32, at any
+whole-chunk fp32-accurate products, no serial substitution; or each half's on its own,
+joined: _kda_solve.INVERSES) and w = T kw, u0 as [C, C] x [C, 64] products (_kda_solve). Live tiles are [C, C] and [C, 64] fp32, at any
 D <= 256. The solve runs in a kernel of its own after the scores' (solve="own_kernel", the
 default), or, with the scores by layout, the HALVES chunks' scores kernel solves them in
 place and the solve's kernel takes the others (solve="in_scores";
