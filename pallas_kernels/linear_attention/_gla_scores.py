@@ -173,8 +173,9 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     decayed_with = (carry_in, in_last): (A, qg, kg), qg and kg [B, Tp, H, Dk] in the
     compute dtype (see _decayed_rows). form (_chunk_factors.SCORE_KERNELS): one kernel
     that branches per chunk (num_warps); by_layout, three kernels, the WHOLE_CHUNK
-    chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps). b: the in-chunk cumulative log decay [B, Tp, H, Dk], or with from_gates the
-    log decays g, which the (first) kernel sums; b [B, Tp, H, Dk] fp32 then comes last of
+    chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps).
+    b: the in-chunk cumulative log decay [B, Tp, H, Dk], or with from_gates the log decays
+    g, which the (first) kernel sums; b [B, Tp, H, Dk] fp32 then comes last of
     a tuple (with A alone, (A, b)). operands: the factored products' operand dtype, one of
     _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
@@ -193,19 +194,19 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     out_specs += (g.chunk(Dk), g.chunk(Dk))
     outs += (jax.ShapeDtypeStruct(q.shape, cd), jax.ShapeDtypeStruct(q.shape, cd))
   grid, launch = (B, H, Tp // C, 1), dict(interpret=interpret, num_stages=num_stages)
-  sums = dict(from_gates=from_gates, interpret=interpret, operand=operand)
+  kernel_kw = dict(from_gates=from_gates, interpret=interpret, operand=operand)
   if from_gates:  # the summed decays: the kernel's last output
     summed_spec, summed = (g.chunk(Dk),), (jax.ShapeDtypeStruct(q.shape, F32),)
   else:
     summed_spec, summed = (), ()
   result = lambda out: tuple(out) if decayed or from_gates else out[0]
   if form == "one_kernel":
-    out = chunk_call(functools.partial(_scores_kernel, cd=cd, decayed=decayed,
-                                       **sums), grid, specs, out_specs + summed_spec, outs + summed,
-                     num_warps=num_warps, name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
+    out = chunk_call(functools.partial(_scores_kernel, cd=cd, decayed=decayed, **kernel_kw), grid,
+                     specs, out_specs + summed_spec, outs + summed, num_warps=num_warps,
+                     name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
     return result(out)
   out = list(
-      chunk_call(functools.partial(_first_pass_kernel, decayed=decayed, **sums), grid, specs,
+      chunk_call(functools.partial(_first_pass_kernel, decayed=decayed, **kernel_kw), grid, specs,
                  out_specs + (g.layout_flag(),) + summed_spec, outs + (jax.ShapeDtypeStruct(
                      (B, H, Tp // C, C), jnp.int32),) + summed, num_warps=FACTORED_WARPS,
                  name="gla_chunk_scores_whole_chunk", **launch)(q, k, b, runs, *flags))
