@@ -12,7 +12,8 @@ then restored: the kernels read them at trace time, so each compiled function ke
 own. Then every setting's forward and forward+backward (bench_linear_attention's
 fwd_and_fwdbwd) is timed against jla's (experiments.timing.interleaved_ratios; without jla,
 against the first setting). One JSON line per gate regime: per pass, each setting's median
-ms and median per-round ratio (baseline / setting: > 1, the setting faster).
+ms and median per-round ratio (baseline / setting: > 1, the setting faster). With
+--correctness, first each setting's output and gradients against the fp32 reference.
 """
 import argparse
 import ast
@@ -23,7 +24,9 @@ import json
 
 import jax
 
-from experiments.bench_linear_attention import (GATES, fwd_and_fwdbwd, inputs, kda_inputs, peer_fns)
+from experiments.bench_linear_attention import (CORRECTNESS_SHAPE, GATES, correctness,
+                                                fwd_and_fwdbwd, inputs, inputs_at, kda_inputs,
+                                                peer_fns)
 from experiments.timing import interleaved_ratios
 
 PACKAGE = "pallas_kernels.linear_attention"
@@ -71,6 +74,29 @@ def compiled(op, patches, x):
   return functools.partial(fwd, *x), functools.partial(fwdbwd, *x)
 
 
+def traced_under(op, patches):
+  """The op (chunked_kda or chunked_gla with its defaults), traced under the patches wherever
+    it is traced (jitted by a caller, as bench_linear_attention.correctness does)."""
+  from pallas_kernels.linear_attention import chunked_gla, chunked_kda
+  fn = {"kda": chunked_kda, "gla": chunked_gla}[op]
+
+  def op_under_patches(*a):
+    with patched(patches):
+      return fn(*a)
+
+  return op_under_patches
+
+
+def check(op, gates, settings, shape=CORRECTNESS_SHAPE):
+  """Each setting's output and gradients against the fp32 plain-JAX chunked op, per gate
+    regime (bench_linear_attention.correctness: one JSON line per regime and setting, after
+    the bf16 reference's own)."""
+  from pallas_kernels.linear_attention import gla_chunked, kda_chunked
+  reference, make = (kda_chunked, kda_inputs) if op == "kda" else (gla_chunked, inputs_at)
+  correctness(op, [(name, traced_under(op, patches)) for name, patches in settings], reference,
+              make, gates, shape)
+
+
 def bench(op, shape, gates, settings, peer=True, rounds=15, calls=10):
   """{gates, shape, fwd: {name: [ms, ratio]}, fwdbwd: ..., baseline}: the settings' ops
     against jla's (or, without it or with peer=False, the first setting's)."""
@@ -100,7 +126,16 @@ def main(argv=None):
   ap.add_argument("--no-peer", action="store_true", help="against the first setting, not jla")
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--calls", type=int, default=10)
+  ap.add_argument(
+      "--correctness", action="store_true",
+      help="first, each setting's output and gradients against the fp32 reference "
+      "(bench_linear_attention's correctness shape)")
+  ap.add_argument("--correctness-only", action="store_true", help="--correctness, untimed")
   args = ap.parse_args(argv)
+  if args.correctness or args.correctness_only:
+    check(args.op, args.gates, args.setting)
+  if args.correctness_only:
+    return
   for gates in args.gates:
     print(
         json.dumps(

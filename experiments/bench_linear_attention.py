@@ -355,7 +355,7 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
       static_argnames=("e", "warps"))
   qg, kg, w, u0, aqk, inv = intra(qp, kp, vp, b, beta, e=True)
   intra_by_layout = jax.jit(
-      lambda *a, solve, inverse="whole_chunk":
+      lambda *a, solve, inverse="by_halves":
       chunk_intra(*a, runs, ci, il, cd=cd, emit_inverse=False, interpret=interp, scores="by_layout",
                   solve=solve, inverse=inverse), static_argnames=("solve", "inverse"))
 
@@ -428,10 +428,10 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
                   round(
                       median_ms(lambda *a: intra_by_layout(*a, solve="own_kernel"), qp, kp, vp, b,
                                 beta), 3),
-              "intra_by_layout_inverse_by_halves":
+              "intra_by_layout_inverse_whole_chunk":
                   round(
                       median_ms(
-                          lambda *a: intra_by_layout(*a, solve="own_kernel", inverse="by_halves"),
+                          lambda *a: intra_by_layout(*a, solve="own_kernel", inverse="whole_chunk"),
                           qp, kp, vp, b, beta), 3),
               "of_which_scores":
                   round(median_ms(scores, qp, kp, b, beta), 3),

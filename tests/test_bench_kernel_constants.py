@@ -1,6 +1,8 @@
 """experiments/bench_kernel_constants.py on CPU (kernels interpreted), at a tiny shape: each
 setting's op is traced under its constants, which are restored after; bad settings are
 refused with the reason."""
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,3 +52,22 @@ def test_a_row_against_the_first_setting_without_jla():
   for kind in ("fwd", "fwdbwd"):
     assert set(row[kind]) == {"a", "b", "baseline_ms"}
     assert all(ms > 0 and ratio > 0 for ms, ratio in (row[kind]["a"], row[kind]["b"]))
+
+
+def test_correctness_of_each_setting_under_its_constants(capsys):
+  """--correctness: one line per setting after the reference's own; a setting that sends the
+    HALVES chunks down the sub-chunk path is as exact as the default, so both were traced and
+    run; the constant is restored after."""
+  settings = [
+      bench.parse_setting(s)
+      for s in ("own:_gla_scores.HALVES_BLOCK_D=64", "sub_chunks:_chunk_factors.HALF_LIMIT=-1.0")
+  ]
+  own = _chunk_factors.HALF_LIMIT
+  bench.check("gla", ["logsigmoid_strong"], settings, shape=(1, 64, 1, 16))
+  assert _chunk_factors.HALF_LIMIT == own
+  rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r["setting"] for r in rows] == ["reference[bfloat16]", "own", "sub_chunks"]
+  for row in rows[1:]:
+    assert set(row["rel_rms"]) == {"o", "dq", "dk", "dv", "dg"}
+    assert all(err < 1e-2 for err in row["rel_rms"].values()), row
+  assert rows[1]["rel_rms"] != rows[2]["rel_rms"]  # each traced under its own constants

@@ -35,7 +35,7 @@ def test_kda_breakdown_runs_every_kernel(monkeypatch):
   ms = bench.kda_kernel_breakdown((1, 64, 1, 64))["kernel_ms"]
   for name in ("intra", "intra_with_inverse", "intra_with_inverse_solve_8_warps",
                "intra_by_layout_solve_in_scores", "intra_by_layout_solve_own_kernel",
-               "intra_by_layout_inverse_by_halves", "of_which_scores", "scores_by_layout",
+               "intra_by_layout_inverse_whole_chunk", "of_which_scores", "scores_by_layout",
                "scores_normalizing_summing_decays", "scores_normalizing_q_k", "output", "dv_local",
                "wy_grads", "key_grads", "key_grads_8_warps", "key_grads_in_one_kernel",
                "key_grads_other_chunks_8_warps", "states_triton", "state_grads_triton",

@@ -81,11 +81,23 @@ def _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand):
       lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a), (operand,))
 
 
+# The HALVES products 64 channels at a time, both merged in registers into one unmasked
+# [C, C] store (the pairs across as a [C, C] product too): faster than all channels at once
+# and two masked stores (docs/kernel_tuning.md, "GLA tiling")
+HALVES_BLOCK_D = 64
+
+
 def _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand):
-  """A of a HALVES chunk: two matmuls of `operand` dtype operands."""
-  factors.halves_products(k_ref, b_ref, (q_ref,),
-                          lambda start, region, a: _store_columns(r_ref, a_ref, start, region, a),
+  """A of a HALVES chunk: two matmuls of `operand` dtype operands, merged in registers."""
+  kept = []
+
+  def keep(start, region, a):
+    del start  # every product spans all C columns (full_across)
+    kept[:] = [jnp.where(region, a, kept[0]) if kept else a]
+
+  factors.halves_products(k_ref, b_ref, (q_ref,), keep, block_d=HALVES_BLOCK_D, full_across=True,
                           dtypes=(operand,))
+  _store_columns(r_ref, a_ref, 0, None, kept[0])
 
 
 def _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd):

@@ -38,7 +38,7 @@ SOLVES = ("own_kernel", "in_scores")
 
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
                 scores="one_kernel", solve_warps=SOLVE_WARPS, normalize=False, solve="own_kernel",
-                from_gates=False, operands="compute", inverse="whole_chunk"):
+                from_gates=False, operands="compute", inverse="by_halves"):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd; with `normalize`, of q and k L2-normalised
     per token by the first scores kernel (chunk_scores), and with emit_inverse too (what the

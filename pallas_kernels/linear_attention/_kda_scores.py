@@ -109,13 +109,27 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, operand, scales=Non
 # not fit the registers (experiments/kernel_resources.py)
 HALVES_BLOCK_D = 64
 
+# Whether the HALVES products merge in registers into one unmasked store each (under test)
+HALVES_MERGED = False
+
 
 def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand):
   """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands."""
-  factors.halves_products(
-      k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
-      dtypes=(operand,) * 2)
+  if not HALVES_MERGED:
+    factors.halves_products(
+        k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
+            r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
+        dtypes=(operand,) * 2)
+    return
+  kept = []
+
+  def keep(start, region, *products):
+    del start
+    kept[:] = [jnp.where(region, p, k) for p, k in zip(products, kept)] if kept else list(products)
+
+  factors.halves_products(k_ref, b_ref, (k_ref, q_ref), keep, block_d=HALVES_BLOCK_D,
+                          full_across=True, dtypes=(operand,) * 2)
+  _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, 0, None, *kept)
 
 
 class _RowScales(NamedTuple):
@@ -386,7 +400,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
 def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,
                            emit_inverse, normalize=False, num_warps=4, factored_warps=None,
                            solve_warps=4, keep_normalized=True, from_gates=False,
-                           operands="compute", inverse="whole_chunk"):
+                           operands="compute", inverse="by_halves"):
   """The scores by layout with the HALVES chunks solved in place (_kda_intra's chunk form):
     (qg, kg, w [B, Tp, H, Dk], u0 [B, Tp, H, Dv], A_qk [B, H, n, C, C], all in cd,
     T [B, H, n, C, C] in cd when emit_inverse), of q and k L2-normalised with `normalize`,

@@ -8,7 +8,11 @@ The solve's own kernel forms T in one of the INVERSES: "whole_chunk", recursive 
 over the whole [C, C] chunk (unit_lower_inverse), or "by_halves", each 32-token half's
 inverse by doubling on its own [C/2, C/2] diagonal block, joined by the block below them
 (halves_inverse): every level's products are then half as wide, about a quarter of the
-tensor-core work (the whole chunk's first levels multiply blocks of zeros).
+tensor-core work (the whole chunk's first levels multiply blocks of zeros), and the
+kernel fits three programs an SM where the whole chunk's fits two (by_halves, the default:
+docs/performance.md, "The inverse by halves"). The HALVES kernel solving in place keeps
+the whole chunk's doubling: its [C/2, C/2] products, below the warpgroup matmuls' 64 rows,
+ran 3x slower there.
 """
 import jax
 import jax.numpy as jnp
@@ -144,7 +148,7 @@ def store_solved_by_halves(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, inve
 
 
 def solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, *inverse_ref, cd, interpret,
-                 inverse="whole_chunk"):
+                 inverse="by_halves"):
   """The solve's own kernel, one chunk: T from A_kk (one of INVERSES) and w, u0 from kw and v
     (store_solved), and T itself for the backward when asked (inverse_ref)."""
   if inverse == "by_halves":
@@ -157,7 +161,7 @@ def solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, *inverse_ref, 
 
 
 def solve_unless_kernel(flag_ref, akk_ref, kw_ref, v_ref, beta_ref, *refs, layout, cd, interpret,
-                        inverse="whole_chunk"):
+                        inverse="by_halves"):
   """solve_kernel for the chunks whose layout flag is not `layout` (that layout's kernel
     solved them in place), into the outputs aliased to refs' first half."""
   outputs = refs[len(refs) // 2:]

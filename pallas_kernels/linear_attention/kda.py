@@ -73,7 +73,7 @@ class Tiling(NamedTuple):
   # log decays g where it would take their in-chunk sum b
   sums_decays: bool = False
   score_operands: str = "compute"  # _chunk_factors.SCORE_OPERANDS
-  inverse: str = "whole_chunk"  # _kda_solve.INVERSES
+  inverse: str = "by_halves"  # _kda_solve.INVERSES
 
 
 def available_state_walks(interpret):
@@ -212,7 +212,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
                 qk_norm="kernel", solve="own_kernel", decay_sum="own_kernel",
-                score_operands="compute", inverse="whole_chunk"):
+                score_operands="compute", inverse="by_halves"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -246,9 +246,9 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     default, the faster: docs/performance.md, "Score products on bf16 operands"), the
     compute dtype (bf16 for bf16 inputs), or "fp32" (TF32 on the GPU).
     inverse: how the solve's own kernel forms T = (I + A_kk)^-1, one of INVERSES:
-    "whole_chunk" (the default), recursive doubling over the whole chunk, or "by_halves",
+    "by_halves" (the default, the faster: docs/performance.md, "The inverse by halves"),
     each 32-token half's inverse on its own, joined by the block below them (a quarter of
-    the tensor-core work; docs/performance.md, "Score products on bf16 operands")."""
+    the tensor-core work), or "whole_chunk", recursive doubling over the whole chunk."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)

@@ -56,14 +56,17 @@ def with_three_layouts(x, seed=0):
 
 def with_halves(x, seed=0):
   """x (T = 192) whose scores take HALVES in chunks 0 and 1 and WHOLE_CHUNK in chunk 2:
-    g in [-4, -2] (a chunk decays by ~190 and no anchor holds it, a half's anchor does),
-    then g = -4.95 a token (the gate's lower bound of -5: its halves reach 79.2 of the
-    HALF_LIMIT of 80, factors of exp(+-79)), then mild gates."""
+    g in [-4, -2] in the first channel and in [-1, 0] in the others (the first channel
+    decays by ~190 over the chunk and no anchor holds it, a half's anchor does; the others
+    keep the pairs across the halves weighty), then g = -4.95 a token (the gate's lower
+    bound of -5: its halves reach 79.2 of the HALF_LIMIT of 80, factors of exp(+-79)), then
+    mild gates."""
   B, T, H, D = x["g"].shape
   assert T == 3 * CHUNK
   u = jax.random.uniform(jax.random.key(seed), x["g"].shape)
   t = jnp.arange(T)[None, :, None, None]
-  g = jnp.where(t < CHUNK, -2.0 - 2.0 * u, jnp.where(t < 2 * CHUNK, -4.95, -u))
+  first = jnp.where(jnp.arange(D) == 0, -2.0 - 2.0 * u, -u)
+  g = jnp.where(t < CHUNK, first, jnp.where(t < 2 * CHUNK, -4.95, -u))
   assert factors.score_layouts(g)[0, :, 0].tolist() == [
       factors.HALVES, factors.HALVES, factors.WHOLE_CHUNK
   ]

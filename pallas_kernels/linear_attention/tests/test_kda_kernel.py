@@ -6,6 +6,7 @@ import pytest
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _chunk_prep, _kda_scores
+from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
 from pallas_kernels.linear_attention.tests._data import (fast_jit, make_inputs, outputs_and_grads,
                                                          rel_rms, with_halves, with_strong_decay,
@@ -99,10 +100,14 @@ def test_halves_scores_over_channel_blocks(scores, qk_norm, monkeypatch):
 
 def _one_chunk_of_each_scores_layout(x):
   """x (T = 192) whose chunks take the scores' three layouts in turn: WHOLE_CHUNK (g in
-    [-1, 0]), HALVES (g = -4.95 a token) and SUB_CHUNKS (mild, g = -20 every third token)."""
+    [-1, 0]), HALVES (g = -4.95 a token in the first channel, the others as the first
+    chunk's: the pairs across the halves weigh) and SUB_CHUNKS (mild, g = -20 every third
+    token)."""
   u = jax.random.uniform(jax.random.key(1), x["g"].shape)
   t = jnp.arange(x["g"].shape[1])[None, :, None, None]
-  g = jnp.where(t < 64, -u, jnp.where(t < 128, -4.95, jnp.where(t % 3 == 0, -20.0, -u)))
+  first_channel = jnp.arange(x["g"].shape[-1]) == 0
+  halves = jnp.where(first_channel, -4.95, -u)
+  g = jnp.where(t < 64, -u, jnp.where(t < 128, halves, jnp.where(t % 3 == 0, -20.0, -u)))
   assert factors.score_layouts(g)[0, :, 0].tolist() == [
       factors.WHOLE_CHUNK, factors.HALVES, factors.SUB_CHUNKS
   ]
@@ -184,15 +189,17 @@ def test_the_halves_chunks_solved_in_the_scores_kernel(layouts):
 
 
 @pytest.mark.parametrize("solve", ["own_kernel", "in_scores"])
-def test_the_inverse_by_halves_in_the_solve_kernel(solve):
-  """inverse="by_halves": the solve's own kernel inverts each 32-token half and joins them;
-  fp32, resets and padding (T = 150), one chunk of each scores layout, all of them in the
-  solve's kernel or the HALVES one in the scores' kernel (solve="in_scores"); the outputs,
-  the T the backward reads and every gradient as exact as the whole chunk's doubling. A name
-  it does not know is refused."""
+@pytest.mark.parametrize("inverse", INVERSES)
+def test_either_inverse_in_the_solve_kernel(inverse, solve):
+  """The solve's own kernel inverts each 32-token half and joins them (inverse="by_halves",
+  the default) or doubles over the whole chunk; fp32, resets and padding (T = 150), one
+  chunk of each scores layout, all of them in the solve's kernel or the HALVES one in the
+  scores' kernel (solve="in_scores", which doubles over the whole chunk either way); the
+  outputs, the T the backward reads and every gradient exact. A name it does not know is
+  refused."""
   x = _one_chunk_of_each_scores_layout(make_inputs(seed=33, T=192, Dk=32, Dv=32, segment_rate=0.03))
   x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
-  _assert_within(_errors(x, inverse="by_halves", solve=solve), 1e-4, 1e-4)
+  _assert_within(_errors(x, inverse=inverse, solve=solve), 1e-4, 1e-4)
   with pytest.raises(ValueError, match=r"inverse = 'lu': expected one of"):
     chunked_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], inverse="lu")
 
