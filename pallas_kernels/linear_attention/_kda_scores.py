@@ -109,27 +109,13 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, operand, scales=Non
 # not fit the registers (experiments/kernel_resources.py)
 HALVES_BLOCK_D = 64
 
-# Whether the HALVES products merge in registers into one unmasked store each (under test)
-HALVES_MERGED = False
-
 
 def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand):
   """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands."""
-  if not HALVES_MERGED:
-    factors.halves_products(
-        k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
-            r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
-        dtypes=(operand,) * 2)
-    return
-  kept = []
-
-  def keep(start, region, *products):
-    del start
-    kept[:] = [jnp.where(region, p, k) for p, k in zip(products, kept)] if kept else list(products)
-
-  factors.halves_products(k_ref, b_ref, (k_ref, q_ref), keep, block_d=HALVES_BLOCK_D,
-                          full_across=True, dtypes=(operand,) * 2)
-  _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, 0, None, *kept)
+  factors.halves_products(
+      k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
+      dtypes=(operand,) * 2)
 
 
 class _RowScales(NamedTuple):
