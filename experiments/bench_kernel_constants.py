@@ -64,19 +64,9 @@ def patched(patches):
       setattr(mod, name, value)
 
 
-def compiled(op, patches, x):
-  """(forward, forward+backward) of the op on x, traced and compiled under the patches, as
-    functions of no arguments."""
-  from pallas_kernels.linear_attention import chunked_gla, chunked_kda
-  fwd, fwdbwd = fwd_and_fwdbwd({"kda": chunked_kda, "gla": chunked_gla}[op], len(x))
-  with patched(patches):
-    jax.block_until_ready((fwd(*x), fwdbwd(*x)))
-  return functools.partial(fwd, *x), functools.partial(fwdbwd, *x)
-
-
 def traced_under(op, patches):
   """The op (chunked_kda or chunked_gla with its defaults), traced under the patches wherever
-    it is traced (jitted by a caller, as bench_linear_attention.correctness does)."""
+    it is traced (jitted by a caller)."""
   from pallas_kernels.linear_attention import chunked_gla, chunked_kda
   fn = {"kda": chunked_kda, "gla": chunked_gla}[op]
 
@@ -85,6 +75,14 @@ def traced_under(op, patches):
       return fn(*a)
 
   return op_under_patches
+
+
+def compiled(op, patches, x):
+  """(forward, forward+backward) of the op on x, traced and compiled under the patches, as
+    functions of no arguments."""
+  fwd, fwdbwd = fwd_and_fwdbwd(traced_under(op, patches), len(x))
+  jax.block_until_ready((fwd(*x), fwdbwd(*x)))
+  return functools.partial(fwd, *x), functools.partial(fwdbwd, *x)
 
 
 def check(op, gates, settings, shape=CORRECTNESS_SHAPE):

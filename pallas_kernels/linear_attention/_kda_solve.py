@@ -9,10 +9,10 @@ over the whole [C, C] chunk (unit_lower_inverse), or "by_halves", each 32-token 
 inverse by doubling on its own [C/2, C/2] diagonal block, joined by the block below them
 (halves_inverse): every level's products are then half as wide, about a quarter of the
 tensor-core work (the whole chunk's first levels multiply blocks of zeros), and the
-kernel fits three programs an SM where the whole chunk's fits two (by_halves, the default:
-docs/performance.md, "The inverse by halves"). The HALVES kernel solving in place keeps
-the whole chunk's doubling: its [C/2, C/2] products, below the warpgroup matmuls' 64 rows,
-ran 3x slower there.
+kernel fits three programs an SM where the whole chunk's fits two (by_halves, the default,
+the faster: docs/kernel_tuning.md, "KDA in-chunk solve"). The HALVES kernel solving in
+place keeps the whole chunk's doubling: [C/2, C/2] products there, below the warpgroup
+matmuls' 64 rows, lowered to far more code and spills, and ran slower.
 """
 import jax
 import jax.numpy as jnp

@@ -246,7 +246,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     default, the faster: docs/performance.md, "Score products on bf16 operands"), the
     compute dtype (bf16 for bf16 inputs), or "fp32" (TF32 on the GPU).
     inverse: how the solve's own kernel forms T = (I + A_kk)^-1, one of INVERSES:
-    "by_halves" (the default, the faster: docs/performance.md, "The inverse by halves"),
+    "by_halves" (the default, the faster: docs/kernel_tuning.md, "KDA in-chunk solve"),
     each 32-token half's inverse on its own, joined by the block below them (a quarter of
     the tensor-core work), or "whole_chunk", recursive doubling over the whole chunk."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
