@@ -11,9 +11,10 @@ so that, with S the chunk's start state, v_new = u0 - w S, o = scale (qg S + A_q
 and the next state is keep exp(b_last) S + kg^T v_new.
 
 The scores A_kk, A_qk, qg, kg and the write keys kw = diag(beta) k exp(b) ci, one program
-per chunk (_kda_scores); then, one program per chunk, T by recursive doubling (ten
-whole-chunk fp32-accurate products, no serial substitution; or each half's on its own,
-joined: _kda_solve.INVERSES) and w = T kw, u0 as [C, C] x [C, 64] products (_kda_solve). Live tiles are [C, C] and [C, 64] fp32, at any
+per chunk (_kda_scores); then, one program per chunk, T by recursive doubling
+(fp32-accurate products, no serial substitution), each 32-token half on its own and the
+halves joined, or over the whole chunk (_kda_solve.INVERSES), and w = T kw, u0 as
+[C, C] x [C, 64] products (_kda_solve). Live tiles are [C, C] and [C, 64] fp32, at any
 D <= 256. The solve runs in a kernel of its own after the scores' (solve="own_kernel", the
 default), or, with the scores by layout, the HALVES chunks' scores kernel solves them in
 place and the solve's kernel takes the others (solve="in_scores";

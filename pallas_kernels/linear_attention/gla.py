@@ -72,8 +72,8 @@ class Tiling(NamedTuple):
   # kernel") or in a kernel of its own before the others ("own_kernel", _chunk_cumsum)
   decay_sum: str = "in_scores"
   # the operand dtype of the factored score products (_chunk_factors.SCORE_OPERANDS):
-  # "compute" (A's own dtype, bf16 for bf16 inputs; 3-9% faster forwards, docs/performance.md,
-  # "Score products on bf16 operands") or "fp32" (TF32 on the GPU)
+  # "compute" (A's own dtype, bf16 for bf16 inputs; the faster, docs/performance.md, "Score
+  # products on bf16 operands") or "fp32" (TF32 on the GPU)
   score_operands: str = "compute"
   interpret: bool = False
 
