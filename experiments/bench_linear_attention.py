@@ -42,8 +42,8 @@ REFERENCE_SKIP = {
     (1, 1048576, 8, 128): "reference skipped: its fwd+bwd alone would take seconds per call"
 }
 
-# log_sigmoid(N(0, 1)) (about -0.8 a token), log_sigmoid(N(-3, 1)) (about -3 a token: most
-# chunks decay past the whole-chunk limit), and the KDA layer's formula at initialisation.
+# log_sigmoid(N(0, 1)) (about -0.8 a token), log_sigmoid(N(-3, 1)) (about -3 a token: every
+# chunk decays past the whole-chunk limit), and the KDA layer's formula at initialisation.
 GATES = ("logsigmoid", "logsigmoid_strong", "kda_init")
 STATE_WALKS = ("auto", "triton", "mosaic")
 
@@ -52,8 +52,8 @@ def kda_init_gates(key, B, T, H, D):
   """Gates as fla's KDA layer draws them at initialisation: g = -A softplus(x + dt_bias),
     A ~ U(1, 16) per head, dt = softplus(dt_bias) log-uniform in [1e-3, 0.1] per channel,
     x a small projection (0.1 N(0, 1)): down to about -1.6 to -2.5 per token, so heads with a
-    large A hold channels that decay by more than one anchor per chunk allows
-    (2 * FACTOR_LIMIT)."""
+    large A hold channels that decay by more than a sub-chunk's anchor allows
+    (2 * FACTOR_LIMIT), within one anchor per chunk (2 * WHOLE_LIMIT)."""
   from pallas_kernels.linear_attention.decay_gate import DecayGate
   kp, kx = jax.random.split(key)
   return DecayGate.drawn(kp, H, D)(0.1 * jax.random.normal(kx, (B, T, H, D), jnp.float32))

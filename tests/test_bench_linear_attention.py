@@ -7,6 +7,7 @@ import json
 import time
 
 import jax
+import jax.numpy as jnp
 
 from experiments import bench_linear_attention as bench
 from pallas_kernels.linear_attention import chunked_gla, gla_chunked
@@ -85,18 +86,23 @@ def test_skip_correctness_leaves_only_the_timed_shapes(capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines() == [str(jax.devices())]
 
 
-def test_kda_init_gates_put_some_chunks_past_one_anchor():
-  """--gates kda_init: a range of per-token decays reaching past the whole-chunk limit in
-    the heads with a large A, none past it with the default gates."""
+def test_kda_init_gates_decay_fast_in_some_chunks_yet_factor_through_one_anchor():
+  """--gates kda_init: per-token decays down to -1.6..-2.5 in the heads with a large A, so
+    that some chunks decay by more than a sub-chunk's anchor allows (2 * FACTOR_LIMIT), and
+    every chunk within the whole-chunk limit (2 * WHOLE_LIMIT), as with the default gates."""
+  from pallas_kernels.linear_attention import _chunk_factors as factors
+  from pallas_kernels.linear_attention._diagonal_blocks import FACTOR_LIMIT
   _, _, _, g = bench.inputs(1, 1024, 16, 64, gates="kda_init")
   assert float(g.max()) < 0 and -3.0 < float(g.min()) < -1.25
-  shares = bench.layout_shares(g)
-  assert 0.05 < shares["per_sub_chunk"] < 0.9 and shares["sub_chunks"] == 0.0
+  b = jnp.cumsum(g.reshape(1, 16, factors.C, 16, 64), axis=2)
+  widest = float(jnp.max(b.max(axis=2) - b.min(axis=2)))
+  assert 2 * FACTOR_LIMIT < widest < 2 * factors.WHOLE_LIMIT, widest
+  assert bench.layout_shares(g)["whole_chunk"] == 1.0
   assert bench.layout_shares(bench.inputs(1, 1024, 16, 64)[3])["whole_chunk"] == 1.0
 
 
 def test_strong_logsigmoid_gates_need_one_anchor_per_sub_chunk():
-  """--gates logsigmoid_strong: about -3 a token, past the whole-chunk limit (-1.25 a token
+  """--gates logsigmoid_strong: about -3 a token, past the whole-chunk limit (-1.9 a token
     on average over a chunk) in nearly every block, within the per-sub-chunk one in most."""
   _, _, _, g = bench.inputs(1, 1024, 16, 64, gates="logsigmoid_strong")
   assert -3.5 < float(g.mean()) < -2.5

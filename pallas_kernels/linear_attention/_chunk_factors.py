@@ -4,13 +4,15 @@ For any per-channel anchor m, sum_d x_t[d] y_s[d] exp(b_t[d] - b_s[d]) equals
 (x_t exp(b_t - m)) . (y_s exp(m - b_s)), so an in-chunk decayed product (the scores A,
 the score-gradient paths into dq and dk) is a matmul of fp32 operands (TF32 on GPU, exact
 in interpret mode) instead of 16-token sub-chunk blocks and exact diagonal blocks. Every
-factor must stay far from fp32 overflow and underflow: within exp(+-FACTOR_LIMIT).
+factor must stay far from fp32 overflow and underflow: within exp(+-WHOLE_LIMIT) over a
+whole chunk, exp(+-HALF_LIMIT) in a half, exp(+-FACTOR_LIMIT) in a sub-chunk.
 
 A chunk takes one of these layouts (the scores' kernels take WHOLE_CHUNK, HALVES or
 SUB_CHUNKS; the key gradients' WHOLE_CHUNK, PER_SUB_CHUNK or SUB_CHUNKS):
   WHOLE_CHUNK     one anchor, the midpoint of the chunk's range of b in each channel: every
-                  channel decays by at most 2 * FACTOR_LIMIT over the 64 tokens (a gate
-                  above -1.25 a token on average); one [64, D] matmul per product.
+                  channel decays by at most 2 * WHOLE_LIMIT over the 64 tokens (a gate
+                  above -1.9 a token on average, which covers the KDA layer's gates at
+                  their initialisation); one [64, D] matmul per product.
   HALVES          each 32-token half anchored at its 16th token, every token within
                   HALF_LIMIT of its half's anchor (a gate above -5 a token on average over
                   any 16 tokens, which covers gates bounded below by -5): one [64, D]
@@ -44,16 +46,28 @@ HALF_ANCHOR = SUB - 1  # a half's anchor: its 16th token (15 tokens before it, 1
 # Factors of the HALVES layout are within exp(+-HALF_LIMIT), far from fp32 overflow for
 # inputs of any sensible size (exp(80) |x| overflows only past |x| ~ 6e3)
 HALF_LIMIT = 2.0 * FACTOR_LIMIT
+# Factors of the WHOLE_CHUNK layout are within exp(+-WHOLE_LIMIT) = 1.1e26: an operand
+# overflows only past |x| ~ 3e12, and a kept pair's smaller factor times x stays a normal
+# fp32 number down to |x| ~ 1e-12. Only the pairs the causal mask drops can overflow
+# (exp(2 WHOLE_LIMIT)), and every store masks them.
+WHOLE_LIMIT = 60.0
 
 
 def midpoint(b, start=0, n=C):
   """(m [1, D], bounded): the per-channel midpoint of rows [start, start + n) of b [T, D] (a
-    ref or an array) and whether they may factor their decays through it. Log decays g <= 0
-    make b fall in every channel, so a span's range is the gap between its end rows: two
-    rows read, not n (a kernel's code stays small: docs/kernel_tuning.md, "Code size")."""
+    ref or an array) and whether they may factor their decays through it: within
+    exp(+-WHOLE_LIMIT) over the whole chunk, exp(+-FACTOR_LIMIT) over a sub-chunk. Log
+    decays g <= 0 make b fall in every channel, so a span's range is the gap between its end
+    rows: two rows read, not n (a kernel's code stays small: docs/kernel_tuning.md, "Code
+    size")."""
   first = b[start:start + 1, :].astype(jnp.float32)
   last = b[start + n - 1:start + n, :].astype(jnp.float32)
-  return 0.5 * (first + last), jnp.max(first - last) <= 2.0 * FACTOR_LIMIT
+  return 0.5 * (first + last), jnp.max(first - last) <= 2.0 * _limit(n)
+
+
+def _limit(n):
+  """The factor limit of an n-token span: WHOLE_LIMIT for a chunk, else FACTOR_LIMIT."""
+  return WHOLE_LIMIT if n == C else FACTOR_LIMIT
 
 
 def rows_midpoint(b):
@@ -61,7 +75,7 @@ def rows_midpoint(b):
     kernel holds the rows anyway, the end rows' loads would add layout conversions (and
     spills, in the scores' first kernels: experiments/kernel_resources.py)."""
   hi, lo = jnp.max(b, axis=0, keepdims=True), jnp.min(b, axis=0, keepdims=True)
-  return 0.5 * (hi + lo), jnp.max(hi - lo) <= 2.0 * FACTOR_LIMIT
+  return 0.5 * (hi + lo), jnp.max(hi - lo) <= 2.0 * _limit(b.shape[0])
 
 
 def factors(b, m):
@@ -348,10 +362,9 @@ def chunk_layouts(g):
     channels (T a multiple of the chunk; plain JAX, for tests and reports)."""
   B, T, H, D = g.shape
   b = jnp.cumsum(g.astype(jnp.float32).reshape(B, T // C, C, H, D), axis=2)
-  limit = 2.0 * FACTOR_LIMIT
-  whole = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1) <= limit
+  whole = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1) <= 2.0 * WHOLE_LIMIT
   subs = b.reshape(B, T // C, N_SUB, SUB, H, D)
-  per_sub_chunk = jnp.max(subs.max(axis=3) - subs.min(axis=3), axis=(2, -1)) <= limit
+  per_sub_chunk = jnp.max(subs.max(axis=3) - subs.min(axis=3), axis=(2, -1)) <= 2.0 * FACTOR_LIMIT
   return jnp.where(whole, WHOLE_CHUNK, jnp.where(per_sub_chunk, PER_SUB_CHUNK,
                                                  SUB_CHUNKS)).astype(jnp.int32)
 
@@ -362,7 +375,7 @@ def score_layouts(g):
     chunk; plain JAX, for tests and reports)."""
   B, T, H, D = g.shape
   b = jnp.cumsum(g.astype(jnp.float32).reshape(B, T // C, C, H, D), axis=2)
-  whole = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1) <= 2.0 * FACTOR_LIMIT
+  whole = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1) <= 2.0 * WHOLE_LIMIT
   halves = b.reshape(B, T // C, 2, HALF, H, D)
   gap = jnp.abs(halves - halves[:, :, :, HALF_ANCHOR:HALF_ANCHOR + 1])
   bounded = jnp.max(gap, axis=(2, 3, -1)) <= HALF_LIMIT

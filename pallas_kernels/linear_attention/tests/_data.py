@@ -73,6 +73,20 @@ def with_halves(x, seed=0):
   return dict(x, g=g.astype(x["g"].dtype))
 
 
+def at_the_whole_chunk_limit(x):
+  """x whose first channel decays by just under 2 * WHOLE_LIMIT over every chunk (-1.9 a
+    token: factors of exp(+-59) through one anchor), the others mildly (g in [-0.5, 0]):
+    every chunk WHOLE_CHUNK, for the scores and the key gradients alike."""
+  B, T, H, D = x["g"].shape
+  per_token = -(2.0 * factors.WHOLE_LIMIT - 2.0) / (CHUNK - 1)
+  g = jnp.where(jnp.arange(D) == 0, per_token, -0.5 * x["g"] / jnp.min(x["g"]))
+  padded = (T + CHUNK - 1) // CHUNK * CHUNK
+  full = jnp.pad(g, ((0, 0), (0, padded - T), (0, 0), (0, 0)))
+  for layouts in (factors.chunk_layouts(full), factors.score_layouts(full)):
+    assert bool((layouts == factors.WHOLE_CHUNK).all())
+  return dict(x, g=g.astype(x["g"].dtype))
+
+
 def mosaic_three_layouts(seed):
   """bf16 inputs with one 64-token chunk in each in-chunk layout (with_three_layouts), at
     the smallest head sizes the Mosaic GPU kernels take (64)."""

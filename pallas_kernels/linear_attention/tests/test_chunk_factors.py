@@ -10,15 +10,18 @@ from pallas_kernels.linear_attention._inputs import CHUNK
 from pallas_kernels.linear_attention._pallas_common import N_SUB, SUB
 
 
-def _chunk_decays(span, seed=0):
-  """b [C, 8]: cumulative log decays whose widest channel falls by exactly `span`."""
-  g = -jax.random.uniform(jax.random.key(seed), (CHUNK, 8))
+def _chunk_decays(span, seed=0, n=CHUNK):
+  """b [n, 8]: cumulative log decays whose widest channel falls by exactly `span`."""
+  g = -jax.random.uniform(jax.random.key(seed), (n, 8))
   b = jnp.cumsum(g, axis=0)
   return b * (span / (b[0] - b[-1]).max())
 
 
-def test_bounded_up_to_twice_the_factor_limit():
-  for span, bounded in ((2 * FACTOR_LIMIT - 0.5, True), (2 * FACTOR_LIMIT + 0.5, False)):
+def test_bounded_up_to_twice_the_limit_of_the_span():
+  """A chunk factors through one anchor up to 2 * WHOLE_LIMIT, a sub-chunk through its own
+    up to 2 * FACTOR_LIMIT."""
+  for span, bounded in ((2 * factors.WHOLE_LIMIT - 0.5, True), (2 * factors.WHOLE_LIMIT + 0.5,
+                                                                False)):
     b = _chunk_decays(span)
     m, ok = factors.midpoint(b)
     assert bool(ok) == bounded, span
@@ -28,10 +31,17 @@ def test_bounded_up_to_twice_the_factor_limit():
     np.testing.assert_allclose(m_rows, m, rtol=1e-6)
     # every factor's exponent is within half the widest channel's range
     assert float(jnp.abs(b - m).max()) <= span / 2 + 1e-4
+  assert FACTOR_LIMIT < factors.WHOLE_LIMIT
+  for span, bounded in ((2 * FACTOR_LIMIT - 0.5, True), (2 * FACTOR_LIMIT + 0.5, False)):
+    # each sub-chunk falls by `span`, from where the one before ends
+    b = jnp.concatenate([_chunk_decays(span, seed=j, n=SUB) - 2 * span * j for j in range(N_SUB)])
+    for j in range(N_SUB):
+      assert bool(factors.midpoint(b, j * SUB, SUB)[1]) == bounded, (span, j)
+      assert bool(factors.rows_midpoint(b[j * SUB:(j + 1) * SUB])[1]) == bounded, (span, j)
 
 
 def test_factors_multiply_to_the_decay_between_any_two_tokens():
-  b = _chunk_decays(2 * FACTOR_LIMIT - 1.0, seed=1)
+  b = _chunk_decays(2 * factors.WHOLE_LIMIT - 1.0, seed=1)
   m, _ = factors.midpoint(b)
   down, up = factors.factors(b, m)
   pairs = down[:, None, :] * up[None, :, :]  # [t, s, d]
@@ -78,7 +88,7 @@ def test_per_sub_chunk_anchors_and_bridges_give_the_decay_of_every_causal_pair(g
 
 
 def test_uniform_anchors_leave_the_operands_as_they_are():
-  b = _chunk_decays(2 * FACTOR_LIMIT - 1.0, seed=3)
+  b = _chunk_decays(2 * factors.WHOLE_LIMIT - 1.0, seed=3)
   m, _ = factors.midpoint(b)
   anchors = factors.Anchors((m,) * N_SUB, jnp.asarray(True))
   x = jax.random.normal(jax.random.key(4), b.shape)
@@ -86,29 +96,35 @@ def test_uniform_anchors_leave_the_operands_as_they_are():
     assert (anchors.bridge(x, i, keys=True) == x).all()
 
 
-def test_layouts_switch_at_twice_the_factor_limit():
-  """WHOLE_CHUNK up to 2 * FACTOR_LIMIT over the chunk, PER_SUB_CHUNK up to that over
-    every sub-chunk, SUB_CHUNKS past it (one channel of one sub-chunk is enough)."""
-  limit = 2 * FACTOR_LIMIT
+def test_layouts_switch_at_twice_the_limits():
+  """WHOLE_CHUNK up to 2 * WHOLE_LIMIT over the chunk, PER_SUB_CHUNK up to 2 * FACTOR_LIMIT
+    over every sub-chunk, SUB_CHUNKS past it (one channel of one sub-chunk is enough)."""
+  whole, limit = 2 * factors.WHOLE_LIMIT, 2 * FACTOR_LIMIT
+
+  def layout(g):
+    return int(factors.chunk_layouts(g)[0, 0, 0])
+
+  for scale, expected in ((0.99, factors.WHOLE_CHUNK), (1.01, factors.PER_SUB_CHUNK)):
+    assert layout(jnp.full((1, CHUNK, 1, 4), -whole / (CHUNK - 1) * scale)) == expected, scale
 
   def gates(per_token_in_sub_chunk_3):
     g = jnp.full((1, CHUNK, 1, 4), -limit / CHUNK * 0.9)
     return g.at[0, 3 * SUB + 1:, 0, 2].set(per_token_in_sub_chunk_3)
 
-  expect = [(-limit / CHUNK * 0.9, factors.WHOLE_CHUNK),
-            ((limit - 0.5) / (SUB - 1), factors.PER_SUB_CHUNK),
+  expect = [((limit - 0.5) / (SUB - 1), factors.PER_SUB_CHUNK),
             ((limit + 0.5) / (SUB - 1), factors.SUB_CHUNKS)]
-  for g_3, layout in expect:
-    assert int(factors.chunk_layouts(gates(-abs(g_3)))[0, 0, 0]) == layout, g_3
+  for g_3, expected in expect:
+    assert layout(gates(-g_3)) == expected, g_3
 
 
 def test_score_layouts_take_halves_up_to_the_half_limit_from_each_anchor():
-  """The scores' layouts: WHOLE_CHUNK up to 2 * FACTOR_LIMIT over the chunk, HALVES while
+  """The scores' layouts: WHOLE_CHUNK up to 2 * WHOLE_LIMIT over the chunk, HALVES while
     every token is within HALF_LIMIT of its half's anchor (its 16th token), SUB_CHUNKS past
     it: one channel's 16 tokens after the second half's anchor are enough."""
 
   def gates(per_token_after_anchor):
     g = jnp.full((1, CHUNK, 1, 4), -2.0)  # 126 over the chunk: not WHOLE_CHUNK
+    assert 2 * factors.WHOLE_LIMIT < 126
     return g.at[0, factors.HALF + factors.HALF_ANCHOR + 1:, 0, 1].set(per_token_after_anchor)
 
   tokens = CHUNK - factors.HALF - factors.HALF_ANCHOR - 1
@@ -117,7 +133,7 @@ def test_score_layouts_take_halves_up_to_the_half_limit_from_each_anchor():
             ((factors.HALF_LIMIT + 0.5) / tokens, factors.SUB_CHUNKS)]
   for g_after, layout in expect:
     assert int(factors.score_layouts(gates(-g_after))[0, 0, 0]) == layout, g_after
-  mild = jnp.full((1, CHUNK, 1, 4), -2 * FACTOR_LIMIT / CHUNK * 0.9)
+  mild = jnp.full((1, CHUNK, 1, 4), -2 * factors.WHOLE_LIMIT / CHUNK * 0.9)
   assert int(factors.score_layouts(mild)[0, 0, 0]) == factors.WHOLE_CHUNK
 
 
@@ -142,12 +158,14 @@ def test_layouts_from_the_end_rows_are_the_layouts_of_every_token():
   half, anchor = factors.HALF, factors.HALF_ANCHOR
   cases = []
   for scale in (0.9, 1.1):  # around WHOLE_CHUNK's limit, mild in every half
-    cases.append(jnp.full((1, CHUNK, 1, 4), -2 * FACTOR_LIMIT / (CHUNK - 1) * scale))
+    cases.append(jnp.full((1, CHUNK, 1, 4), -2 * factors.WHOLE_LIMIT / (CHUNK - 1) * scale))
+  # channel 0 at -2 a token (126 over the chunk: not WHOLE_CHUNK, well inside HALVES)
+  assert 2 * factors.WHOLE_LIMIT < 126
+  not_whole = jnp.zeros((1, CHUNK, 1, 4)).at[0, :, 0, 0].set(-2.0)
   for start, stop in ((1, anchor + 1), (anchor + 1, half), (half + 1, half + anchor + 1),
                       (half + anchor + 1, CHUNK)):  # each of the four gaps past HALF_LIMIT
     for over in (-0.5, 0.5):
-      g = jnp.zeros((1, CHUNK, 1, 4)).at[0, start:stop, 0,
-                                         2].set(-(factors.HALF_LIMIT + over) / (stop - start))
+      g = not_whole.at[0, start:stop, 0, 2].set(-(factors.HALF_LIMIT + over) / (stop - start))
       cases.append(g)
   key = jax.random.key(5)
   for mean in (0.0, -3.0, -6.0):  # random gates in the three regimes

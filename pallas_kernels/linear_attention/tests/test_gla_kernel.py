@@ -8,9 +8,9 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _chunk_prep, chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention._gla_scores import chunk_scores
 from pallas_kernels.linear_attention.gla import Tiling
-from pallas_kernels.linear_attention.tests._data import (make_inputs, outputs_and_grads, rel_rms,
-                                                         with_halves, with_strong_decay,
-                                                         with_three_layouts)
+from pallas_kernels.linear_attention.tests._data import (at_the_whole_chunk_limit, make_inputs,
+                                                         outputs_and_grads, rel_rms, with_halves,
+                                                         with_strong_decay, with_three_layouts)
 
 
 def _check(x, out_tol, grad_tol, **kernel_kw):
@@ -148,16 +148,22 @@ def test_factored_score_products_in_the_compute_dtype(scores):
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(score_operands="tf32"))
 
 
+def test_fp32_exact_at_the_whole_chunk_limit():
+  """Every chunk factored through one anchor with factors up to exp(+-59); resets, an
+    initial state and padding (T = 130)."""
+  _check(at_the_whole_chunk_limit(make_inputs(seed=42, T=130, Dk=32, Dv=32)), 1e-4, 1e-4)
+
+
 def test_fp32_exact_over_key_and_value_blocks():
   # two 16-channel blocks of keys and of values: every parallel kernel's block grid
   _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16,
                                                             grad_block_v=16))
 
 
-@pytest.mark.parametrize("min_log_decay, bounded", [(-5.0, False), (-2.0, True)])
+@pytest.mark.parametrize("min_log_decay, bounded", [(-8.0, False), (-2.0, True)])
 def test_bf16_inputs_within_tolerance(min_log_decay, bounded):
-  # one chunk: one anchor per sub-chunk (its widest channel decays by 86 > 2 *
-  # FACTOR_LIMIT) or the whole-chunk matmuls (_chunk_factors)
+  # one chunk: one anchor per sub-chunk, the scores by halves (its widest channel decays by
+  # 138 > 2 * WHOLE_LIMIT) or the whole-chunk matmuls (_chunk_factors)
   x = make_inputs(seed=6, T=64, H=1, Dk=16, Dv=16, dtype=jnp.bfloat16, min_log_decay=min_log_decay)
   assert bool((factors.chunk_layouts(x["g"]) == factors.WHOLE_CHUNK).all()) == bounded
   _check(x, 5e-3, 1e-2)

@@ -8,8 +8,9 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _chunk_prep, _kda_scores
 from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
-from pallas_kernels.linear_attention.tests._data import (fast_jit, make_inputs, outputs_and_grads,
-                                                         rel_rms, with_halves, with_strong_decay,
+from pallas_kernels.linear_attention.tests._data import (at_the_whole_chunk_limit, fast_jit,
+                                                         make_inputs, outputs_and_grads, rel_rms,
+                                                         with_halves, with_strong_decay,
                                                          with_three_layouts)
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -47,6 +48,15 @@ def test_fp32_exact_with_resets_initial_state_strong_decay_padding_and_split_dv(
   if not normalize_qk:  # the delta rule needs |k|^2 beta <= 2 to stay stable
     x["k"] = x["k"] / jnp.linalg.norm(x["k"], axis=-1, keepdims=True)
   _assert_within(_errors(x, block_v=16, normalize_qk=normalize_qk), 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("qk_norm", ["kernel", "xla"])
+def test_fp32_exact_at_the_whole_chunk_limit(qk_norm):
+  """Every chunk factored through one anchor with factors up to exp(+-59), from q and k as
+    given (the first scores kernel scales its products by their inverse norms) or
+    normalised before; resets, an initial state and padding (T = 130)."""
+  x = at_the_whole_chunk_limit(make_inputs(seed=41, T=130, Dk=16, Dv=32, segment_rate=0.03))
+  _assert_within(_errors(x, block_v=16, qk_norm=qk_norm), 1e-4, 1e-4)
 
 
 def test_fp32_exact_with_factored_and_exact_diagonal_blocks():
@@ -132,6 +142,21 @@ def test_qk_norm_as_row_scales_in_the_first_scores_kernel():
   _assert_within(errors[jnp.bfloat16]["kernel"], 5e-3, 1e-2)
   for name, err in errors[jnp.bfloat16]["kernel"].items():
     assert err <= 1.2 * errors[jnp.bfloat16]["xla"][name], (name, errors[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("qk_norm", ["kernel", "xla"])
+def test_forward_alone_exact(qk_norm):
+  """The forward alone, as inference runs it (no residuals: the first scores kernel writes
+    the normalised rows for the later kernels' chunks alone, and no T), against the fp32
+    oracle: unnormalised inputs (q, k x 3), one chunk of each scores layout, resets, an
+    initial state."""
+  x = _one_chunk_of_each_scores_layout(make_inputs(seed=43, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  args = [3.0 * x["q"], 3.0 * x["k"]] + [x[n] for n in NAMES[2:]]
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
+  o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a[:5], initial_state=a[5], **kw))(*args)
+  o, s = fast_jit(lambda *a: chunked_kda(*a[:5], initial_state=a[5], qk_norm=qk_norm, **kw))(*args)
+  errors = {"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}
+  _assert_within(errors, 1e-4, 1e-4)
 
 
 @pytest.mark.parametrize("form", ["by_layout", "one_kernel"])
