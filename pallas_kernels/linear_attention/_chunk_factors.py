@@ -176,13 +176,12 @@ def whole_chunk_products(k, b, queries, store, dtypes=None):
   store(0, None, *(mm(x() * down, keys, dtype, trans_b=True) for x, dtype in zip(queries, dtypes)))
 
 
-def halves_products(k_ref, b_ref, query_refs, store, block_d=None, full_across=False, dtypes=None):
-  """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and a
-    [C, D] x [D, HALF] one for those across (k_ref, b_ref and query_refs: the chunk's [C, D]
-    refs). block_d: the channels taken at a time, each block's products summed (fewer
-    operands live at once than the whole width's); None: all D at once. full_across: the
-    pairs across as a [C, D] x [D, C] product too, its keys of the second half zero, so
-    that every store is [C, C] (a caller assembling the whole matrix in registers)."""
+def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
+  """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and one for
+    those across, its keys of the second half zero (k_ref, b_ref and query_refs: the chunk's
+    [C, D] refs): every store is [C, C]. block_d: the channels taken at a time, each
+    block's products summed (fewer operands live at once than the whole width's); None: all
+    D at once."""
   D = k_ref.shape[-1]
   block_d = min(block_d or D, D)
   dtypes = dtypes or (F32,) * len(query_refs)
@@ -213,17 +212,15 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, full_across=F
 
   def across(load):
     # queries of the second half and keys of the first, both through the first half's last
-    # token (every exponent <= 0; clamped on the rows that do not pair)
+    # token: the keys' rows and the queries' are the two halves, so one exp over the chunk
+    # gives both factors, every exponent <= 0 (docs/performance.md, "The HALVES kernel
+    # normalising its own rows")
     b, edge = load(b_ref, 0, C), load(b_ref, HALF - 1, 1)
-    if full_across:
-      keys = jnp.where(first, load(k_ref, 0, C) * jnp.exp(jnp.minimum(edge - b, 0.0)), 0.0)
-    else:
-      keys = load(k_ref, 0, HALF) * jnp.exp(edge - load(b_ref, 0, HALF))
-    return jnp.exp(jnp.minimum(b - edge, 0.0)), keys
+    to_edge = jnp.exp(jnp.where(first, edge - b, b - edge))
+    return jnp.where(first, 0.0, to_edge), jnp.where(first, load(k_ref, 0, C) * to_edge, 0.0)
 
   products(first | (iota(C, 1, (C, C)) >= HALF), inside)
-  width = C if full_across else HALF
-  products(jnp.logical_not(first) & (iota(C, 1, (C, width)) < HALF), across)
+  products(jnp.logical_not(first) & (iota(C, 1, (C, C)) < HALF), across)
 
 
 def anchors(b_ref):

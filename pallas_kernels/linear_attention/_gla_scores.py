@@ -92,11 +92,10 @@ def _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand):
   kept = []
 
   def keep(start, region, a):
-    del start  # every product spans all C columns (full_across)
+    del start  # every product spans all C columns
     kept[:] = [jnp.where(region, a, kept[0]) if kept else a]
 
-  factors.halves_products(k_ref, b_ref, (q_ref,), keep, block_d=HALVES_BLOCK_D, full_across=True,
-                          dtypes=(operand,))
+  factors.halves_products(k_ref, b_ref, (q_ref,), keep, block_d=HALVES_BLOCK_D, dtypes=(operand,))
   _store_columns(r_ref, a_ref, 0, None, kept[0])
 
 

@@ -72,7 +72,12 @@ def inverse_l2_norms(x, eps=1e-6):
   """1 / sqrt(sum(x^2) + eps) over the last axis (dropped), fp32: the one definition of the
     norm that l2_normalize and the KDA scores kernel (which scales its scores by it) share."""
   x = x.astype(jnp.float32)
-  return jnp.reciprocal(jnp.sqrt(jnp.sum(x * x, axis=-1) + eps))
+  return inverse_root(jnp.sum(x * x, axis=-1), eps)
+
+
+def inverse_root(sum_of_squares, eps=1e-6):
+  """inverse_l2_norms from the sums of squares (a kernel summing them a block at a time)."""
+  return jnp.reciprocal(jnp.sqrt(sum_of_squares + eps))
 
 
 def inverse_l2_norm(x, eps=1e-6):

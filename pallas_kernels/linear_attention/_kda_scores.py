@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
-from pallas_kernels.linear_attention._inputs import inverse_l2_norms
+from pallas_kernels.linear_attention._inputs import inverse_l2_norms, inverse_root
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
                                                         write_keys)
@@ -110,12 +110,31 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, operand, scales=Non
 HALVES_BLOCK_D = 64
 
 
-def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand):
-  """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands."""
+def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=False):
+  """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands; with
+    `normalize`, of q and k as given, their rows scaled by their inverse norms (_RowScales,
+    _NormalisedRows)."""
+  if normalize:
+    scales = _RowScales.of_refs(q_ref, k_ref, HALVES_BLOCK_D)
+    q_ref, k_ref = _NormalisedRows(q_ref, scales.q), _NormalisedRows(k_ref, scales.k)
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
       dtypes=(operand,) * 2)
+
+
+class _NormalisedRows:
+  """A chunk's [C, D] ref read as its L2-normalised rows: each load (all C rows, any
+    channels) times the rows' inverse norms [C, 1], in fp32. The HALVES products take their
+    operands so: scaling the products instead holds the keys' norms as a row too, and
+    spills (experiments/kernel_resources.py)."""
+
+  def __init__(self, ref, scale):
+    self.ref, self.scale, self.shape = ref, scale, ref.shape
+
+  def __getitem__(self, index):
+    assert index[0].start == 0 and index[0].size == C, "whole-chunk row loads only"
+    return self.ref[index].astype(F32) * self.scale
 
 
 class _RowScales(NamedTuple):
@@ -133,6 +152,22 @@ class _RowScales(NamedTuple):
     """The scales of the loaded rows q, k [C, D] (fp32)."""
     inverse_k = inverse_l2_norms(k)
     return cls(inverse_l2_norms(q)[:, None], inverse_k[:, None], inverse_k[None, :])
+
+  @classmethod
+  def of_refs(cls, q_ref, k_ref, block_d):
+    """The scales of the chunk's rows in q_ref, k_ref [C, D], summed block_d channels at a
+      time (no [C, D] fp32 row block held: a kernel short of registers)."""
+
+    def inverse(ref):
+      block = min(block_d, ref.shape[-1])
+      squares = [
+          jnp.sum(jnp.square(ref[:, pl.ds(d, block)].astype(F32)), axis=1)
+          for d in range(0, ref.shape[-1], block)
+      ]
+      return inverse_root(functools.reduce(jnp.add, squares))
+
+    inverse_k = inverse(k_ref)
+    return cls(inverse(q_ref)[:, None], inverse_k[:, None], inverse_k[None, :])
 
 
 def _store_normalised(q_ref, k_ref, scales, normed_refs):
@@ -194,13 +229,14 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                        akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, keep_normalized,
-                       normalize, from_gates, interpret, operand):
+                       normalize, from_gates, interpret, operand, halves_normalize=False):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
     ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the later
     passes; with `normalize` (extra_refs: the
     normalised q, k), all of it from q and k L2-normalised (_RowScales), and the normalised
-    rows written for the later passes' chunks (keep_normalized: for every chunk); with
-    from_gates, b_ref holds the log decays g and b is summed here into the last of
+    rows written for the later passes' chunks (keep_normalized: for every chunk;
+    halves_normalize: for the SUB_CHUNKS ones alone, the HALVES kernel normalising its
+    own); with from_gates, b_ref holds the log decays g and b is summed here into the last of
     extra_refs (sum_decays)."""
   normed_refs = extra_refs[:2] if normalize else ()
   if from_gates:  # b_ref holds g; from here on, the b it sums to
@@ -213,6 +249,8 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     store = lambda: _store_normalised(q_ref, k_ref, scales, normed_refs)
     if keep_normalized:
       store()
+    elif halves_normalize:
+      jax.lax.cond(layout == factors.SUB_CHUNKS, store, lambda: None)
     else:  # the chunks of the later kernels alone
       jax.lax.cond(whole, lambda: None, store)
   if not keys_of_halves:  # the HALVES chunks' kernel forms its kw itself
@@ -225,12 +263,13 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
-                       aqk_ref, *, layout, cd, operand):
+                       aqk_ref, *, layout, cd, operand, normalize=False):
   """A later pass: A_kk and A_qk of the chunks in `layout` (HALVES or SUB_CHUNKS); their
-    memory is the first pass's outputs, the other chunks' stay as written."""
+    memory is the first pass's outputs, the other chunks' stay as written. normalize (HALVES):
+    q and k as given, normalised here (_halves)."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   if layout == factors.HALVES:
-    compute = lambda: _halves(*refs, operand)
+    compute = lambda: _halves(*refs, operand, normalize)
   else:
     compute = lambda: _by_sub_chunks(*refs, cd)
   factors.if_layout(flag_ref, layout, compute)
@@ -269,7 +308,7 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
     beta = beta_ref[...].astype(F32)[:, None]
     store, a_kk = _kept_scores(r_ref, beta, aqk_ref)
     factors.halves_products(k_ref, b_ref, (k_ref, q_ref), store, block_d=HALVES_BLOCK_D,
-                            full_across=True, dtypes=(operand,) * 2)
+                            dtypes=(operand,) * 2)
     kw_cols = lambda cols: write_keys(k_ref[:, cols].astype(F32), b_ref[:, cols].astype(F32), beta,
                                       lambda: flag_column(ci_ref, 0, C))
     store_solved(a_kk(), kw_cols, v_ref, lambda: beta, w_ref, u0_ref, inverse_ref, cd=cd,
@@ -294,12 +333,13 @@ def _first_pass_warps(factored_warps, normalize):
 
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
-                keys_of_halves, operand, keep_normalized=True, from_gates=False):
+                keys_of_halves, operand, keep_normalized=True, from_gates=False,
+                halves_normalize=False):
   """The first kernel of the scores by layout (_first_pass_kernel): (qg, kg, kw, A_kk, A_qk,
     layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
-    kernels' chunks alone, b: the in-chunk cumulative decay, summed here from the log decays
-    given as b where from_gates)."""
+    kernels' chunks alone (halves_normalize: the SUB_CHUNKS kernel's), b: the in-chunk
+    cumulative decay, summed here from the log decays given as b where from_gates)."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -309,7 +349,8 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
       F32, B, H, n, C, C), L.shape(cd, B, H, n, C, C), L.shape(jnp.int32, B, H, n, C))
   kernel = functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves,
                              keep_normalized=keep_normalized, normalize=normalize,
-                             from_gates=from_gates, interpret=interpret, operand=operand)
+                             from_gates=from_gates, interpret=interpret, operand=operand,
+                             halves_normalize=halves_normalize)
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
       kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
@@ -322,17 +363,18 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
 
 
 def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpret, num_warps,
-                operand):
+                operand, normalize=False):
   """(A_kk, A_qk) with the chunks of `layout` (HALVES or SUB_CHUNKS) formed in place
-    (_later_pass_kernel)."""
+    (_later_pass_kernel; normalize: HALVES from q and k unnormalised)."""
   B, Tp, H, Dk = k.shape
   keys, square = L.chunk_rows(Dk), L.chunk_square()
   inputs = [keys, keys, keys, L.chunk_beta(), L.chunk_flags(), L.chunk_layout_flag()]
   name = {factors.HALVES: "halves", factors.SUB_CHUNKS: "sub_chunks"}[layout]
   shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (a_kk, a_qk))
   aliases = {len(inputs): 0, len(inputs) + 1: 1}
-  return L.call(functools.partial(_later_pass_kernel, layout=layout, cd=cd, operand=operand),
-                (B, H, Tp // C), inputs + [square, square], (square, square), shapes,
+  kernel = functools.partial(_later_pass_kernel, layout=layout, cd=cd, operand=operand,
+                             normalize=normalize)
+  return L.call(kernel, (B, H, Tp // C), inputs + [square, square], (square, square), shapes,
                 name=f"kda_chunk_scores_{name}", input_output_aliases=aliases, interpret=interpret,
                 num_warps=num_warps, num_stages=2)(q, k, b, beta, runs, layouts, a_kk, a_qk)
 
@@ -343,9 +385,10 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), all of it, with `normalize`, of q and k L2-normalised per
     token: the first kernel scales its products and rows by the inverse norms and writes the
-    normalised rows (in q's and k's dtypes) that the later kernels read (form="by_layout");
-    with keep_normalized it writes them for every chunk and they follow
-    the outputs (what the backward reads). b: the in-chunk cumulative log decay, or with
+    normalised rows (in q's and k's dtypes) that the SUB_CHUNKS kernel reads, the HALVES one
+    normalising its own (form="by_layout"); with keep_normalized it writes them for every
+    chunk, the HALVES kernel reads them, and they follow the outputs (what the backward
+    reads). b: the in-chunk cumulative log decay, or with
     from_gates the log decays g themselves, which the first kernel sums (by_layout too); b
     then comes last.
 
@@ -372,13 +415,21 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     return L.call(functools.partial(_scores_kernel, cd=cd, operand=operand), (B, H, n), inputs,
                   (keys, keys, keys, square, square), outputs, name="kda_chunk_scores",
                   **launch)(q, k, b, beta, runs, carry_in, in_last)
+  # Unless the normalised rows are kept, the HALVES kernel normalises its own from q and k as
+  # given: no normalised rows written for its chunks (docs/performance.md, "The HALVES
+  # kernel normalising its own rows")
+  halves_normalize = normalize and not keep_normalized
+  raw = q, k
   qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
-      keep_normalized=keep_normalized, from_gates=from_gates, operand=operand)
-  for layout in (factors.HALVES, factors.SUB_CHUNKS):
-    a_kk, a_qk = _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
-                             interpret=interpret, num_warps=num_warps, operand=operand)
+      keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
+      halves_normalize=halves_normalize)
+  a_kk, a_qk = _later_pass(factors.HALVES, *(raw if halves_normalize else (q, k)), b, beta, runs,
+                           layouts, a_kk, a_qk, cd=cd, interpret=interpret, num_warps=num_warps,
+                           operand=operand, normalize=halves_normalize)
+  a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
+                           interpret=interpret, num_warps=num_warps, operand=operand)
   return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
                                      ()) + ((b,) if from_gates else ())
 
