@@ -14,8 +14,10 @@ formed exactly, one key at a time. The kernels come in the forms of
 _chunk_factors.SCORE_KERNELS: one kernel branching per chunk (this module's default), or one
 kernel per layout over the first one's outputs (chunked_kda's). The first kernel of the
 latter can take q and k unnormalised, scaling what it forms by their inverse norms
-(_RowScales) and writing the normalised rows for the kernels after it, and the log decays
-in place of b, which it sums (_pallas_common.sum_decays).
+(_RowScales) and writing the normalised rows for the kernels after it (in the forward
+alone, for the SUB_CHUNKS kernel's chunks: the HALVES kernel scales its operands' rows
+itself, _NormalisedRows), and the log decays in place of b, which it sums
+(_pallas_common.sum_decays).
 """
 import functools
 from typing import NamedTuple
