@@ -8,8 +8,10 @@
 One line per (op, gate regime, shape): for the forward and for forward+backward, the
 setting of ours with the best median per-round ratio to the peer (peer time / ours, from
 the same alternating rounds; > 1: ours faster), its milliseconds and the peer's, and
-whether both passes reach the goal. A row where the peer did not run, or a pass failed,
-says so; lines that are not benchmark rows (device lists, breakdowns) are skipped.
+whether both passes reach the goal. A pass that ours ran and the peer failed (out of
+memory at 1M tokens, say) counts as reached, with the peer's error beside our time; a row
+where the peer did not run, or our pass failed, says so; lines that are not benchmark rows
+(device lists, breakdowns) are skipped.
 """
 from __future__ import annotations
 
@@ -42,7 +44,12 @@ def summarize(row: dict, peer: str, goal: float) -> dict | None:
     best = best_of_ours(report) if isinstance(report, dict) else None
     if best is None:
       why = row.get(f"{peer}_{kind}", "not timed")
-      return line | {"note": f"{kind}: {why}"}
+      ours = _ours_alone(row, peer, kind)
+      if not (isinstance(why, str) and why.startswith("failed") and ours):
+        return line | {"note": f"{kind}: {why}"}
+      name = min(ours, key=ours.get)
+      line[kind] = {"setting": name, "ours_ms": ours[name], "peer_failed": why}
+      continue
     name, entry = best
     line[kind] = {
         "setting": name,
@@ -52,6 +59,24 @@ def summarize(row: dict, peer: str, goal: float) -> dict | None:
     }
     met &= entry["median"] >= goal
   return line | {"met": met}
+
+
+def _ours_alone(row: dict, peer: str, kind: str) -> dict:
+  """{setting: ms} of ours timed alone in one pass (the row's "<setting>_<pass>_ms")."""
+  suffix = f"_{kind}_ms"
+  return {
+      k[:-len(suffix)]: v
+      for k, v in row.items()
+      if k.endswith(suffix) and k != f"{peer}{suffix}" and isinstance(v, (int, float))
+  }
+
+
+def _pass_cells(entry: dict, peer: str) -> tuple[str, str]:
+  """(ms cell, ratio cell) of one pass."""
+  if "peer_failed" in entry:  # the error's last clause, e.g. "Out of memory while ..."
+    return f"{entry['ours_ms']} / -", f"{peer} failed: " + entry["peer_failed"].split(
+        " [")[0].rsplit(": ", 1)[-1][:80]
+  return f"{entry['ours_ms']} / {entry['peer_ms']}", f"{entry['ratio']:.2f}x"
 
 
 def table(lines: list[dict], peer: str, goal: float) -> str:
@@ -64,8 +89,8 @@ def table(lines: list[dict], peer: str, goal: float) -> str:
       out.append(f"| {ln['op']} | {ln['gates']} | {shape} | {ln['note']} | | | | | |")
       continue
     f, b = ln["fwd"], ln["fwdbwd"]
-    out.append(f"| {ln['op']} | {ln['gates']} | {shape} | {f['ours_ms']} / {f['peer_ms']} | "
-               f"{f['ratio']:.2f}x | {b['ours_ms']} / {b['peer_ms']} | {b['ratio']:.2f}x | "
+    cells = " | ".join(_pass_cells(f, peer) + _pass_cells(b, peer))
+    out.append(f"| {ln['op']} | {ln['gates']} | {shape} | {cells} | "
                f"{'yes' if ln['met'] else 'no'} | {f['setting']}; {b['setting']} |")
   return "\n".join(out)
 

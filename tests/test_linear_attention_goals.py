@@ -65,3 +65,26 @@ def test_a_file_without_rows_is_one_line_naming_it(tmp_path):
   path.write_text("[CpuDevice(id=0)]\n")
   with pytest.raises(SystemExit, match="no benchmark rows in .*empty.jsonl"):
     goals.main([str(path)])
+
+
+def test_a_pass_the_peer_failed_and_ours_ran_counts_as_reached(tmp_path, capsys):
+  """At 1M tokens the peer's forward+backward can run out of memory where ours runs: that
+    pass reaches the goal, with our time and the peer's error; a pass where ours did not
+    run either stays a note."""
+  fast = 0.001
+  oom = ("failed: JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+         "35.72GiB [executable_name='jit__lambda']")
+  ran = _row("kda", "logsigmoid_strong", {"pallas": fast}, {"pallas": fast})
+  del ran["vs_jla_fwdbwd"]
+  ran |= {"pallas_fwd_ms": 1.0, "pallas_fwdbwd_ms": 130.7, "jla_fwd_ms": 2.0, "jla_fwdbwd": oom}
+  neither = dict(ran, op="gla")
+  del neither["pallas_fwdbwd_ms"]
+  path = tmp_path / "bench.jsonl"
+  path.write_text("\n".join(map(json.dumps, [ran, neither])))
+  kda, gla = [goals.summarize(row, "jla", 1.0) for row in goals.read_rows([str(path)])]
+  assert kda["met"] and kda["fwdbwd"] == {"setting": "pallas", "ours_ms": 130.7, "peer_failed": oom}
+  assert gla["note"] == f"fwdbwd: {oom}"
+  goals.main([str(path)])
+  out = capsys.readouterr().out
+  assert "| 130.7 / - | jla failed: Out of memory while trying to allocate 35.72GiB |" in out
+  assert "1 of 2 lines reach 1x jla" in out
