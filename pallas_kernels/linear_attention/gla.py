@@ -9,7 +9,8 @@ inputs, A (in the compute dtype, as much memory as v) and the per-chunk start st
 either forward writes (as much as q and k together at Dv = 128; a remat policy that saves
 neither runs the forward again); a reverse sequential kernel gives each chunk's end-state
 gradient, parallel kernels the score gradients dA, dv per value block, and dq, dk and the decay
-gradient per block of key channels.
+gradient per block of key channels. With Tiling.spans > 1 every sequence is walked as
+that many spans at once and joined after (_gla_spans).
 """
 import functools
 from typing import NamedTuple
@@ -18,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import (_chunk_prep, _gla_forward_mosaic, _gla_states,
-                                             _gla_states_mosaic)
+from pallas_kernels.linear_attention import (_chunk_prep, _gla_forward_mosaic, _gla_spans,
+                                             _gla_states, _gla_states_mosaic)
 from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
 from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS, SCORE_OPERANDS
 from pallas_kernels.linear_attention._gla_chunks import (chunk_key_grads, chunk_outputs,
@@ -75,6 +76,10 @@ class Tiling(NamedTuple):
   # "compute" (A's own dtype, bf16 for bf16 inputs; the faster, docs/performance.md, "Score
   # products on bf16 operands") or "fp32" (TF32 on the GPU)
   score_operands: str = "compute"
+  # every sequence walked as this many spans at once, joined after (_gla_spans): more
+  # programs for the sequential walk where a long sequence has few heads; untimed
+  # (docs/performance.md, "Still untimed")
+  spans: int = 1
   interpret: bool = False
 
 
@@ -229,6 +234,15 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
   t = tiling or Tiling()
+  if not (isinstance(t.spans, int) and t.spans >= 1):
+    raise ValueError(f"Tiling.spans = {t.spans!r}: expected an int >= 1")
+  if t.spans > 1:
+    walk = lambda q, k, v, g, h0, seg: chunked_gla(q, k, v, g, scale=scale, initial_state=h0,
+                                                   segment_ids=seg, output_final_state=True, tiling=
+                                                   t._replace(spans=1))
+    o, ht = _gla_spans.in_spans(walk, q, k, v, g, spans=t.spans, scale=float(scale),
+                                initial_state=initial_state, segment_ids=segment_ids)
+    return o, (ht if output_final_state else None)
   qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T, summed=t.decay_sum
                                             != "in_scores")
   masks = _chunk_prep.segment_masks(runs)
