@@ -237,9 +237,11 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
   if not (isinstance(t.spans, int) and t.spans >= 1):
     raise ValueError(f"Tiling.spans = {t.spans!r}: expected an int >= 1")
   if t.spans > 1:
-    walk = lambda q, k, v, g, h0, seg: chunked_gla(q, k, v, g, scale=scale, initial_state=h0,
-                                                   segment_ids=seg, output_final_state=True, tiling=
-                                                   t._replace(spans=1))
+
+    def walk(q, k, v, g, h0, seg):  # the spans as rows of their own
+      return chunked_gla(q, k, v, g, scale=scale, initial_state=h0, segment_ids=seg,
+                         output_final_state=True, tiling=t._replace(spans=1))
+
     o, ht = _gla_spans.in_spans(walk, q, k, v, g, spans=t.spans, scale=float(scale),
                                 initial_state=initial_state, segment_ids=segment_ids)
     return o, (ht if output_final_state else None)
