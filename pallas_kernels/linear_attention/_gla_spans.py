@@ -19,21 +19,12 @@ cotangent of the states they hand on).
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.linear_attention._inputs import CHUNK
+from pallas_kernels.linear_attention._inputs import CHUNK, pad_time, run_ids
 
 
 def span_length(T, spans):
   """Tokens per span: T cut into `spans` spans of whole chunks (the last padded)."""
   return -(-T // (spans * CHUNK)) * CHUNK
-
-
-def _runs(segment_ids, B, T):
-  """[B, T] int32: the run index of every token (a new run wherever the id changes)."""
-  if segment_ids is None:
-    return jnp.zeros((B, T), jnp.int32)
-  changed = jnp.concatenate([jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
-                            axis=1)
-  return jnp.cumsum(changed, axis=1, dtype=jnp.int32)
 
 
 def in_spans(walk, q, k, v, g, *, spans, scale, initial_state, segment_ids):
@@ -43,11 +34,9 @@ def in_spans(walk, q, k, v, g, *, spans, scale, initial_state, segment_ids):
   B, T, H, Dk = q.shape
   Dv = v.shape[-1]
   L = span_length(T, spans)
-  pad = spans * L - T
-  runs = _runs(segment_ids, B, T)
   # padding that changes nothing: k = v = 0, g = 0, the last token's run
-  padded = [jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g)]
-  runs = jnp.pad(runs, ((0, 0), (0, pad)), mode="edge")
+  padded = [pad_time(x, spans * L) for x in (q, k, v, g)]
+  runs = pad_time(run_ids(segment_ids, B, T), spans * L, "edge")
   as_spans = lambda x: x.reshape(B * spans, L, *x.shape[2:])
   o_own, end_own = walk(*map(as_spans, padded), None, as_spans(runs))
 

@@ -114,11 +114,10 @@ HALVES_BLOCK_D = 64
 
 def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=False):
   """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands; with
-    `normalize`, of q and k as given, their rows scaled by their inverse norms (_RowScales,
-    _NormalisedRows)."""
+    `normalize`, of q and k as given, their rows scaled by their inverse norms
+    (_NormalisedRows)."""
   if normalize:
-    scales = _RowScales.of_refs(q_ref, k_ref, HALVES_BLOCK_D)
-    q_ref, k_ref = _NormalisedRows(q_ref, scales.q), _NormalisedRows(k_ref, scales.k)
+    q_ref, k_ref = (_NormalisedRows.of(ref, HALVES_BLOCK_D) for ref in (q_ref, k_ref))
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
@@ -133,6 +132,17 @@ class _NormalisedRows:
 
   def __init__(self, ref, scale):
     self.ref, self.scale, self.shape = ref, scale, ref.shape
+
+  @classmethod
+  def of(cls, ref, block_d):
+    """The rows of ref, their squares summed block_d channels at a time (no [C, D] fp32
+      row block held: a kernel short of registers)."""
+    block = min(block_d, ref.shape[-1])
+    squares = [
+        jnp.sum(jnp.square(ref[:, pl.ds(d, block)].astype(F32)), axis=1)
+        for d in range(0, ref.shape[-1], block)
+    ]
+    return cls(ref, inverse_root(functools.reduce(jnp.add, squares))[:, None])
 
   def __getitem__(self, index):
     assert index[0].start == 0 and index[0].size == C, "whole-chunk row loads only"
@@ -154,22 +164,6 @@ class _RowScales(NamedTuple):
     """The scales of the loaded rows q, k [C, D] (fp32)."""
     inverse_k = inverse_l2_norms(k)
     return cls(inverse_l2_norms(q)[:, None], inverse_k[:, None], inverse_k[None, :])
-
-  @classmethod
-  def of_refs(cls, q_ref, k_ref, block_d):
-    """The scales of the chunk's rows in q_ref, k_ref [C, D], summed block_d channels at a
-      time (no [C, D] fp32 row block held: a kernel short of registers)."""
-
-    def inverse(ref):
-      block = min(block_d, ref.shape[-1])
-      squares = [
-          jnp.sum(jnp.square(ref[:, pl.ds(d, block)].astype(F32)), axis=1)
-          for d in range(0, ref.shape[-1], block)
-      ]
-      return inverse_root(functools.reduce(jnp.add, squares))
-
-    inverse_k = inverse(k_ref)
-    return cls(inverse(q_ref)[:, None], inverse_k[:, None], inverse_k[None, :])
 
 
 def _store_normalised(q_ref, k_ref, scales, normed_refs):
