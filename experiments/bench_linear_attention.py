@@ -258,7 +258,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   from pallas_kernels.linear_attention._gla_forward_mosaic import gla_forward
   from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
   from pallas_kernels.linear_attention._mosaic_common import on_hopper
-  from pallas_kernels.linear_attention._pallas_common import interpret_mode
+  from pallas_kernels.linear_attention._pallas_common import SUMMED_ROWS, interpret_mode
   from pallas_kernels.linear_attention.gla import state_walk_kind, state_walks
   interp = interpret_mode()  # a CPU smoke run interprets the kernels
   B, T, H, D = shape
@@ -314,9 +314,17 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
     decayed = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, decayed_with=(ci, il), **sk))
     fused = jax.jit(
         lambda qg, kg, v, a, b: gla_forward(qg, kg, v, a, b, ci, h0, scale=scale, interpret=interp))
+    summing = {
+        rows:
+            jax.jit(lambda q, k, g, rows=rows: chunk_scores(q, k, g, runs, decayed_with=(
+                ci, il), from_gates=True, summed_rows=rows, **sk)) for rows in SUMMED_ROWS
+    }
     try:
       a_d, qg, kg = decayed(qp, kp, b)
       kernel_ms["fused.scores_with_decayed_rows"] = round(median_ms(decayed, qp, kp, b), 3)
+      for rows, fn in summing.items():  # the forward's own: the decays summed there too
+        kernel_ms[f"fused.scores_summing_{rows}_with_decayed_rows"] = round(
+            median_ms(fn, qp, kp, gp), 3)
       xla_rows = jax.jit(lambda q, k, b: _chunk_prep.decayed_rows(q, k, b, ci, il, q.dtype))
       kernel_ms["fused.decayed_rows_xla"] = round(median_ms(xla_rows, qp, kp, b), 3)
       kernel_ms["fused.state_outputs"] = round(median_ms(fused, qg, kg, vp, a_d, b), 3)

@@ -27,7 +27,8 @@ def test_breakdown_runs_every_kernel(monkeypatch):
   for name in ("prepare", "states", "scores", "scores_by_layout", "scores_summing_decays",
                "outputs", "state_grads", "score_grads", "value_grads", "key_grads",
                "key_grads_by_layout", "fused.scores_with_decayed_rows", "fused.decayed_rows_xla",
-               "fused.state_outputs"):
+               "fused.state_outputs", "fused.scores_summing_all_with_decayed_rows",
+               "fused.scores_summing_chunk_ends_with_decayed_rows"):
     assert isinstance(ms.get(name), float) and ms[name] > 0, (name, ms.get(name))
 
 

@@ -12,9 +12,10 @@ With `with_states`, warpgroup 0 also sends each published state on to memory thr
 (the per-chunk states the backward reads, as the split forward's state kernel writes them).
 qg = q exp(b) carry_in and kg = k exp(b_last - b) in_last come in bf16 from the scores
 kernel (_gla_scores.chunk_scores(decayed_with=...)), so neither warpgroup loads the fp32
-decays: two TMA slots each fit in shared memory (~160 KiB at Dk = 128, BV = 64). Each
-warpgroup double-buffers its own TMA loads (both read the chunk's values). Barriers:
-`ready` (the state for chunk n is published) and `free` (warpgroup 1 has read it).
+decays, and A in bf16 too, a matmul operand as TMA lands it: two TMA slots each fit in
+shared memory (~137 KiB at Dk = 128, BV = 64). Each warpgroup double-buffers its own TMA
+loads (both read the chunk's values). Barriers: `ready` (the state for chunk n is
+published) and `free` (warpgroup 1 has read it).
 """
 import jax
 from jax import lax
@@ -43,10 +44,13 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, with_states=
   Dv = v.shape[-1]
   n_chunks = Tp // C
   cd, bv = qg.dtype, block_v
+  if a.dtype != cd:
+    raise ValueError(f"the scores' dtype {a.dtype} is not the rows' {cd}: the kernel takes A as "
+                     "a matmul operand")
 
   def body(kg_ref, v_ref, d_ref, qg_ref, a_ref, h0_ref, o_ref, final_ref, *refs):
     states_ref = refs[0] if with_states else None
-    (kg_s, v0_s, d_s, qg_s, a_s, v1_s, s_s, a16_s, o_s, bars0, bars1, ready, free,
+    (kg_s, v0_s, d_s, qg_s, a_s, v1_s, s_s, o_s, bars0, bars1, ready, free,
      done) = refs[with_states:]
     vt, h, bi = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
     vcols = pl.ds(vt * bv, bv)
@@ -70,15 +74,11 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, with_states=
       plgpu.copy_gmem_to_smem(a_ref.at[bi, h, i], a_s.at[slot], bar)
       plgpu.copy_gmem_to_smem(v_ref.at[bi, tok, h, vcols], v1_s.at[slot], bar)
 
-    def prepare(i, slot):
-      a16_s[...] = load(a_s.at[slot]).astype(cd)
-      plgpu.commit_smem()
-
     def read(i, slot):
       return matmul(qg_s.at[slot], s_s, (C, bv), interpret)
 
     def write(i, slot, o):
-      o = matmul(a16_s, v1_s.at[slot], (C, bv), interpret, init=o)
+      o = matmul(a_s.at[slot], v1_s.at[slot], (C, bv), interpret, init=o)
       publish(scale * o, o_s, o_ref.at[bi, pl.ds(i * C, C), h, vcols])
 
     def finish(S):
@@ -87,17 +87,16 @@ def gla_forward(qg, kg, v, a, b, carry_in, h0, *, scale, interpret, with_states=
     walk_and_outputs(
         n_chunks, stages, (bars0, bars1), ready, free, done,
         StateSide(fetch_state, share, update, lambda: load(h0_ref.at[bi, h, :, vcols]), finish),
-        OutputSide(fetch_outputs, prepare, read, write))
+        OutputSide(fetch_outputs, read, write))
 
   scratch = (
       smem((stages, C, Dk), cd, swizzle_row=bv),  # kg (warpgroup 0)
       smem((stages, C, bv), cd),  # v (warpgroup 0)
       plgpu.SMEM((stages, Dk), F32),  # per-chunk state factor
       smem((stages, C, Dk), cd, swizzle_row=bv),  # qg (warpgroup 1)
-      plgpu.SMEM((stages, C, C), a.dtype),  # scores (warpgroup 1)
+      smem((stages, C, C), cd, swizzle_row=bv),  # scores (warpgroup 1)
       smem((stages, C, bv), cd),  # v (warpgroup 1)
       smem((Dk, bv), cd),  # the state entering the chunk, published
-      smem((C, C), cd, swizzle_row=bv),  # scores in the compute dtype
       smem((C, bv), v.dtype),  # output rows on their way out
       plgpu.Barrier(num_arrivals=3, num_barriers=stages),
       plgpu.Barrier(num_arrivals=3, num_barriers=stages),

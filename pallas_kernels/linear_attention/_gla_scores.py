@@ -10,7 +10,9 @@ allow (_diagonal_blocks) and otherwise form each exp(b_t - b_s <= 0) exactly, on
 a time, so decays down to g = -20 per token stay finite. The kernels come in the forms of
 _chunk_factors.SCORE_KERNELS (chunk_scores(form=...)): one kernel branching per chunk (the
 default) or one kernel per layout over the first one's output; either can sum the decays
-on its way (from_gates). dA = scale * do v^T needs no decay at all.
+on its way (from_gates), and the one kernel can write no more of their sums than the
+fused forward alone reads after it (summed_rows="chunk_ends"). dA = scale * do v^T needs no
+decay at all.
 """
 import functools
 
@@ -22,10 +24,9 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_call,
-                                                            compute_dtype, iota, masked_exp, mm,
-                                                            rows, store_decayed_rows, store_where,
-                                                            sum_decays)
+from pallas_kernels.linear_attention._pallas_common import (
+    F32, N_SUB, SUB, SUMMED_ROWS, chunk_call, compute_dtype, iota, masked_exp, mm, rows,
+    store_decayed_rows, store_summed, store_where, sum_decays, summed_in_registers)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -109,14 +110,15 @@ def _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd):
   jax.lax.fori_loop(0, N_SUB, row_block, 0)
 
 
-def _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b):
+def _decayed_rows(q_ref, k_ref, refs, decayed, b, b_last):
   """(a_ref, the rest of refs): with `decayed`, qg = q exp(b) carry_in and kg = k exp(b_last
     - b) in_last written first (compute dtype: the operands of the fused forward's
     products)."""
   if not decayed:
     return refs[0], refs[1:]
   ci_ref, il_ref, a_ref, qg_ref, kg_ref, *rest = refs
-  store_decayed_rows(rows(q_ref, 0, C), rows(k_ref, 0, C), b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  store_decayed_rows(rows(q_ref, 0, C), rows(k_ref, 0, C), b, b_last, ci_ref, il_ref, qg_ref,
+                     kg_ref)
   return a_ref, rest
 
 
@@ -129,15 +131,30 @@ def _summed(b_ref, refs, from_gates, interpret):
   return refs[-1], refs[:-1]
 
 
-def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, interpret, operand):
+def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, interpret, operand,
+                   chunk_ends=False):
   """The chunk's [C, C] scores in the chunk's layout (_chunk_factors); with `decayed`, also
-    qg and kg (_decayed_rows); with from_gates, b summed here first (_summed)."""
-  b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
-  b = rows(b_ref, 0, C)
-  a_ref, _ = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
-  factors.by_score_layout(b_ref, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand),
-                          lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand),
-                          lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd))
+    qg and kg (_decayed_rows); with from_gates, b summed here first (_summed), or with
+    chunk_ends in registers, its rows written as SUMMED_ROWS' chunk_ends says."""
+  if chunk_ends:
+    g_ref, b_ref, refs = b_ref, refs[-1], refs[:-1]
+    b, b_last = summed_in_registers(g_ref, b_ref)
+  else:
+    b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
+    b, b_last = rows(b_ref, 0, C), rows(b_ref, C - 1, 1)
+  a_ref, _ = _decayed_rows(q_ref, k_ref, refs, decayed, b, b_last)
+  whole = lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand)
+  halves = lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand)
+  sub_chunks = lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd)
+  if not chunk_ends:
+    factors.by_score_layout(b_ref, whole, halves, sub_chunks)
+    return
+
+  def from_memory():  # the paths that read b's rows back
+    store_summed(b, b_ref, interpret)
+    jax.lax.cond(factors.halves_bounded(b_ref), halves, sub_chunks)
+
+  jax.lax.cond(factors.rows_midpoint(b)[1], whole, from_memory)
 
 
 def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, from_gates, interpret, operand):
@@ -146,7 +163,7 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, from_gates, i
     (_summed)."""
   b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
   b = rows(b_ref, 0, C)
-  a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, b_ref, refs, decayed, b)
+  a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, refs, decayed, b, rows(b_ref, C - 1, 1))
   whole, _ = factors.record_layout(flag_ref, b_ref)  # the later passes read the layout
   jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand), lambda: None)
 
@@ -177,7 +194,7 @@ FACTORED_WARPS = 4
 
 
 def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed_with=None,
-                 form="one_kernel", from_gates=False, operands="compute"):
+                 form="one_kernel", from_gates=False, operands="compute", summed_rows="all"):
   """The in-chunk scores A [B, H, NT, C, C] (unscaled, zero above the diagonal) in the
     compute dtype: every use of A is a matmul operand in that dtype (A v, A^T do);
     num_stages software-pipelines the loads of the loops over earlier sub-chunks. With
@@ -187,10 +204,17 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     chunks' (FACTORED_WARPS), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps).
     b: the in-chunk cumulative log decay [B, Tp, H, Dk], or with from_gates the log decays
     g, which the (first) kernel sums; b [B, Tp, H, Dk] fp32 then comes last of
-    a tuple (with A alone, (A, b)). operands: the factored products' operand dtype, one of
-    _chunk_factors.SCORE_OPERANDS."""
+    a tuple (with A alone, (A, b)); summed_rows: the rows of that b written, one of
+    _pallas_common.SUMMED_ROWS ("chunk_ends": the one kernel's form alone). operands: the
+    factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
+  if summed_rows not in SUMMED_ROWS:
+    raise ValueError(f"summed_rows = {summed_rows!r}: expected one of {list(SUMMED_ROWS)}")
+  chunk_ends = summed_rows == "chunk_ends"
+  if chunk_ends and not (from_gates and form == "one_kernel"):
+    raise ValueError("summed_rows = 'chunk_ends' needs the decays summed here (from_gates) "
+                     f"by the one kernel's form; got from_gates = {from_gates}, form = {form!r}")
   B, Tp, H, Dk = q.shape
   g = Grid()
   cd = compute_dtype(q.dtype)
@@ -212,9 +236,10 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     summed_spec, summed = (), ()
   result = lambda out: tuple(out) if decayed or from_gates else out[0]
   if form == "one_kernel":
-    out = chunk_call(functools.partial(_scores_kernel, cd=cd, decayed=decayed, **kernel_kw), grid,
-                     specs, out_specs + summed_spec, outs + summed, num_warps=num_warps,
-                     name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
+    out = chunk_call(
+        functools.partial(_scores_kernel, cd=cd, decayed=decayed, chunk_ends=chunk_ends,
+                          **kernel_kw), grid, specs, out_specs + summed_spec, outs + summed,
+        num_warps=num_warps, name="gla_chunk_scores", **launch)(q, k, b, runs, *flags)
     return result(out)
   out = list(
       chunk_call(functools.partial(_first_pass_kernel, decayed=decayed, **kernel_kw), grid, specs,

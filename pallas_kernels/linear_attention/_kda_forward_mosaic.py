@@ -85,7 +85,7 @@ def kda_forward(w, u0, kg, qg, aqk, b, carry_in, h0, *, scale, block_v, out_dtyp
     walk_and_outputs(
         n_chunks, stages, (bars0, bars1), ready, free, done,
         StateSide(fetch_state, share, update, lambda: load(h0_ref.at[bi, h, :, vcols]), finish),
-        OutputSide(fetch_outputs, lambda i, slot: None, read, write))
+        OutputSide(fetch_outputs, read, write))
 
   scratch = (
       smem((stages, C, Dk), cd, swizzle_row=bv),  # w (warpgroup 0)

@@ -196,7 +196,7 @@ def _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
   scales = _RowScales.of(q, k) if normalize else None
   if normalize:
     q, k = q * scales.q, k * scales.k
-  store_decayed_rows(q, k, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b)
+  store_decayed_rows(q, k, b, rows(b_ref, C - 1, 1), ci_ref, il_ref, qg_ref, kg_ref)
   if kw_ref is not None:
     _store_write_keys(k, b, beta_ref, ci_ref, kw_ref)
   return b, scales

@@ -73,11 +73,10 @@ class StateSide(NamedTuple):
 
 
 class OutputSide(NamedTuple):
-  """Warpgroup 1 of `walk_and_outputs`: fetch(i, slot); prepare(i, slot) its own work
-    before chunk i's state is shared; read(i, slot) -> what it computes from what is
-    shared (no other step may read it); write(i, slot, value) the rest, output included."""
+  """Warpgroup 1 of `walk_and_outputs`: fetch(i, slot); read(i, slot) -> what it computes
+    from what is shared (no other step may read it); write(i, slot, value) the rest,
+    output included."""
   fetch: object
-  prepare: object
   read: object
   write: object
 
@@ -118,7 +117,6 @@ def walk_and_outputs(n_chunks, stages, slot_barriers, ready, free, done, state, 
     def step(i, carry):
       slot = next_slot(outputs.fetch, i, stages, n_chunks, slot_barriers[1])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last output is out
-      outputs.prepare(i, slot)
       plgpu.barrier_wait(ready)
       value = outputs.read(i, slot)
       plgpu.barrier_arrive(free)

@@ -42,23 +42,50 @@ def flag_column(ref, start, n=SUB):
   return ref[pl.ds(start, n)].astype(F32)[:, None]
 
 
-def store_decayed_rows(q, k, b_ref, ci_ref, il_ref, qg_ref, kg_ref, b):
+def store_decayed_rows(q, k, b, b_last, ci_ref, il_ref, qg_ref, kg_ref):
   """The chunk's decayed rows, in qg_ref's and kg_ref's dtype: qg = q exp(b) carry_in and
-    kg = k exp(b_last - b) in_last (q, k, b: the chunk's [C, D] rows, fp32)."""
+    kg = k exp(b_last - b) in_last (q, k, b: the chunk's [C, D] rows, fp32; b_last [1, D]:
+    b's last row)."""
   qg_ref[...] = (q * jnp.exp(b) * flag_column(ci_ref, 0, CHUNK)).astype(qg_ref.dtype)
-  kg = k * masked_exp(rows(b_ref, CHUNK - 1, 1) - b) * flag_column(il_ref, 0, CHUNK)
+  kg = k * masked_exp(b_last - b) * flag_column(il_ref, 0, CHUNK)
   kg_ref[...] = kg.astype(kg_ref.dtype)
+
+
+# The rows of the summed decays b that a scores kernel summing them itself writes
+# (chunk_scores(summed_rows=...)):
+#   all         every row: the backward and the split forward read them;
+#   chunk_ends  each chunk's last row, which is all the fused forward alone reads after
+#               the scores (its state factors), and every row of the chunks whose paths
+#               read theirs back from memory (all but WHOLE_CHUNK ones): the other rows
+#               are left unwritten
+SUMMED_ROWS = ("all", "chunk_ends")
 
 
 def sum_decays(g_ref, b_ref, interpret):
   """b = the in-chunk cumulative sum of the chunk's log decays g_ref [C, D] (fp32) into
     b_ref, for a scores kernel that sums them itself: the rest of the kernel loads b's rows
     from b_ref at each use (held from here, they spilled more:
-    experiments/kernel_resources.py), as the later kernels and the backward do; the barrier
-    makes every thread's rows visible to the others first."""
-  b_ref[...] = jnp.cumsum(g_ref[...].astype(F32), axis=0)
+    experiments/kernel_resources.py), as the later kernels and the backward do."""
+  store_summed(jnp.cumsum(g_ref[...].astype(F32), axis=0), b_ref, interpret)
+
+
+def store_summed(b, b_ref, interpret):
+  """Every row of b [C, D] into b_ref; the barrier makes every thread's rows visible to the
+    others before the kernel reads them back."""
+  b_ref[...] = b
   if not interpret:
     plgpu.debug_barrier()
+
+
+def summed_in_registers(g_ref, b_ref):
+  """(b, b_last) for a kernel writing the chunk_ends rows of b (SUMMED_ROWS): b = the
+    in-chunk cumulative sum of g_ref [C, D] in registers and its last row [1, D], written
+    to b_ref's last row. b falls in every channel, so its last row is each column's
+    minimum: no row taken out of registers."""
+  b = jnp.cumsum(g_ref[...].astype(F32), axis=0)
+  last = jnp.min(b, axis=0, keepdims=True)
+  b_ref[pl.ds(CHUNK - 1, 1), :] = last
+  return b, last
 
 
 def store_where(ref, start, region, x):

@@ -4,13 +4,14 @@ Forward: a thin sequential kernel computes every chunk's start state (_gla_state
 _gla_states_mosaic on Hopper: Tiling.state_walk), parallel kernels each chunk's in-chunk
 scores A (_gla_scores) and, per block of value channels, its output (_gla_chunks); or,
 with Tiling.forward = "fused", the scores kernel and one Mosaic GPU kernel that walks the
-states and computes the outputs (_gla_forward_mosaic). Backward: the residuals are the
+states and computes the outputs (_gla_forward_mosaic); that forward alone reads no more
+of the summed decays than each chunk's last row, and the scores kernel writes no more
+(Tiling.summed_rows). Backward: the residuals are the
 inputs, A (in the compute dtype, as much memory as v) and the per-chunk start states that
 either forward writes (as much as q and k together at Dv = 128; a remat policy that saves
 neither runs the forward again); a reverse sequential kernel gives each chunk's end-state
 gradient, parallel kernels the score gradients dA, dv per value block, and dq, dk and the decay
-gradient per block of key channels. With Tiling.spans > 1 every sequence is walked as
-that many spans at once and joined after (_gla_spans).
+gradient per block of key channels.
 """
 import functools
 from typing import NamedTuple
@@ -19,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.linear_attention import (_chunk_prep, _gla_forward_mosaic, _gla_spans,
-                                             _gla_states, _gla_states_mosaic)
+from pallas_kernels.linear_attention import (_chunk_prep, _gla_forward_mosaic, _gla_states,
+                                             _gla_states_mosaic)
 from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
 from pallas_kernels.linear_attention._chunk_factors import SCORE_KERNELS, SCORE_OPERANDS
 from pallas_kernels.linear_attention._gla_chunks import (chunk_key_grads, chunk_outputs,
@@ -30,7 +31,7 @@ from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile
                                                      validate)
 from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
                                                             sixteen_bit)
-from pallas_kernels.linear_attention._pallas_common import interpret_mode
+from pallas_kernels.linear_attention._pallas_common import SUMMED_ROWS, interpret_mode
 
 
 class Tiling(NamedTuple):
@@ -76,10 +77,12 @@ class Tiling(NamedTuple):
   # "compute" (A's own dtype, bf16 for bf16 inputs; the faster, docs/performance.md, "Score
   # products on bf16 operands") or "fp32" (TF32 on the GPU)
   score_operands: str = "compute"
-  # every sequence walked as this many spans at once, joined after (_gla_spans): more
-  # programs for the sequential walk where a long sequence has few heads; untimed
-  # (docs/performance.md, "Still untimed")
-  spans: int = 1
+  # the rows of the summed decays the scores kernel writes in the fused forward alone
+  # (_pallas_common.SUMMED_ROWS): "chunk_ends" (each chunk's last row, read by the state
+  # factors, and the rows of the chunks that read theirs back) or "all" (as the backward
+  # needs them); with the decays summed in the one scores kernel and the decayed rows from
+  # it, else "all" (docs/kernel_tuning.md, "GLA tiling")
+  summed_rows: str = "chunk_ends"
   interpret: bool = False
 
 
@@ -125,13 +128,16 @@ def _states(k, v, b, masks, h0, t: Tiling):
   return state_walks(t)[0](k, v, b, in_last, carry_in, h0)
 
 
-def _scores(q, k, b, runs, t, decayed_with=None):
+def _scores(q, k, b, runs, t, decayed_with=None, summed_rows="all"):
   """chunk_scores with t's settings: (A, [qg, kg,] b), b summed there from the log decays
-    given as b where t.decay_sum says so, else b as given."""
+    given as b where t.decay_sum says so (its rows as summed_rows says, where the kernel's
+    form writes them so), else b as given."""
   from_gates = t.decay_sum == "in_scores"
+  if not (from_gates and t.scores == "one_kernel"):
+    summed_rows = "all"
   out = chunk_scores(q, k, b, runs, interpret=t.interpret, num_warps=t.score_warps,
                      num_stages=t.score_stages, form=t.scores, decayed_with=decayed_with,
-                     from_gates=from_gates, operands=t.score_operands)
+                     from_gates=from_gates, operands=t.score_operands, summed_rows=summed_rows)
   out = out if isinstance(out, tuple) else (out,)
   return out if from_gates else (*out, b)
 
@@ -147,7 +153,9 @@ def _split_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
 
 def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
   if t.decayed_rows == "scores":
-    a, qg, kg, b = _scores(q, k, b, runs, t, decayed_with=masks)
+    # without the states, the kernel after the scores reads each chunk's last row of b alone
+    summed_rows = "all" if with_states else t.summed_rows
+    a, qg, kg, b = _scores(q, k, b, runs, t, decayed_with=masks, summed_rows=summed_rows)
   else:
     a, b = _scores(q, k, b, runs, t)
     qg, kg = _chunk_prep.decayed_rows(q, k, b, *masks, a.dtype)
@@ -178,7 +186,8 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
   for name, known in (("scores", SCORE_KERNELS), ("key_grads", _KEY_GRAD_FORMS),
-                      ("decay_sum", DECAY_SUMS), ("score_operands", SCORE_OPERANDS)):
+                      ("decay_sum", DECAY_SUMS), ("score_operands", SCORE_OPERANDS), ("summed_rows",
+                                                                                      SUMMED_ROWS)):
     if getattr(t, name) not in known:
       raise ValueError(f"Tiling.{name} = {getattr(t, name)!r}: expected one of "
                        f"{list(known)}")
@@ -234,17 +243,6 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
   t = tiling or Tiling()
-  if not (isinstance(t.spans, int) and t.spans >= 1):
-    raise ValueError(f"Tiling.spans = {t.spans!r}: expected an int >= 1")
-  if t.spans > 1:
-
-    def walk(q, k, v, g, h0, seg):  # the spans as rows of their own
-      return chunked_gla(q, k, v, g, scale=scale, initial_state=h0, segment_ids=seg,
-                         output_final_state=True, tiling=t._replace(spans=1))
-
-    o, ht = _gla_spans.in_spans(walk, q, k, v, g, spans=t.spans, scale=float(scale),
-                                initial_state=initial_state, segment_ids=segment_ids)
-    return o, (ht if output_final_state else None)
   qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T, summed=t.decay_sum
                                             != "in_scores")
   masks = _chunk_prep.segment_masks(runs)

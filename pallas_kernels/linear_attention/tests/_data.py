@@ -87,6 +87,22 @@ def at_the_whole_chunk_limit(x):
   return dict(x, g=g.astype(x["g"].dtype))
 
 
+def one_chunk_of_each_scores_layout(x):
+  """x (T = 192) whose chunks take the scores' three layouts in turn: WHOLE_CHUNK (g in
+    [-1, 0]), HALVES (g = -4.95 a token in the first channel, the others as the first
+    chunk's: the pairs across the halves weigh) and SUB_CHUNKS (mild, g = -20 every third
+    token)."""
+  u = jax.random.uniform(jax.random.key(1), x["g"].shape)
+  t = jnp.arange(x["g"].shape[1])[None, :, None, None]
+  first_channel = jnp.arange(x["g"].shape[-1]) == 0
+  halves = jnp.where(first_channel, -4.95, -u)
+  g = jnp.where(t < 64, -u, jnp.where(t < 128, halves, jnp.where(t % 3 == 0, -20.0, -u)))
+  assert factors.score_layouts(g)[0, :, 0].tolist() == [
+      factors.WHOLE_CHUNK, factors.HALVES, factors.SUB_CHUNKS
+  ]
+  return dict(x, g=g.astype(x["g"].dtype))
+
+
 def mosaic_three_layouts(seed):
   """bf16 inputs with one 64-token chunk in each in-chunk layout (with_three_layouts), at
     the smallest head sizes the Mosaic GPU kernels take (64)."""

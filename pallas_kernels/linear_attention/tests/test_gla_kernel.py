@@ -155,34 +155,6 @@ def test_fp32_exact_at_the_whole_chunk_limit():
   _check(at_the_whole_chunk_limit(make_inputs(seed=42, T=130, Dk=32, Dv=32)), 1e-4, 1e-4)
 
 
-def _runs_across_spans(x):
-  """x (B = 2, T = 320) with row 0's runs: one ending exactly at a span boundary (token
-    128, spans of 64), one from token 150 across three spans, and an id seen before from
-    token 300 (a new run); row 1 one run."""
-  seg = np.zeros(x["segment_ids"].shape, np.int32)
-  seg[0, 128:], seg[0, 150:], seg[0, 300:] = 1, 2, 1
-  return dict(x, segment_ids=jnp.asarray(seg))
-
-
-@pytest.mark.parametrize("T, spans, dtype, min_log_decay, out_tol, grad_tol", [
-    (320, 5, jnp.float32, -0.05, 1e-4, 1e-4),
-    (300, 4, jnp.float32, -20.0, 1e-4, 1e-4),
-    (320, 3, jnp.bfloat16, -0.05, 5e-3, 1e-2),
-])
-def test_sequence_walked_in_spans(T, spans, dtype, min_log_decay, out_tol, grad_tol):
-  """Tiling.spans: each sequence cut into spans walked as rows of their own, joined after;
-    outputs, final state and every gradient against the oracle. Runs that end at a span
-    boundary, cross several spans or restart an id inside the last span; an initial state;
-    decays mild enough that a state crosses whole spans, or strong; spans of padding alone
-    (T = 300 in 4 spans of 128)."""
-  x = make_inputs(seed=44, B=2, T=320, Dk=16, Dv=32, dtype=dtype, min_log_decay=min_log_decay)
-  x = _runs_across_spans(x)
-  x = {n: a if n == "initial_state" else a[:, :T] for n, a in x.items()}
-  _check(x, out_tol, grad_tol, tiling=Tiling(spans=spans, block_v=16))
-  with pytest.raises(ValueError, match=r"Tiling.spans = 0: expected an int >= 1"):
-    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(spans=0))
-
-
 def test_fp32_exact_over_key_and_value_blocks():
   # two 16-channel blocks of keys and of values: every parallel kernel's block grid
   _check(_mixed_decay_inputs(10), 1e-4, 1e-4, tiling=Tiling(block_k=16, block_v=16,

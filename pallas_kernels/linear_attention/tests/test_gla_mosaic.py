@@ -13,7 +13,9 @@ from pallas_kernels.linear_attention import (_chunk_prep, _gla_states, _gla_stat
                                              _mosaic_common, gla, kda)
 from pallas_kernels.linear_attention._mosaic_common import require_mosaic
 from pallas_kernels.linear_attention.gla import Tiling, chunked_gla
-from pallas_kernels.linear_attention.tests._data import make_inputs, mosaic_three_layouts, rel_rms
+from pallas_kernels.linear_attention.reference import gla_recurrent
+from pallas_kernels.linear_attention.tests._data import (make_inputs, mosaic_three_layouts,
+                                                         one_chunk_of_each_scores_layout, rel_rms)
 from pallas_kernels.linear_attention.tests.test_gla_kernel import _check
 
 D = 2 * _gla_states_mosaic.BLOCK
@@ -103,3 +105,25 @@ def test_fused_forward_matches_the_split_forward():
 
 def test_chunked_gla_with_the_fused_forward_matches_the_oracle():
   _check(mosaic_three_layouts(25), 5e-3, 1e-2, tiling=Tiling(state_walk="mosaic", forward="fused"))
+
+
+@pytest.mark.parametrize("summed_rows", ["chunk_ends", "all"])
+def test_fused_forward_alone_matches_the_oracle(summed_rows):
+  """The fused forward alone (no states for a backward, as inference and the benchmark's
+    forward run it) with the decays summed in the scores kernel: writing b's chunk-end rows
+    alone (the default) or every row, against the fp32 oracle. One chunk of each scores
+    layout (the HALVES and SUB_CHUNKS chunks read b's rows back), resets, an initial
+    state; and the chunk ends match every row's forward exactly."""
+  x = one_chunk_of_each_scores_layout(
+      make_inputs(seed=26, T=192, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, segment_rate=0.02))
+  args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"])
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
+  o_ref, s_ref = gla_recurrent(*[a.astype(jnp.float32) for a in args[:4]], initial_state=args[4],
+                               **kw)
+  forward = lambda rows: jax.jit(lambda q, k, v, g, h0: chunked_gla(
+      q, k, v, g, initial_state=h0, tiling=Tiling(forward="fused", summed_rows=rows), **kw))
+  o, s = forward(summed_rows)(*args)
+  assert rel_rms(o_ref, o) < 5e-3 and rel_rms(s_ref, s) < 5e-3
+  if summed_rows == "chunk_ends":
+    o_all, s_all = forward("all")(*args)
+    assert rel_rms(o_all, o) == 0.0 and rel_rms(s_all, s) == 0.0

@@ -9,9 +9,10 @@ from pallas_kernels.linear_attention import _chunk_prep, _kda_scores
 from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
 from pallas_kernels.linear_attention.tests._data import (at_the_whole_chunk_limit, fast_jit,
-                                                         make_inputs, outputs_and_grads, rel_rms,
-                                                         with_halves, with_strong_decay,
-                                                         with_three_layouts)
+                                                         make_inputs,
+                                                         one_chunk_of_each_scores_layout,
+                                                         outputs_and_grads, rel_rms, with_halves,
+                                                         with_strong_decay, with_three_layouts)
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -108,22 +109,6 @@ def test_halves_scores_over_channel_blocks(scores, qk_norm, monkeypatch):
   _assert_within(_errors(x, scores=scores, qk_norm=qk_norm), 1e-4, 1e-4)
 
 
-def _one_chunk_of_each_scores_layout(x):
-  """x (T = 192) whose chunks take the scores' three layouts in turn: WHOLE_CHUNK (g in
-    [-1, 0]), HALVES (g = -4.95 a token in the first channel, the others as the first
-    chunk's: the pairs across the halves weigh) and SUB_CHUNKS (mild, g = -20 every third
-    token)."""
-  u = jax.random.uniform(jax.random.key(1), x["g"].shape)
-  t = jnp.arange(x["g"].shape[1])[None, :, None, None]
-  first_channel = jnp.arange(x["g"].shape[-1]) == 0
-  halves = jnp.where(first_channel, -4.95, -u)
-  g = jnp.where(t < 64, -u, jnp.where(t < 128, halves, jnp.where(t % 3 == 0, -20.0, -u)))
-  assert factors.score_layouts(g)[0, :, 0].tolist() == [
-      factors.WHOLE_CHUNK, factors.HALVES, factors.SUB_CHUNKS
-  ]
-  return dict(x, g=g.astype(x["g"].dtype))
-
-
 def test_qk_norm_as_row_scales_in_the_first_scores_kernel():
   """qk_norm="kernel": the first scores kernel scales its products and decayed rows by the
   inverse norms and writes the normalised rows for the later kernels and the backward. On
@@ -133,7 +118,7 @@ def test_qk_norm_as_row_scales_in_the_first_scores_kernel():
   first kernel's chunks do not)."""
   errors = {}
   for dtype in (jnp.float32, jnp.bfloat16):
-    x = _one_chunk_of_each_scores_layout(
+    x = one_chunk_of_each_scores_layout(
         make_inputs(seed=21, T=192, Dk=32, Dv=32, dtype=dtype, segment_rate=0.03))
     x = dict(x, q=3.0 * x["q"], k=3.0 * x["k"])
     errors[dtype] = {norm: _errors(x, qk_norm=norm) for norm in ("kernel", "xla")}
@@ -150,7 +135,7 @@ def test_forward_alone_exact(qk_norm):
     the normalised rows for the later kernels' chunks alone, and no T), against the fp32
     oracle: unnormalised inputs (q, k x 3), one chunk of each scores layout, resets, an
     initial state."""
-  x = _one_chunk_of_each_scores_layout(make_inputs(seed=43, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  x = one_chunk_of_each_scores_layout(make_inputs(seed=43, T=192, Dk=32, Dv=32, segment_rate=0.03))
   args = [3.0 * x["q"], 3.0 * x["k"]] + [x[n] for n in NAMES[2:]]
   kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
   o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a[:5], initial_state=a[5], **kw))(*args)
@@ -165,7 +150,7 @@ def test_factored_score_products_in_the_compute_dtype(form):
   bf16 operands; bf16 inputs, one chunk of each scores layout. Against the fp32-operand
   products, A_kk and A_qk move in the factored chunks by about bf16's rounding, and not at
   all in the SUB_CHUNKS one; A_kk stays fp32; the op stays within the bf16 tolerances."""
-  x = _one_chunk_of_each_scores_layout(
+  x = one_chunk_of_each_scores_layout(
       make_inputs(seed=29, T=192, Dk=32, Dv=32, dtype=jnp.bfloat16, segment_rate=0.03))
   B, T = x["q"].shape[:2]
   qp, kp, _, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
@@ -196,7 +181,7 @@ def test_decays_summed_in_the_first_scores_kernel(qk_norm, solve):
   the later kernels and the backward, which hands the decays' gradient back through the
   sum's transpose; fp32, one chunk of each scores layout, resets and padding (T = 150), the
   norm in that kernel or not, the HALVES chunks solved in place or not."""
-  x = _one_chunk_of_each_scores_layout(make_inputs(seed=27, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  x = one_chunk_of_each_scores_layout(make_inputs(seed=27, T=192, Dk=32, Dv=32, segment_rate=0.03))
   x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
   _assert_within(_errors(x, qk_norm=qk_norm, solve=solve, decay_sum="in_scores"), 1e-4, 1e-4)
 
@@ -222,7 +207,7 @@ def test_either_inverse_in_the_solve_kernel(inverse, solve):
   scores' kernel (solve="in_scores", which doubles over the whole chunk either way); the
   outputs, the T the backward reads and every gradient exact. A name it does not know is
   refused."""
-  x = _one_chunk_of_each_scores_layout(make_inputs(seed=33, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  x = one_chunk_of_each_scores_layout(make_inputs(seed=33, T=192, Dk=32, Dv=32, segment_rate=0.03))
   x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
   _assert_within(_errors(x, inverse=inverse, solve=solve), 1e-4, 1e-4)
   with pytest.raises(ValueError, match=r"inverse = 'lu': expected one of"):
