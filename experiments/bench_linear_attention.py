@@ -36,6 +36,7 @@ from pallas_kernels.linear_attention._chunk_factors import (KEY_GRAD_KERNELS, SC
 from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention.kda import DECAY_SUMS, QK_NORMS, SOLVES
+from pallas_kernels.linear_attention._pallas_common import SUMMED_ROWS
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
 REFERENCE_SKIP = {
@@ -258,7 +259,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   from pallas_kernels.linear_attention._gla_forward_mosaic import gla_forward
   from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
   from pallas_kernels.linear_attention._mosaic_common import on_hopper
-  from pallas_kernels.linear_attention._pallas_common import SUMMED_ROWS, interpret_mode
+  from pallas_kernels.linear_attention._pallas_common import interpret_mode
   from pallas_kernels.linear_attention.gla import state_walk_kind, state_walks
   interp = interpret_mode()  # a CPU smoke run interprets the kernels
   B, T, H, D = shape
@@ -518,6 +519,7 @@ KDA_CHOICES = {
     "decay_sum": (DECAY_SUMS, "--kda-decay-sums"),
     "score_operands": (SCORE_OPERANDS, "--kda-score-operands"),
     "inverse": (INVERSES, "--kda-inverses"),
+    "summed_rows": (SUMMED_ROWS, "--kda-summed-rows"),
 }
 
 
@@ -621,6 +623,10 @@ def main():
                         "(TF32) or the compute dtype (compute)",
       "inverse": "how the solve's own kernel forms the in-chunk inverse: by doubling over "
                  "the whole chunk (whole_chunk) or each half on its own, joined (by_halves)",
+      "summed_rows": "with --kda-decay-sums in_scores, the rows of the summed decays the "
+                     "first scores kernel writes in the fused forward alone: every row (all) "
+                     "or the chunks' last rows and the rows the later kernels read "
+                     "(chunk_ends)",
   }
   for name, (known, flag) in KDA_CHOICES.items():
     ap.add_argument(flag, nargs="+", choices=known, default=[KDA_DEFAULTS[name]],

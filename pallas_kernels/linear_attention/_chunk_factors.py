@@ -331,6 +331,35 @@ def by_score_layout(b_ref, whole_chunk, halves, sub_chunks):
       lambda: jax.lax.cond(halves_bounded(b_ref), halves, sub_chunks))
 
 
+# The layout from rows held in registers, for a kernel that writes b_ref only where a path
+# reads its rows back (_pallas_common.SUMMED_ROWS' chunk_ends): WHOLE_CHUNK by rows_midpoint
+# (for a falling b, midpoint's test), the others' test after write_rows() has written b_ref.
+
+
+def by_score_layout_from_rows(b, b_ref, write_rows, whole_chunk, halves, sub_chunks):
+  """by_score_layout for a chunk's rows b [C, D] in registers, b_ref written by
+    write_rows() for the HALVES and SUB_CHUNKS chunks alone."""
+
+  def others():
+    write_rows()
+    jax.lax.cond(halves_bounded(b_ref), halves, sub_chunks)
+
+  jax.lax.cond(rows_midpoint(b)[1], whole_chunk, others)
+
+
+def record_layout_from_rows(flag_ref, b, b_ref, write_rows):
+  """record_layout for a chunk's rows b [C, D] in registers, b_ref written by write_rows()
+    for the HALVES and SUB_CHUNKS chunks alone."""
+  whole = rows_midpoint(b)[1]
+  jax.lax.cond(whole, lambda: None, write_rows)
+  # a WHOLE_CHUNK chunk's rows of b_ref stay unwritten: the select drops what is read of them
+  # (the Triton lowering takes no constant as a branch's result)
+  layout = jnp.where(whole, _code(WHOLE_CHUNK),
+                     jnp.where(halves_bounded(b_ref), _code(HALVES), _code(SUB_CHUNKS)))
+  flag_ref[...] = jnp.full((C,), layout, jnp.int32)
+  return whole, layout
+
+
 def record_layout(flag_ref, b_ref):
   """Writes the chunk's flag, its layout for the scores (WHOLE_CHUNK, HALVES, SUB_CHUNKS),
     and returns (whether it is WHOLE_CHUNK, the layout's code)."""

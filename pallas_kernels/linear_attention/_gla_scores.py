@@ -146,15 +146,11 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, i
   whole = lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand)
   halves = lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand)
   sub_chunks = lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd)
-  if not chunk_ends:
+  if chunk_ends:
+    factors.by_score_layout_from_rows(b, b_ref, lambda: store_summed(b, b_ref, interpret), whole,
+                                      halves, sub_chunks)
+  else:
     factors.by_score_layout(b_ref, whole, halves, sub_chunks)
-    return
-
-  def from_memory():  # the paths that read b's rows back
-    store_summed(b, b_ref, interpret)
-    jax.lax.cond(factors.halves_bounded(b_ref), halves, sub_chunks)
-
-  jax.lax.cond(factors.rows_midpoint(b)[1], whole, from_memory)
 
 
 def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, from_gates, interpret, operand):

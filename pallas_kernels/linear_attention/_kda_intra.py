@@ -39,14 +39,14 @@ SOLVES = ("own_kernel", "in_scores")
 
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
                 scores="one_kernel", solve_warps=SOLVE_WARPS, normalize=False, solve="own_kernel",
-                from_gates=False, operands="compute", inverse="by_halves"):
+                from_gates=False, operands="compute", inverse="by_halves", summed_rows="all"):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd; with `normalize`, of q and k L2-normalised
     per token by the first scores kernel (chunk_scores), and with emit_inverse too (what the
     backward reads) the normalised q, k [B,Tp,H,Dk] (in their dtypes) follow. solve: one of
     SOLVES (solve_warps: the own kernel's warps). b: the in-chunk cumulative log decay, or
     with from_gates the log decays, summed by the first scores kernel (chunk_scores; b
-    then comes last). operands: the factored score products' operand dtype
+    then comes last, its rows as summed_rows says: _pallas_common.SUMMED_ROWS). operands: the factored score products' operand dtype
     (_chunk_factors.SCORE_OPERANDS); inverse: how the solve's own kernel forms T
     (_kda_solve.INVERSES)."""
   for name, choice, known in (("solve", solve, SOLVES), ("inverse", inverse, INVERSES)):
@@ -56,14 +56,16 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
     return chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, cd=cd,
                                   interpret=interpret, emit_inverse=emit_inverse,
                                   normalize=normalize, keep_normalized=emit_inverse,
-                                  from_gates=from_gates, operands=operands, inverse=inverse)
+                                  from_gates=from_gates, operands=operands, inverse=inverse,
+                                  summed_rows=summed_rows)
   B, Tp, H, Dk = k.shape
   Dv = v.shape[-1]
   n = Tp // C
   qg, kg, kw, a_kk, a_qk, *after = chunk_scores(q, k, b, beta, runs, carry_in, in_last, cd=cd,
                                                 interpret=interpret, form=scores,
                                                 normalize=normalize, keep_normalized=emit_inverse,
-                                                from_gates=from_gates, operands=operands)
+                                                from_gates=from_gates, operands=operands,
+                                                summed_rows=summed_rows)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
   out_specs, out_shape = [keys, values], [L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)]
   if emit_inverse:

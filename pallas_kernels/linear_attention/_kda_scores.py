@@ -17,7 +17,8 @@ latter can take q and k unnormalised, scaling what it forms by their inverse nor
 (_RowScales) and writing the normalised rows for the kernels after it (in the forward
 alone, for the SUB_CHUNKS kernel's chunks: the HALVES kernel scales its operands' rows
 itself, _NormalisedRows), and the log decays in place of b, which it sums
-(_pallas_common.sum_decays).
+(_pallas_common.sum_decays; or in registers, writing no more of b than is read after it:
+summed_rows="chunk_ends").
 """
 import functools
 from typing import NamedTuple
@@ -33,9 +34,11 @@ from pallas_kernels.linear_attention._inputs import inverse_l2_norms, inverse_ro
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
                                                         write_keys)
-from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, flag_column, iota,
-                                                            masked_exp, rows, store_decayed_rows,
-                                                            store_where, sum_decays)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, SUMMED_ROWS,
+                                                            flag_column, iota, masked_exp, rows,
+                                                            store_decayed_rows, store_summed,
+                                                            store_where, sum_decays,
+                                                            summed_in_registers)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -186,20 +189,19 @@ def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
   kw_ref[...] = kw.astype(kw_ref.dtype)
 
 
-def _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
+def _rows_written(q_ref, k_ref, b, b_last, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                   normalize=False):
-  """(b, scales): the chunk's rows of b (loaded) and, with `normalize`, its _RowScales (else
-    None), after qg, kg and kw (unless kw_ref is None) are written, from normalised rows
-    where asked."""
-  b = rows(b_ref, 0, C)
+  """The chunk's _RowScales with `normalize` (else None), after qg, kg and kw (unless kw_ref
+    is None) are written, from normalised rows where asked (b: the chunk's rows of b, b_last
+    its last)."""
   q, k = rows(q_ref, 0, C), rows(k_ref, 0, C)
   scales = _RowScales.of(q, k) if normalize else None
   if normalize:
     q, k = q * scales.q, k * scales.k
-  store_decayed_rows(q, k, b, rows(b_ref, C - 1, 1), ci_ref, il_ref, qg_ref, kg_ref)
+  store_decayed_rows(q, k, b, b_last, ci_ref, il_ref, qg_ref, kg_ref)
   if kw_ref is not None:
     _store_write_keys(k, b, beta_ref, ci_ref, kw_ref)
-  return b, scales
+  return scales
 
 
 def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
@@ -216,7 +218,9 @@ def _by_sub_chunks(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, cd):
 def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                    akk_ref, aqk_ref, *, cd, operand):
   """One chunk: qg, kg, kw, and A_kk, A_qk in the chunk's layout (_chunk_factors)."""
-  b, _ = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
+  b = rows(b_ref, 0, C)
+  _rows_written(q_ref, k_ref, b, rows(b_ref, C - 1, 1), beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
+                kw_ref)
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   factors.by_score_layout(
       b_ref, lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, *refs[3:], operand),
@@ -225,7 +229,8 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                        akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, keep_normalized,
-                       normalize, from_gates, interpret, operand, halves_normalize=False):
+                       normalize, from_gates, interpret, operand, halves_normalize=False,
+                       chunk_ends=False):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
     ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the later
     passes; with `normalize` (extra_refs: the
@@ -233,14 +238,23 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     rows written for the later passes' chunks (keep_normalized: for every chunk;
     halves_normalize: for the SUB_CHUNKS ones alone, the HALVES kernel normalising its
     own); with from_gates, b_ref holds the log decays g and b is summed here into the last of
-    extra_refs (sum_decays)."""
+    extra_refs (sum_decays), or with chunk_ends in registers, its rows written as
+    _pallas_common.SUMMED_ROWS' chunk_ends says."""
   normed_refs = extra_refs[:2] if normalize else ()
-  if from_gates:  # b_ref holds g; from here on, the b it sums to
-    sum_decays(b_ref, extra_refs[-1], interpret)
-    b_ref = extra_refs[-1]
-  b, scales = _rows_written(q_ref, k_ref, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
-                            kw_ref if keys_of_halves else None, normalize)
-  whole, layout = factors.record_layout(flag_ref, b_ref)
+  if chunk_ends:  # b_ref holds g; b summed in registers, its rows written where read
+    b_ref, (b, b_last) = extra_refs[-1], summed_in_registers(b_ref, extra_refs[-1])
+  else:
+    if from_gates:  # b_ref holds g; from here on, the b it sums to
+      sum_decays(b_ref, extra_refs[-1], interpret)
+      b_ref = extra_refs[-1]
+    b, b_last = rows(b_ref, 0, C), rows(b_ref, C - 1, 1)
+  scales = _rows_written(q_ref, k_ref, b, b_last, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
+                         kw_ref if keys_of_halves else None, normalize)
+  if chunk_ends:
+    whole, layout = factors.record_layout_from_rows(flag_ref, b, b_ref,
+                                                    lambda: store_summed(b, b_ref, interpret))
+  else:
+    whole, layout = factors.record_layout(flag_ref, b_ref)
   if normed_refs:
     store = lambda: _store_normalised(q_ref, k_ref, scales, normed_refs)
     if keep_normalized:
@@ -328,14 +342,26 @@ def _first_pass_warps(factored_warps, normalize):
   return factored_warps or (NORMALIZING_WARPS if normalize else FACTORED_WARPS)
 
 
+def _check_summed_rows(summed_rows, from_gates):
+  """Whether summed_rows (_pallas_common.SUMMED_ROWS) is "chunk_ends", which needs the
+    decays summed in the first kernel (from_gates)."""
+  if summed_rows not in SUMMED_ROWS:
+    raise ValueError(f"summed_rows = {summed_rows!r}: expected one of {list(SUMMED_ROWS)}")
+  if summed_rows == "chunk_ends" and not from_gates:
+    raise ValueError("summed_rows = 'chunk_ends' needs the decays summed in the first kernel "
+                     "(from_gates)")
+  return summed_rows == "chunk_ends"
+
+
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
                 keys_of_halves, operand, keep_normalized=True, from_gates=False,
-                halves_normalize=False):
+                halves_normalize=False, summed_rows="all"):
   """The first kernel of the scores by layout (_first_pass_kernel): (qg, kg, kw, A_kk, A_qk,
     layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
     kernels' chunks alone (halves_normalize: the SUB_CHUNKS kernel's), b: the in-chunk
-    cumulative decay, summed here from the log decays given as b where from_gates)."""
+    cumulative decay, summed here from the log decays given as b where from_gates, its rows
+    as summed_rows says: _check_summed_rows)."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -346,7 +372,8 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
   kernel = functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves,
                              keep_normalized=keep_normalized, normalize=normalize,
                              from_gates=from_gates, interpret=interpret, operand=operand,
-                             halves_normalize=halves_normalize)
+                             halves_normalize=halves_normalize,
+                             chunk_ends=_check_summed_rows(summed_rows, from_gates))
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
       kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
@@ -377,7 +404,7 @@ def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpr
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
                  form="one_kernel", factored_warps=None, normalize=False, keep_normalized=True,
-                 from_gates=False, operands="compute"):
+                 from_gates=False, operands="compute", summed_rows="all"):
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), all of it, with `normalize`, of q and k L2-normalised per
     token: the first kernel scales its products and rows by the inverse norms and writes the
@@ -386,7 +413,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     chunk, the HALVES kernel reads them, and they follow the outputs (what the backward
     reads). b: the in-chunk cumulative log decay, or with
     from_gates the log decays g themselves, which the first kernel sums (by_layout too); b
-    then comes last.
+    then comes last, its rows as summed_rows says (_pallas_common.SUMMED_ROWS).
 
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
@@ -394,6 +421,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
+  _check_summed_rows(summed_rows, from_gates)
   for name, asked in (("normalize", normalize), ("from_gates", from_gates)):
     if asked and form not in FIRST_KERNEL_FORMS:
       raise ValueError(
@@ -420,7 +448,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
       keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
-      halves_normalize=halves_normalize)
+      halves_normalize=halves_normalize, summed_rows=summed_rows)
   a_kk, a_qk = _later_pass(factors.HALVES, *(raw if halves_normalize else (q, k)), b, beta, runs,
                            layouts, a_kk, a_qk, cd=cd, interpret=interpret, num_warps=num_warps,
                            operand=operand, normalize=halves_normalize)
@@ -433,13 +461,14 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
 def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,
                            emit_inverse, normalize=False, num_warps=4, factored_warps=None,
                            solve_warps=4, keep_normalized=True, from_gates=False,
-                           operands="compute", inverse="by_halves"):
+                           operands="compute", inverse="by_halves", summed_rows="all"):
   """The scores by layout with the HALVES chunks solved in place (_kda_intra's chunk form):
     (qg, kg, w [B, Tp, H, Dk], u0 [B, Tp, H, Dv], A_qk [B, H, n, C, C], all in cd,
     T [B, H, n, C, C] in cd when emit_inverse), of q and k L2-normalised with `normalize`,
     as chunk_scores normalises them (keep_normalized: the normalised q, k follow; from_gates:
-    b is the log decays, summed in the first kernel, and comes last; operands: as
-    chunk_scores takes them; inverse: how the solve's kernel forms T, _kda_solve.INVERSES).
+    b is the log decays, summed in the first kernel, and comes last, its rows as
+    summed_rows says; operands: as chunk_scores takes them; inverse: how the solve's kernel
+    forms T, _kda_solve.INVERSES).
 
     Four kernels: chunk_scores(form="by_layout")'s first (factored_warps; kw of every chunk
     but the HALVES ones), its HALVES one, which also solves its chunks (num_warps), and its
@@ -457,7 +486,8 @@ def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, int
   qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=False,
-      keep_normalized=keep_normalized, from_gates=from_gates, operand=operand)
+      keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
+      summed_rows=summed_rows)
   a_qk, *solved = L.call(
       functools.partial(_halves_solving_kernel, cd=cd, interpret=interpret, operand=operand),
       (B, H, n), [keys, keys, keys, beta_spec, flag, flag, values, layout, square],

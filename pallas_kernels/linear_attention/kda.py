@@ -46,7 +46,7 @@ from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chu
                                                              chunk_wy_grads)
 from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
                                                             on_hopper, sixteen_bit)
-from pallas_kernels.linear_attention._pallas_common import compute_dtype, interpret_mode
+from pallas_kernels.linear_attention._pallas_common import SUMMED_ROWS, compute_dtype, interpret_mode
 
 # (chunk_states, chunk_state_grads) per state-walk implementation
 _STATE_WALKS = {
@@ -72,6 +72,9 @@ class Tiling(NamedTuple):
   # the decays summed by the first scores kernel (decay_sum="in_scores"): the op takes the
   # log decays g where it would take their in-chunk sum b
   sums_decays: bool = False
+  # with sums_decays, the rows of b the first scores kernel writes in the fused forward alone
+  # (_pallas_common.SUMMED_ROWS; the forward the backward follows writes every row)
+  summed_rows: str = "all"
   score_operands: str = "compute"  # _chunk_factors.SCORE_OPERANDS
   inverse: str = "by_halves"  # _kda_solve.INVERSES
 
@@ -139,6 +142,13 @@ def check_forward(forward, fits, interpret, requirement):
                           requirement)
 
 
+def _summed_rows(t, for_backward):
+  """The rows of b the first scores kernel writes: t.summed_rows where the fused forward
+    alone reads no more than each chunk's last row after the scores, else every row."""
+  alone = t.sums_decays and t.forward == "fused" and not for_backward
+  return t.summed_rows if alone else "all"
+
+
 def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
   """(q and k as the backward reads them, normalised where t.normalize; b, the in-chunk
     cumulative decay (summed from the log decays given as b where t.sums_decays); the
@@ -148,7 +158,8 @@ def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
                       emit_inverse=for_backward, interpret=t.interpret, scores=t.scores,
                       normalize=t.normalize, solve=t.solve, from_gates=t.sums_decays,
-                      operands=t.score_operands, inverse=t.inverse)
+                      operands=t.score_operands, inverse=t.inverse,
+                      summed_rows=_summed_rows(t, for_backward))
   if t.sums_decays:
     *intra, b = intra
   if t.normalize:
@@ -212,7 +223,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
                 qk_norm="kernel", solve="own_kernel", decay_sum="own_kernel",
-                score_operands="compute", inverse="by_halves"):
+                score_operands="compute", inverse="by_halves", summed_rows="chunk_ends"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -241,6 +252,11 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     "own_kernel" (the default), a kernel before the others (_chunk_cumsum), or "in_scores",
     the first scores kernel on its way (one pass over the decays fewer; with scores
     "by_layout" and no `decay` gate, else as "own_kernel").
+    summed_rows: with the decays summed in the first scores kernel and the fused forward,
+    the rows of their sum that kernel writes in the forward alone, one of SUMMED_ROWS:
+    "chunk_ends" (each chunk's last row, all the fused forward reads after the scores, and
+    the rows of the chunks the later scores kernels take) or "all" (as the forward the
+    backward follows writes them).
     score_operands: the operand dtype of the in-chunk score products (A_kk, A_qk) where the
     decays factor (WHOLE_CHUNK, HALVES chunks), one of SCORE_OPERANDS: "compute" (the
     default, the faster: docs/performance.md, "Score products on bf16 operands"), the
@@ -253,8 +269,9 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
   for name, choice, known in (("qk_norm", qk_norm, QK_NORMS), ("decay_sum", decay_sum, DECAY_SUMS),
-                              ("score_operands", score_operands,
-                               SCORE_OPERANDS), ("inverse", inverse, INVERSES)):
+                              ("score_operands", score_operands, SCORE_OPERANDS),
+                              ("inverse", inverse, INVERSES), ("summed_rows", summed_rows,
+                                                               SUMMED_ROWS)):
     if choice not in known:
       raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   in_kernel = normalize_qk and qk_norm == "kernel" and scores in FIRST_KERNEL_FORMS
@@ -282,6 +299,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
       raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
              scores=scores, key_grads=key_grads, normalize=in_kernel, solve=solve,
-             sums_decays=sums_decays, score_operands=score_operands, inverse=inverse)
+             sums_decays=sums_decays, summed_rows=summed_rows, score_operands=score_operands,
+             inverse=inverse)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

@@ -10,9 +10,10 @@ import pytest
 
 from pallas_kernels.linear_attention import (_chunk_prep, _kda_forward_mosaic, _kda_states,
                                              _kda_states_mosaic)
-from pallas_kernels.linear_attention import chunked_kda
+from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
 from pallas_kernels.linear_attention._kda_value_side import chunk_output
-from pallas_kernels.linear_attention.tests._data import make_inputs, mosaic_three_layouts, rel_rms
+from pallas_kernels.linear_attention.tests._data import (make_inputs, mosaic_three_layouts,
+                                                         one_chunk_of_each_scores_layout, rel_rms)
 from pallas_kernels.linear_attention.tests.test_kda_kernel import _assert_within, _errors
 
 
@@ -91,3 +92,26 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
     chunked_kda(*args, forward="fused")
   with pytest.raises(ValueError, match="forward = 'whole': expected 'auto' or one of"):
     chunked_kda(*args, forward="whole")
+
+
+@pytest.mark.parametrize("solve", ["own_kernel", "in_scores"])
+def test_fused_forward_alone_with_the_decays_summed_in_the_scores(solve):
+  """The fused forward alone (no residuals) with the decays summed in the first scores
+    kernel, which writes b's chunk-end rows alone (summed_rows="chunk_ends") or every row,
+    against the fp32 oracle: one chunk of each scores layout (the later kernels read the
+    HALVES and SUB_CHUNKS chunks' rows of b), resets, an initial state, q and k normalised
+    in the kernel; with the HALVES chunks solved in the scores' kernel or not. The chunk
+    ends give the very outputs and final state of every row."""
+  x = one_chunk_of_each_scores_layout(
+      make_inputs(seed=36, T=192, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16, segment_rate=0.02))
+  args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
+  o_ref, s_ref = kda_recurrent(*[a.astype(jnp.float32) for a in args],
+                               initial_state=x["initial_state"], **kw)
+  forward = lambda rows: jax.jit(lambda q, k, v, g, beta, h0: chunked_kda(
+      q, k, v, g, beta, initial_state=h0, forward="fused", decay_sum="in_scores", solve=solve,
+      summed_rows=rows, **kw))
+  o, s = forward("chunk_ends")(*args, x["initial_state"])
+  assert rel_rms(o_ref, o) < 5e-3 and rel_rms(s_ref, s) < 5e-3
+  o_all, s_all = forward("all")(*args, x["initial_state"])
+  assert rel_rms(o_all, o) == 0.0 and rel_rms(s_all, s) == 0.0
