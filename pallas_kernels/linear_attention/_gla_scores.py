@@ -25,7 +25,7 @@ from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import (
-    F32, N_SUB, SUB, SUMMED_ROWS, chunk_call, compute_dtype, iota, masked_exp, mm, rows,
+    F32, N_SUB, SUB, chunk_call, chunk_ends_asked, compute_dtype, iota, masked_exp, mm, rows,
     store_decayed_rows, store_summed, store_where, sum_decays, summed_in_registers)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
@@ -205,12 +205,9 @@ def chunk_scores(q, k, b, runs, *, interpret, num_warps=4, num_stages=2, decayed
     factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
-  if summed_rows not in SUMMED_ROWS:
-    raise ValueError(f"summed_rows = {summed_rows!r}: expected one of {list(SUMMED_ROWS)}")
-  chunk_ends = summed_rows == "chunk_ends"
-  if chunk_ends and not (from_gates and form == "one_kernel"):
-    raise ValueError("summed_rows = 'chunk_ends' needs the decays summed here (from_gates) "
-                     f"by the one kernel's form; got from_gates = {from_gates}, form = {form!r}")
+  chunk_ends = chunk_ends_asked(summed_rows, from_gates)
+  if chunk_ends and form != "one_kernel":
+    raise ValueError(f"summed_rows = 'chunk_ends' needs the one kernel's form; got {form!r}")
   B, Tp, H, Dk = q.shape
   g = Grid()
   cd = compute_dtype(q.dtype)

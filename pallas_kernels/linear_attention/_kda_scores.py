@@ -34,7 +34,7 @@ from pallas_kernels.linear_attention._inputs import inverse_l2_norms, inverse_ro
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
                                                         write_keys)
-from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, SUMMED_ROWS,
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_ends_asked,
                                                             flag_column, iota, masked_exp, rows,
                                                             store_decayed_rows, store_summed,
                                                             store_where, sum_decays,
@@ -242,7 +242,8 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     _pallas_common.SUMMED_ROWS' chunk_ends says."""
   normed_refs = extra_refs[:2] if normalize else ()
   if chunk_ends:  # b_ref holds g; b summed in registers, its rows written where read
-    b_ref, (b, b_last) = extra_refs[-1], summed_in_registers(b_ref, extra_refs[-1])
+    g_ref, b_ref = b_ref, extra_refs[-1]
+    b, b_last = summed_in_registers(g_ref, b_ref)
   else:
     if from_gates:  # b_ref holds g; from here on, the b it sums to
       sum_decays(b_ref, extra_refs[-1], interpret)
@@ -342,17 +343,6 @@ def _first_pass_warps(factored_warps, normalize):
   return factored_warps or (NORMALIZING_WARPS if normalize else FACTORED_WARPS)
 
 
-def _check_summed_rows(summed_rows, from_gates):
-  """Whether summed_rows (_pallas_common.SUMMED_ROWS) is "chunk_ends", which needs the
-    decays summed in the first kernel (from_gates)."""
-  if summed_rows not in SUMMED_ROWS:
-    raise ValueError(f"summed_rows = {summed_rows!r}: expected one of {list(SUMMED_ROWS)}")
-  if summed_rows == "chunk_ends" and not from_gates:
-    raise ValueError("summed_rows = 'chunk_ends' needs the decays summed in the first kernel "
-                     "(from_gates)")
-  return summed_rows == "chunk_ends"
-
-
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
                 keys_of_halves, operand, keep_normalized=True, from_gates=False,
                 halves_normalize=False, summed_rows="all"):
@@ -361,7 +351,7 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
     them: normalised where asked, for every chunk where keep_normalized, else for the later
     kernels' chunks alone (halves_normalize: the SUB_CHUNKS kernel's), b: the in-chunk
     cumulative decay, summed here from the log decays given as b where from_gates, its rows
-    as summed_rows says: _check_summed_rows)."""
+    as summed_rows says: _pallas_common.SUMMED_ROWS)."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -373,7 +363,7 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
                              keep_normalized=keep_normalized, normalize=normalize,
                              from_gates=from_gates, interpret=interpret, operand=operand,
                              halves_normalize=halves_normalize,
-                             chunk_ends=_check_summed_rows(summed_rows, from_gates))
+                             chunk_ends=chunk_ends_asked(summed_rows, from_gates))
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
       kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
@@ -421,7 +411,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
-  _check_summed_rows(summed_rows, from_gates)
+  chunk_ends_asked(summed_rows, from_gates)
   for name, asked in (("normalize", normalize), ("from_gates", from_gates)):
     if asked and form not in FIRST_KERNEL_FORMS:
       raise ValueError(

@@ -61,6 +61,17 @@ def store_decayed_rows(q, k, b, b_last, ci_ref, il_ref, qg_ref, kg_ref):
 SUMMED_ROWS = ("all", "chunk_ends")
 
 
+def chunk_ends_asked(summed_rows, from_gates):
+  """Whether summed_rows (SUMMED_ROWS) asks for the chunk ends alone, which needs the decays
+    summed by the kernel (from_gates)."""
+  if summed_rows not in SUMMED_ROWS:
+    raise ValueError(f"summed_rows = {summed_rows!r}: expected one of {list(SUMMED_ROWS)}")
+  if summed_rows == "chunk_ends" and not from_gates:
+    raise ValueError("summed_rows = 'chunk_ends' needs the decays summed in the scores "
+                     "kernel (from_gates)")
+  return summed_rows == "chunk_ends"
+
+
 def sum_decays(g_ref, b_ref, interpret):
   """b = the in-chunk cumulative sum of the chunk's log decays g_ref [C, D] (fp32) into
     b_ref, for a scores kernel that sums them itself: the rest of the kernel loads b's rows

@@ -185,9 +185,14 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
   if t.decayed_rows not in _DECAYED_ROWS:
     raise ValueError(f"Tiling.decayed_rows = {t.decayed_rows!r}: expected one of "
                      f"{sorted(_DECAYED_ROWS)}")
-  for name, known in (("scores", SCORE_KERNELS), ("key_grads", _KEY_GRAD_FORMS),
-                      ("decay_sum", DECAY_SUMS), ("score_operands", SCORE_OPERANDS), ("summed_rows",
-                                                                                      SUMMED_ROWS)):
+  known_values = {
+      "scores": SCORE_KERNELS,
+      "key_grads": _KEY_GRAD_FORMS,
+      "decay_sum": DECAY_SUMS,
+      "score_operands": SCORE_OPERANDS,
+      "summed_rows": SUMMED_ROWS
+  }
+  for name, known in known_values.items():
     if getattr(t, name) not in known:
       raise ValueError(f"Tiling.{name} = {getattr(t, name)!r}: expected one of "
                        f"{list(known)}")

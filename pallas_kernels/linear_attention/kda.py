@@ -46,7 +46,8 @@ from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chu
                                                              chunk_wy_grads)
 from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
                                                             on_hopper, sixteen_bit)
-from pallas_kernels.linear_attention._pallas_common import SUMMED_ROWS, compute_dtype, interpret_mode
+from pallas_kernels.linear_attention._pallas_common import (SUMMED_ROWS, compute_dtype,
+                                                            interpret_mode)
 
 # (chunk_states, chunk_state_grads) per state-walk implementation
 _STATE_WALKS = {
@@ -268,10 +269,14 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
-  for name, choice, known in (("qk_norm", qk_norm, QK_NORMS), ("decay_sum", decay_sum, DECAY_SUMS),
-                              ("score_operands", score_operands, SCORE_OPERANDS),
-                              ("inverse", inverse, INVERSES), ("summed_rows", summed_rows,
-                                                               SUMMED_ROWS)):
+  asked = {
+      "qk_norm": (qk_norm, QK_NORMS),
+      "decay_sum": (decay_sum, DECAY_SUMS),
+      "score_operands": (score_operands, SCORE_OPERANDS),
+      "inverse": (inverse, INVERSES),
+      "summed_rows": (summed_rows, SUMMED_ROWS)
+  }
+  for name, (choice, known) in asked.items():
     if choice not in known:
       raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
   in_kernel = normalize_qk and qk_norm == "kernel" and scores in FIRST_KERNEL_FORMS

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.linear_attention import (_chunk_prep, _gla_states, _gla_states_mosaic,
-                                             _mosaic_common, gla, kda)
+from pallas_kernels.linear_attention import (_chunk_prep, _gla_scores, _gla_states,
+                                             _gla_states_mosaic, _mosaic_common, gla, kda)
 from pallas_kernels.linear_attention._mosaic_common import require_mosaic
 from pallas_kernels.linear_attention.gla import Tiling, chunked_gla
 from pallas_kernels.linear_attention.reference import gla_recurrent
@@ -54,6 +54,15 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(forward="fused"))
   with pytest.raises(ValueError, match="decayed_rows = 'triton': expected one of"):
     chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(decayed_rows="triton"))
+  with pytest.raises(ValueError, match="summed_rows = 'last': expected one of"):
+    chunked_gla(x["q"], x["k"], x["v"], x["g"], tiling=Tiling(summed_rows="last"))
+  # the chunk ends alone need the decays summed in the scores kernel, by its one-kernel form
+  b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], None, 1, 64)[3:]
+  with pytest.raises(ValueError, match="'chunk_ends' needs the decays summed in the scores"):
+    _gla_scores.chunk_scores(x["q"], x["k"], b, runs, interpret=True, summed_rows="chunk_ends")
+  with pytest.raises(ValueError, match="'chunk_ends' needs the one kernel's form; got 'by_layout'"):
+    _gla_scores.chunk_scores(x["q"], x["k"], x["g"], runs, interpret=True, from_gates=True,
+                             form="by_layout", summed_rows="chunk_ends")
   # compiled (not interpreted) anywhere but on Hopper: here, the CPU
   with pytest.raises(ValueError, match="runs on a Hopper GPU"):
     require_mosaic("state_walk = 'mosaic'", True, False, "")

@@ -303,3 +303,5 @@ def test_bad_keywords_and_head_dims(small):
     chunked_kda(*args, key_grads="split")
   with pytest.raises(ValueError, match=r"solve = 'fused': expected one of \['own_kernel'"):
     chunked_kda(*args, solve="fused")
+  with pytest.raises(ValueError, match=r"summed_rows = 'last': expected one of \['all', "):
+    chunked_kda(*args, summed_rows="last")
