@@ -24,9 +24,11 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention._gla_layout import Grid, scores_shape
 from pallas_kernels.linear_attention._inputs import CHUNK as C
-from pallas_kernels.linear_attention._pallas_common import (
-    F32, N_SUB, SUB, chunk_call, chunk_ends_asked, compute_dtype, iota, masked_exp, mm, rows,
-    store_decayed_rows, store_summed, store_where, sum_decays, summed_in_registers)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_call,
+                                                            chunk_decays, chunk_ends_asked,
+                                                            compute_dtype, iota, masked_exp, mm,
+                                                            rows, store_decayed_rows, store_summed,
+                                                            store_where)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -122,13 +124,12 @@ def _decayed_rows(q_ref, k_ref, refs, decayed, b, b_last):
   return a_ref, rest
 
 
-def _summed(b_ref, refs, from_gates, interpret):
-  """(b_ref, refs): with from_gates, b_ref holds the log decays, summed into the last of
-    refs (sum_decays), which takes its place."""
-  if not from_gates:
-    return b_ref, refs
-  sum_decays(b_ref, refs[-1], interpret)
-  return refs[-1], refs[:-1]
+def _summed(b_ref, refs, from_gates, interpret, chunk_ends=False):
+  """(b_ref, b, b_last, refs): _pallas_common.chunk_decays, with from_gates the log decays
+    summed into the last of refs, which leaves them."""
+  summed_ref, refs = (refs[-1], refs[:-1]) if from_gates else (None, refs)
+  return (*chunk_decays(b_ref, summed_ref, from_gates=from_gates, chunk_ends=chunk_ends,
+                        interpret=interpret), refs)
 
 
 def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, interpret, operand,
@@ -136,12 +137,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, i
   """The chunk's [C, C] scores in the chunk's layout (_chunk_factors); with `decayed`, also
     qg and kg (_decayed_rows); with from_gates, b summed here first (_summed), or with
     chunk_ends in registers, its rows written as SUMMED_ROWS' chunk_ends says."""
-  if chunk_ends:
-    g_ref, b_ref, refs = b_ref, refs[-1], refs[:-1]
-    b, b_last = summed_in_registers(g_ref, b_ref)
-  else:
-    b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
-    b, b_last = rows(b_ref, 0, C), rows(b_ref, C - 1, 1)
+  b_ref, b, b_last, refs = _summed(b_ref, refs, from_gates, interpret, chunk_ends)
   a_ref, _ = _decayed_rows(q_ref, k_ref, refs, decayed, b, b_last)
   whole = lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand)
   halves = lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand)
@@ -157,9 +153,8 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, r_ref, *refs, decayed, from_gates, i
   """The first pass: A of the WHOLE_CHUNK chunks, qg and kg of every chunk with `decayed`,
     and every chunk's layout for the later passes; with from_gates, b summed here first
     (_summed)."""
-  b_ref, refs = _summed(b_ref, refs, from_gates, interpret)
-  b = rows(b_ref, 0, C)
-  a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, refs, decayed, b, rows(b_ref, C - 1, 1))
+  b_ref, b, b_last, refs = _summed(b_ref, refs, from_gates, interpret)
+  a_ref, (flag_ref,) = _decayed_rows(q_ref, k_ref, refs, decayed, b, b_last)
   whole, _ = factors.record_layout(flag_ref, b_ref)  # the later passes read the layout
   jax.lax.cond(whole, lambda: _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand), lambda: None)
 

@@ -34,11 +34,10 @@ from pallas_kernels.linear_attention._inputs import inverse_l2_norms, inverse_ro
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
                                                         write_keys)
-from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_ends_asked,
-                                                            flag_column, iota, masked_exp, rows,
-                                                            store_decayed_rows, store_summed,
-                                                            store_where, sum_decays,
-                                                            summed_in_registers)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_decays,
+                                                            chunk_ends_asked, flag_column, iota,
+                                                            masked_exp, rows, store_decayed_rows,
+                                                            store_summed, store_where)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -241,14 +240,9 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     extra_refs (sum_decays), or with chunk_ends in registers, its rows written as
     _pallas_common.SUMMED_ROWS' chunk_ends says."""
   normed_refs = extra_refs[:2] if normalize else ()
-  if chunk_ends:  # b_ref holds g; b summed in registers, its rows written where read
-    g_ref, b_ref = b_ref, extra_refs[-1]
-    b, b_last = summed_in_registers(g_ref, b_ref)
-  else:
-    if from_gates:  # b_ref holds g; from here on, the b it sums to
-      sum_decays(b_ref, extra_refs[-1], interpret)
-      b_ref = extra_refs[-1]
-    b, b_last = rows(b_ref, 0, C), rows(b_ref, C - 1, 1)
+  # with from_gates b_ref holds g; from here on, the b it sums to
+  b_ref, b, b_last = chunk_decays(b_ref, extra_refs[-1] if from_gates else None,
+                                  from_gates=from_gates, chunk_ends=chunk_ends, interpret=interpret)
   scales = _rows_written(q_ref, k_ref, b, b_last, beta_ref, ci_ref, il_ref, qg_ref, kg_ref,
                          kw_ref if keys_of_halves else None, normalize)
   if chunk_ends:

@@ -88,6 +88,19 @@ def store_summed(b, b_ref, interpret):
     plgpu.debug_barrier()
 
 
+def chunk_decays(b_ref, summed_ref, *, from_gates, chunk_ends, interpret):
+  """(b_ref, b, b_last) for a kernel that reads the in-chunk cumulative decay: the ref its
+    rows are read from after this, the chunk's rows [C, D] fp32 and its last row [1, D].
+    b_ref holds b, or with from_gates the log decays, summed into summed_ref: every row
+    (sum_decays), or with chunk_ends in registers (summed_in_registers)."""
+  if chunk_ends:
+    return summed_ref, *summed_in_registers(b_ref, summed_ref)
+  if from_gates:
+    sum_decays(b_ref, summed_ref, interpret)
+    b_ref = summed_ref
+  return b_ref, rows(b_ref, 0, CHUNK), rows(b_ref, CHUNK - 1, 1)
+
+
 def summed_in_registers(g_ref, b_ref):
   """(b, b_last) for a kernel writing the chunk_ends rows of b (SUMMED_ROWS): b = the
     in-chunk cumulative sum of g_ref [C, D] in registers and its last row [1, D], written
