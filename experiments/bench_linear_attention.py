@@ -520,6 +520,7 @@ KDA_CHOICES = {
     "score_operands": (SCORE_OPERANDS, "--kda-score-operands"),
     "inverse": (INVERSES, "--kda-inverses"),
     "summed_rows": (SUMMED_ROWS, "--kda-summed-rows"),
+    "block_v": ((16, 32, 64, 128), "--kda-block-v"),
 }
 
 
@@ -627,10 +628,12 @@ def main():
                      "first scores kernel writes in the fused forward alone: every row (all) "
                      "or the chunks' last rows and the rows the later kernels read "
                      "(chunk_ends)",
+      "block_v": "value channels per program of every kernel (the fused forward's programs: "
+                 "B H Dv / block_v)",
   }
   for name, (known, flag) in KDA_CHOICES.items():
     ap.add_argument(flag, nargs="+", choices=known, default=[KDA_DEFAULTS[name]],
-                    help=f"--op kda: {helps[name]}; default: the op's own")
+                    type=type(known[0]), help=f"--op kda: {helps[name]}; default: the op's own")
   ap.add_argument(
       "--kda-forwards", nargs="+", choices=("split", "fused"), default=None,
       help="--op kda: the forwards to time: split (with each of --state-walks) "

@@ -148,6 +148,20 @@ class Anchors(NamedTuple):
     return jax.lax.cond(self.uniform, lambda: x, bridged)
 
 
+def row_of(b, r):
+  """Row r of rows b [n, D] held in registers, as [1, D] (a masked sum: no load)."""
+  return jnp.sum(jnp.where(iota(b.shape[0], 0, (b.shape[0], 1)) == r, b, 0.0), axis=0,
+                 keepdims=True)
+
+
+def halves_bounded_rows(b):
+  """halves_bounded for a chunk's rows b [C, D] held in registers: every token's gap to its
+    half's anchor, taken from the rows (score_layouts' test)."""
+  first = iota(C, 0, (C, 1)) < HALF
+  anchor = jnp.where(first, row_of(b, HALF_ANCHOR), row_of(b, HALF + HALF_ANCHOR))
+  return jnp.max(jnp.abs(b - anchor)) <= HALF_LIMIT
+
+
 def halves_bounded(b_ref):
   """Whether every token of the chunk (b_ref [C, D]) is within HALF_LIMIT of its half's
     anchor in every channel: the HALVES layout. With b falling in every channel (midpoint),
@@ -176,12 +190,24 @@ def whole_chunk_products(k, b, queries, store, dtypes=None):
   store(0, None, *(mm(x() * down, keys, dtype, trans_b=True) for x, dtype in zip(queries, dtypes)))
 
 
+class HeldRows(NamedTuple):
+  """halves_products' b as the chunk's rows [C, D] held in registers (split into its channel
+    blocks there): no kernel writes b's rows for the HALVES path to read back."""
+  b: jax.Array
+
+
+class SummedGates(NamedTuple):
+  """halves_products' b summed from the chunk's log decays g_ref [C, D], a channel block at a
+    time in registers: no kernel writes b's rows for the HALVES path to read back."""
+  g_ref: object
+
+
 def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
   """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and one for
-    those across, its keys of the second half zero (k_ref, b_ref and query_refs: the chunk's
-    [C, D] refs): every store is [C, C]. block_d: the channels taken at a time, each
-    block's products summed (fewer operands live at once than the whole width's); None: all
-    D at once."""
+    those across, its keys of the second half zero (k_ref and query_refs: the chunk's
+    [C, D] refs; b_ref: the ref of its b, HeldRows or SummedGates): every store is [C, C].
+    block_d: the channels taken at a time, each block's products summed (fewer operands
+    live at once than the whole width's); None: all D at once."""
   D = k_ref.shape[-1]
   block_d = min(block_d or D, D)
   dtypes = dtypes or (F32,) * len(query_refs)
@@ -191,12 +217,14 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
       (lambda ref, start, n, d=d: ref[pl.ds(start, n), pl.ds(d, block_d)].astype(jnp.float32))
       for d in range(0, D, block_d)
   ]
+  if isinstance(b_ref, HeldRows):
+    held = jnp.split(b_ref.b, len(blocks), axis=1) if len(blocks) > 1 else [b_ref.b]
 
   def products(region, operands):
-    """operands(load) -> (query-side factor, keys) of the channels `load` reads."""
+    """operands(load, i) -> (query-side factor, keys) of the channels `load` reads, block i."""
     sums = None
-    for load in blocks:
-      down, keys = operands(load)
+    for i, load in enumerate(blocks):
+      down, keys = operands(load, i)
       parts = [
           mm(load(x, 0, C) * down, keys, dtype, trans_b=True)
           for x, dtype in zip(query_refs, dtypes)
@@ -204,18 +232,27 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
       sums = parts if sums is None else [a + p for a, p in zip(sums, parts)]
     store(0, region, *sums)
 
-  def inside(load):
-    down, up = factors(
-        load(b_ref, 0, C),
-        jnp.where(first, load(b_ref, HALF_ANCHOR, 1), load(b_ref, HALF + HALF_ANCHOR, 1)))
+  def summed(load, i):
+    """(b's rows of block i [C, n], which `load` reads; row(r) -> its row r [1, n])."""
+    if isinstance(b_ref, HeldRows):
+      return held[i], lambda r: row_of(held[i], r)
+    if isinstance(b_ref, SummedGates):
+      b = jnp.cumsum(load(b_ref.g_ref, 0, C), axis=0)
+      return b, lambda r: row_of(b, r)
+    return load(b_ref, 0, C), lambda r: load(b_ref, r, 1)
+
+  def inside(load, i):
+    b, row = summed(load, i)
+    down, up = factors(b, jnp.where(first, row(HALF_ANCHOR), row(HALF + HALF_ANCHOR)))
     return down, load(k_ref, 0, C) * up
 
-  def across(load):
+  def across(load, i):
     # queries of the second half and keys of the first, both through the first half's last
     # token: the keys' rows and the queries' are the two halves, so one exp over the chunk
     # gives both factors, every exponent <= 0 (docs/performance.md, "The HALVES kernel
     # normalising its own rows")
-    b, edge = load(b_ref, 0, C), load(b_ref, HALF - 1, 1)
+    b, row = summed(load, i)
+    edge = row(HALF - 1)
     to_edge = jnp.exp(jnp.where(first, edge - b, b - edge))
     return jnp.where(first, 0.0, to_edge), jnp.where(first, load(k_ref, 0, C) * to_edge, 0.0)
 
@@ -333,29 +370,33 @@ def by_score_layout(b_ref, whole_chunk, halves, sub_chunks):
 
 # The layout from rows held in registers, for a kernel that writes b_ref only where a path
 # reads its rows back (_pallas_common.SUMMED_ROWS' chunk_ends): WHOLE_CHUNK by rows_midpoint
-# (for a falling b, midpoint's test), the others' test after write_rows() has written b_ref.
+# (for a falling b, midpoint's test), HALVES by halves_bounded_rows, b_ref written by
+# write_rows() where a path reads its rows back from memory.
 
 
 def by_score_layout_from_rows(b, b_ref, write_rows, whole_chunk, halves, sub_chunks):
   """by_score_layout for a chunk's rows b [C, D] in registers, b_ref written by
-    write_rows() for the HALVES and SUB_CHUNKS chunks alone."""
+    write_rows() for the SUB_CHUNKS chunks alone: halves() takes the rows held (HeldRows)."""
+
+  def by_sub_chunks():
+    write_rows()
+    sub_chunks()
 
   def others():
-    write_rows()
-    jax.lax.cond(halves_bounded(b_ref), halves, sub_chunks)
+    jax.lax.cond(halves_bounded_rows(b), halves, by_sub_chunks)
 
   jax.lax.cond(rows_midpoint(b)[1], whole_chunk, others)
 
 
-def record_layout_from_rows(flag_ref, b, b_ref, write_rows):
-  """record_layout for a chunk's rows b [C, D] in registers, b_ref written by write_rows()
-    for the HALVES and SUB_CHUNKS chunks alone."""
+def record_layout_from_rows(flag_ref, b, write_rows, halves_read_rows=True):
+  """record_layout for a chunk's rows b [C, D] in registers, b's rows written by write_rows()
+    for the SUB_CHUNKS chunks alone, and the HALVES ones where halves_read_rows (else their
+    kernel sums the decays itself)."""
   whole = rows_midpoint(b)[1]
-  jax.lax.cond(whole, lambda: None, write_rows)
-  # a WHOLE_CHUNK chunk's rows of b_ref stay unwritten: the select drops what is read of them
-  # (the Triton lowering takes no constant as a branch's result)
   layout = jnp.where(whole, _code(WHOLE_CHUNK),
-                     jnp.where(halves_bounded(b_ref), _code(HALVES), _code(SUB_CHUNKS)))
+                     jnp.where(halves_bounded_rows(b), _code(HALVES), _code(SUB_CHUNKS)))
+  read = jnp.logical_not(whole) if halves_read_rows else layout == _code(SUB_CHUNKS)
+  jax.lax.cond(read, write_rows, lambda: None)
   flag_ref[...] = jnp.full((C,), layout, jnp.int32)
   return whole, layout
 

@@ -89,9 +89,14 @@ def _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand):
 # and two masked stores (docs/kernel_tuning.md, "GLA tiling")
 HALVES_BLOCK_D = 64
 
+# With summed_rows="chunk_ends", the HALVES chunks take b's rows held in registers (split
+# into channel blocks there) instead of writing them and reading them back
+HALVES_HELD_ROWS = True
+
 
 def _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand):
-  """A of a HALVES chunk: two matmuls of `operand` dtype operands, merged in registers."""
+  """A of a HALVES chunk: two matmuls of `operand` dtype operands, merged in registers (b_ref:
+    as _chunk_factors.halves_products takes it)."""
   kept = []
 
   def keep(start, region, a):
@@ -143,8 +148,16 @@ def _scores_kernel(q_ref, k_ref, b_ref, r_ref, *refs, cd, decayed, from_gates, i
   halves = lambda: _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand)
   sub_chunks = lambda: _by_sub_chunks(q_ref, k_ref, b_ref, r_ref, a_ref, cd)
   if chunk_ends:
-    factors.by_score_layout_from_rows(b, b_ref, lambda: store_summed(b, b_ref, interpret), whole,
-                                      halves, sub_chunks)
+    write_rows = lambda: store_summed(b, b_ref, interpret)
+    if HALVES_HELD_ROWS:
+      halves = lambda: _halves(q_ref, k_ref, factors.HeldRows(b), r_ref, a_ref, operand)
+    else:
+
+      def halves():
+        write_rows()
+        _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand)
+
+    factors.by_score_layout_from_rows(b, b_ref, write_rows, whole, halves, sub_chunks)
   else:
     factors.by_score_layout(b_ref, whole, halves, sub_chunks)
 

@@ -256,8 +256,9 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     summed_rows: with the decays summed in the first scores kernel and the fused forward,
     the rows of their sum that kernel writes in the forward alone, one of SUMMED_ROWS:
     "chunk_ends" (each chunk's last row, all the fused forward reads after the scores, and
-    the rows of the chunks the later scores kernels take) or "all" (as the forward the
-    backward follows writes them).
+    the rows of the chunks whose scores kernel reads them back: the SUB_CHUNKS ones, and
+    the HALVES ones with solve="in_scores") or "all" (as the forward the backward follows
+    writes them).
     score_operands: the operand dtype of the in-chunk score products (A_kk, A_qk) where the
     decays factor (WHOLE_CHUNK, HALVES chunks), one of SCORE_OPERANDS: "compute" (the
     default, the faster: docs/performance.md, "Score products on bf16 operands"), the

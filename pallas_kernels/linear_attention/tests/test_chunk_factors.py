@@ -138,9 +138,9 @@ def test_score_layouts_take_halves_up_to_the_half_limit_from_each_anchor():
 
 
 def test_layouts_from_the_end_rows_are_the_layouts_of_every_token():
-  """The kernels' layout tests (midpoint and halves_bounded: six rows of b) give
-    score_layouts' layout (every token) for decays that fall, chunk by chunk, on both sides
-    of each limit."""
+  """The kernels' layout tests (midpoint and halves_bounded: six rows of b; rows_midpoint and
+    halves_bounded_rows: the rows in registers) give score_layouts' layout (every token) for
+    decays that fall, chunk by chunk, on both sides of each limit."""
   from jax.experimental import pallas as pl
 
   def from_ends(g):
@@ -150,9 +150,14 @@ def test_layouts_from_the_end_rows_are_the_layouts_of_every_token():
       layout = jnp.where(
           factors.midpoint(b_ref)[1], factors.WHOLE_CHUNK,
           jnp.where(factors.halves_bounded(b_ref), factors.HALVES, factors.SUB_CHUNKS))
-      out_ref[...] = jnp.full((1,), layout, jnp.int32)
+      rows = b_ref[...]
+      from_rows = jnp.where(
+          factors.rows_midpoint(rows)[1], factors.WHOLE_CHUNK,
+          jnp.where(factors.halves_bounded_rows(rows), factors.HALVES, factors.SUB_CHUNKS))
+      out_ref[...] = jnp.stack([layout, from_rows]).astype(jnp.int32)
 
-    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), interpret=True)(b)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((2,), jnp.int32), interpret=True)(b)
+    assert int(out[0]) == int(out[1])
     return int(out[0])
 
   half, anchor = factors.HALF, factors.HALF_ANCHOR

@@ -121,8 +121,9 @@ def test_fused_forward_alone_matches_the_oracle(summed_rows):
   """The fused forward alone (no states for a backward, as inference and the benchmark's
     forward run it) with the decays summed in the scores kernel: writing b's chunk-end rows
     alone (the default) or every row, against the fp32 oracle. One chunk of each scores
-    layout (the HALVES and SUB_CHUNKS chunks read b's rows back), resets, an initial
-    state; and the chunk ends match every row's forward exactly."""
+    layout (the SUB_CHUNKS chunks read b's rows back, the HALVES ones sum their decays
+    again), resets, an initial state; and the chunk ends match every row's forward
+    exactly."""
   x = one_chunk_of_each_scores_layout(
       make_inputs(seed=26, T=192, H=2, Dk=D, Dv=D, dtype=jnp.bfloat16, segment_rate=0.02))
   args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"])

@@ -98,10 +98,11 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
 def test_fused_forward_alone_with_the_decays_summed_in_the_scores(solve):
   """The fused forward alone (no residuals) with the decays summed in the first scores
     kernel, which writes b's chunk-end rows alone (summed_rows="chunk_ends") or every row,
-    against the fp32 oracle: one chunk of each scores layout (the later kernels read the
-    HALVES and SUB_CHUNKS chunks' rows of b), resets, an initial state, q and k normalised
-    in the kernel; with the HALVES chunks solved in the scores' kernel or not. The chunk
-    ends give the very outputs and final state of every row."""
+    against the fp32 oracle: one chunk of each scores layout (the SUB_CHUNKS kernel reads its
+    chunks' rows of b; the HALVES kernel sums its own from the log decays, or reads them
+    where it solves its chunks), resets, an initial state, q and k normalised in the kernel;
+    with the HALVES chunks solved in the scores' kernel or not. The chunk ends give the very
+    outputs and final state of every row."""
   x = one_chunk_of_each_scores_layout(
       make_inputs(seed=36, T=192, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16, segment_rate=0.02))
   args = [x[n] for n in ("q", "k", "v", "g", "beta")]
