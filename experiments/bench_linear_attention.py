@@ -521,7 +521,13 @@ KDA_CHOICES = {
     "inverse": (INVERSES, "--kda-inverses"),
     "summed_rows": (SUMMED_ROWS, "--kda-summed-rows"),
     "block_v": ((16, 32, 64, 128), "--kda-block-v"),
+    "forward_block_v": ((32, 64, 128, "by_heads"), "--kda-forward-block-v"),
 }
+
+
+def _int_or_name(value):
+  """A command-line choice that is a width or a name."""
+  return int(value) if value.isdigit() else value
 
 
 def _kda_defaults():
@@ -628,12 +634,14 @@ def main():
                      "first scores kernel writes in the fused forward alone: every row (all) "
                      "or the chunks' last rows and the rows the later kernels read "
                      "(chunk_ends)",
-      "block_v": "value channels per program of every kernel (the fused forward's programs: "
-                 "B H Dv / block_v)",
+      "block_v": "value channels per program of every kernel (and of the fused forward "
+                 "unless --kda-forward-block-v)",
+      "forward_block_v": "value channels per program of the fused forward (B H Dv / width "
+                         "programs): a width, or by_heads (by the batch rows x heads)",
   }
   for name, (known, flag) in KDA_CHOICES.items():
-    ap.add_argument(flag, nargs="+", choices=known, default=[KDA_DEFAULTS[name]],
-                    type=type(known[0]), help=f"--op kda: {helps[name]}; default: the op's own")
+    ap.add_argument(flag, nargs="+", choices=known, default=[KDA_DEFAULTS[name]], type=_int_or_name,
+                    help=f"--op kda: {helps[name]}; default: the op's own")
   ap.add_argument(
       "--kda-forwards", nargs="+", choices=("split", "fused"), default=None,
       help="--op kda: the forwards to time: split (with each of --state-walks) "

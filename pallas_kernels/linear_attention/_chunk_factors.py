@@ -196,16 +196,10 @@ class HeldRows(NamedTuple):
   b: jax.Array
 
 
-class SummedGates(NamedTuple):
-  """halves_products' b summed from the chunk's log decays g_ref [C, D], a channel block at a
-    time in registers: no kernel writes b's rows for the HALVES path to read back."""
-  g_ref: object
-
-
 def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
   """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and one for
     those across, its keys of the second half zero (k_ref and query_refs: the chunk's
-    [C, D] refs; b_ref: the ref of its b, HeldRows or SummedGates): every store is [C, C].
+    [C, D] refs; b_ref: the ref of its b, or HeldRows): every store is [C, C].
     block_d: the channels taken at a time, each block's products summed (fewer operands
     live at once than the whole width's); None: all D at once."""
   D = k_ref.shape[-1]
@@ -236,9 +230,6 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
     """(b's rows of block i [C, n], which `load` reads; row(r) -> its row r [1, n])."""
     if isinstance(b_ref, HeldRows):
       return held[i], lambda r: row_of(held[i], r)
-    if isinstance(b_ref, SummedGates):
-      b = jnp.cumsum(load(b_ref.g_ref, 0, C), axis=0)
-      return b, lambda r: row_of(b, r)
     return load(b_ref, 0, C), lambda r: load(b_ref, r, 1)
 
   def inside(load, i):
@@ -371,12 +362,14 @@ def by_score_layout(b_ref, whole_chunk, halves, sub_chunks):
 # The layout from rows held in registers, for a kernel that writes b_ref only where a path
 # reads its rows back (_pallas_common.SUMMED_ROWS' chunk_ends): WHOLE_CHUNK by rows_midpoint
 # (for a falling b, midpoint's test), HALVES by halves_bounded_rows, b_ref written by
-# write_rows() where a path reads its rows back from memory.
+# write_rows() where a path reads its rows back from memory (the SUB_CHUNKS path; KDA's
+# HALVES kernel too).
 
 
 def by_score_layout_from_rows(b, b_ref, write_rows, whole_chunk, halves, sub_chunks):
   """by_score_layout for a chunk's rows b [C, D] in registers, b_ref written by
-    write_rows() for the SUB_CHUNKS chunks alone: halves() takes the rows held (HeldRows)."""
+    write_rows() for the SUB_CHUNKS chunks alone: halves() takes the rows as held
+    (HeldRows) or writes them itself."""
 
   def by_sub_chunks():
     write_rows()
@@ -388,15 +381,13 @@ def by_score_layout_from_rows(b, b_ref, write_rows, whole_chunk, halves, sub_chu
   jax.lax.cond(rows_midpoint(b)[1], whole_chunk, others)
 
 
-def record_layout_from_rows(flag_ref, b, write_rows, halves_read_rows=True):
+def record_layout_from_rows(flag_ref, b, write_rows):
   """record_layout for a chunk's rows b [C, D] in registers, b's rows written by write_rows()
-    for the SUB_CHUNKS chunks alone, and the HALVES ones where halves_read_rows (else their
-    kernel sums the decays itself)."""
+    for the HALVES and SUB_CHUNKS chunks alone (their kernels read them back)."""
   whole = rows_midpoint(b)[1]
   layout = jnp.where(whole, _code(WHOLE_CHUNK),
                      jnp.where(halves_bounded_rows(b), _code(HALVES), _code(SUB_CHUNKS)))
-  read = jnp.logical_not(whole) if halves_read_rows else layout == _code(SUB_CHUNKS)
-  jax.lax.cond(read, write_rows, lambda: None)
+  jax.lax.cond(whole, lambda: None, write_rows)
   flag_ref[...] = jnp.full((C,), layout, jnp.int32)
   return whole, layout
 

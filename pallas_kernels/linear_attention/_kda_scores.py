@@ -112,23 +112,16 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, operand, scales=Non
 # The HALVES products 64 channels at a time: two queries' operands over all of D = 128 do
 # not fit the registers (experiments/kernel_resources.py)
 HALVES_BLOCK_D = 64
-# With summed_rows="chunk_ends", the HALVES kernel sums its chunks' decays again from the
-# log decays, a channel block at a time, instead of the first kernel writing b's rows for it
-HALVES_SUM_DECAYS = True
 
 
-def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=False,
-            from_gates=False):
+def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=False):
   """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands; with
     `normalize`, of q and k as given, their rows scaled by their inverse norms
-    (_NormalisedRows); from_gates: b_ref holds the log decays
-    (_chunk_factors.halves_products)."""
+    (_NormalisedRows)."""
   if normalize:
     q_ref, k_ref = (_NormalisedRows.of(ref, HALVES_BLOCK_D) for ref in (q_ref, k_ref))
   factors.halves_products(
-      k_ref,
-      factors.SummedGates(b_ref) if from_gates else b_ref,
-      (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
+      k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
       dtypes=(operand,) * 2)
 
@@ -236,7 +229,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                        akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, keep_normalized,
                        normalize, from_gates, interpret, operand, halves_normalize=False,
-                       chunk_ends=False, halves_read_rows=True):
+                       chunk_ends=False):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
     ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the later
     passes; with `normalize` (extra_refs: the
@@ -245,7 +238,7 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     halves_normalize: for the SUB_CHUNKS ones alone, the HALVES kernel normalising its
     own); with from_gates, b_ref holds the log decays g and b is summed here into the last of
     extra_refs (sum_decays), or with chunk_ends in registers, its rows written as
-    _pallas_common.SUMMED_ROWS' chunk_ends says (halves_read_rows: the HALVES chunks' too)."""
+    _pallas_common.SUMMED_ROWS' chunk_ends says."""
   normed_refs = extra_refs[:2] if normalize else ()
   # with from_gates b_ref holds g; from here on, the b it sums to
   b_ref, b, b_last = chunk_decays(b_ref, extra_refs[-1] if from_gates else None,
@@ -254,8 +247,7 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
                          kw_ref if keys_of_halves else None, normalize)
   if chunk_ends:
     whole, layout = factors.record_layout_from_rows(flag_ref, b,
-                                                    lambda: store_summed(b, b_ref, interpret),
-                                                    halves_read_rows)
+                                                    lambda: store_summed(b, b_ref, interpret))
   else:
     whole, layout = factors.record_layout(flag_ref, b_ref)
   if normed_refs:
@@ -276,14 +268,13 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
-                       aqk_ref, *, layout, cd, operand, normalize=False, from_gates=False):
+                       aqk_ref, *, layout, cd, operand, normalize=False):
   """A later pass: A_kk and A_qk of the chunks in `layout` (HALVES or SUB_CHUNKS); their
     memory is the first pass's outputs, the other chunks' stay as written. normalize (HALVES):
-    q and k as given, normalised here (_halves); from_gates (HALVES): b_ref holds the log
-    decays, summed here."""
+    q and k as given, normalised here (_halves)."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   if layout == factors.HALVES:
-    compute = lambda: _halves(*refs, operand, normalize, from_gates)
+    compute = lambda: _halves(*refs, operand, normalize)
   else:
     compute = lambda: _by_sub_chunks(*refs, cd)
   factors.if_layout(flag_ref, layout, compute)
@@ -348,7 +339,7 @@ def _first_pass_warps(factored_warps, normalize):
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
                 keys_of_halves, operand, keep_normalized=True, from_gates=False,
-                halves_normalize=False, summed_rows="all", halves_read_rows=True):
+                halves_normalize=False, summed_rows="all"):
   """The first kernel of the scores by layout (_first_pass_kernel): (qg, kg, kw, A_kk, A_qk,
     layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
@@ -366,8 +357,7 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
                              keep_normalized=keep_normalized, normalize=normalize,
                              from_gates=from_gates, interpret=interpret, operand=operand,
                              halves_normalize=halves_normalize,
-                             chunk_ends=chunk_ends_asked(summed_rows, from_gates),
-                             halves_read_rows=halves_read_rows)
+                             chunk_ends=chunk_ends_asked(summed_rows, from_gates))
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
       kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
@@ -380,10 +370,9 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
 
 
 def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpret, num_warps,
-                operand, normalize=False, from_gates=False):
+                operand, normalize=False):
   """(A_kk, A_qk) with the chunks of `layout` (HALVES or SUB_CHUNKS) formed in place
-    (_later_pass_kernel; normalize: HALVES from q and k unnormalised; from_gates: HALVES
-    from the log decays b)."""
+    (_later_pass_kernel; normalize: HALVES from q and k unnormalised)."""
   B, Tp, H, Dk = k.shape
   keys, square = L.chunk_rows(Dk), L.chunk_square()
   inputs = [keys, keys, keys, L.chunk_beta(), L.chunk_flags(), L.chunk_layout_flag()]
@@ -391,7 +380,7 @@ def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpr
   shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (a_kk, a_qk))
   aliases = {len(inputs): 0, len(inputs) + 1: 1}
   kernel = functools.partial(_later_pass_kernel, layout=layout, cd=cd, operand=operand,
-                             normalize=normalize, from_gates=from_gates)
+                             normalize=normalize)
   return L.call(kernel, (B, H, Tp // C), inputs + [square, square], (square, square), shapes,
                 name=f"kda_chunk_scores_{name}", input_output_aliases=aliases, interpret=interpret,
                 num_warps=num_warps, num_stages=2)(q, k, b, beta, runs, layouts, a_kk, a_qk)
@@ -438,18 +427,15 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   # given: no normalised rows written for its chunks (docs/performance.md, "The HALVES
   # kernel normalising its own rows")
   halves_normalize = normalize and not keep_normalized
-  # with the chunk ends alone, the HALVES kernel sums the decays itself from the log decays
-  halves_sum = chunk_ends_asked(summed_rows, from_gates) and HALVES_SUM_DECAYS
-  raw, gates = (q, k), b
+  raw = q, k
   qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
       keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
-      halves_normalize=halves_normalize, summed_rows=summed_rows, halves_read_rows=not halves_sum)
-  a_kk, a_qk = _later_pass(factors.HALVES, *(raw if halves_normalize else
-                                             (q, k)), gates if halves_sum else b, beta, runs,
+      halves_normalize=halves_normalize, summed_rows=summed_rows)
+  a_kk, a_qk = _later_pass(factors.HALVES, *(raw if halves_normalize else (q, k)), b, beta, runs,
                            layouts, a_kk, a_qk, cd=cd, interpret=interpret, num_warps=num_warps,
-                           operand=operand, normalize=halves_normalize, from_gates=halves_sum)
+                           operand=operand, normalize=halves_normalize)
   a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
                            interpret=interpret, num_warps=num_warps, operand=operand)
   return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else

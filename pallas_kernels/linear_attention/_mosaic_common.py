@@ -52,6 +52,26 @@ def choose_walk(choice, walks, fits, interpret, requirement):
                           requirement)
 
 
+# The fused forwards' value tile: a width, or "by_heads", chosen by the serial chains
+# (batch rows x heads) as jla chooses its fused forward's (docs/kernel_tuning.md, "GLA and
+# KDA fused forwards")
+FORWARD_TILES = ("by_heads",)
+
+
+def forward_value_tile(choice, B, H, Dv):
+  """The fused forward's value channels per program (B H Dv / tile programs, each walking
+    its chain of chunks) for `choice`, a width or "by_heads": 32 for at most 16 (batch row,
+    head) chains, where the walk's latency bounds it and more, shorter chains help; 64 for
+    at most 32; else 128, each chunk's keys read once per head. Capped at Dv."""
+  if choice == "by_heads":
+    chains = B * H
+    choice = 32 if chains <= 16 else 64 if chains <= 32 else 128
+  elif isinstance(choice, str):
+    raise ValueError(f"forward_block_v = {choice!r}: expected a width or one of "
+                     f"{list(FORWARD_TILES)}")
+  return min(choice, Dv)
+
+
 def smem(shape, dtype, swizzle_row=None):
   """Shared memory tiled and swizzled for its minor dimension (or that of a
     `swizzle_row`-element row: the operands of one warpgroup matmul share a swizzle)."""

@@ -57,8 +57,8 @@ def store_decayed_rows(q, k, b, b_last, ci_ref, il_ref, qg_ref, kg_ref):
 #   chunk_ends  each chunk's last row, which is all the fused forward alone reads after
 #               the scores (its state factors), and every row of the chunks whose paths
 #               read theirs back from memory (the SUB_CHUNKS ones; the HALVES ones too
-#               unless their path sums the decays again: _chunk_factors.halves_products'
-#               from_gates): the other rows are left unwritten
+#               unless their path takes the rows held in registers, as GLA's one kernel
+#               does: _chunk_factors.HeldRows): the other rows are left unwritten
 SUMMED_ROWS = ("all", "chunk_ends")
 
 

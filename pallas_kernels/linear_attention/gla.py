@@ -30,7 +30,7 @@ from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk
 from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
                                                      validate)
 from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
-                                                            sixteen_bit)
+                                                            forward_value_tile, sixteen_bit)
 from pallas_kernels.linear_attention._pallas_common import SUMMED_ROWS, interpret_mode
 
 
@@ -49,6 +49,9 @@ class Tiling(NamedTuple):
   # value channels per program of the value-gradient kernel: whole 128-wide heads read
   # the chunk's keys and decays once (the forward outputs kernel keeps block_v)
   grad_block_v: int = 128
+  # value channels per program of the fused forward, a width or "by_heads"
+  # (_mosaic_common.forward_value_tile)
+  forward_block_v: int | str = 64
   # the two sequential kernels (chunk states, state gradients): "mosaic" (Hopper: TMA
   # and warpgroup matmuls) or "triton"; "auto" takes "mosaic" where it runs
   # (state_walk_kind)
@@ -160,7 +163,8 @@ def _fused_forward(q, k, v, b, h0, runs, masks, scale, t, with_states):
     a, b = _scores(q, k, b, runs, t)
     qg, kg = _chunk_prep.decayed_rows(q, k, b, *masks, a.dtype)
   o, ht, *h = _gla_forward_mosaic.gla_forward(qg, kg, v, a, b, masks[0], h0, scale=scale,
-                                              interpret=t.interpret, with_states=with_states)
+                                              interpret=t.interpret, with_states=with_states,
+                                              block_v=t.forward_block_v)
   return (o, ht), a, (h[0] if with_states else None), b
 
 
@@ -196,13 +200,13 @@ def check_forward(t: Tiling, dtypes, Dk, Dv):
     if getattr(t, name) not in known:
       raise ValueError(f"Tiling.{name} = {getattr(t, name)!r}: expected one of "
                        f"{list(known)}")
+  tile = t.forward_block_v
   fits = (sixteen_bit(dtypes) and Dk % 64 == 0 and Dk <= _gla_forward_mosaic.MAX_DK and
-          Dv % _gla_forward_mosaic.BLOCK_V == 0)
+          tile % 32 == 0)
   forward = choose_mosaic_or(
       "Tiling.forward", t.forward, _FORWARDS, "fused", "split", fits, t.interpret,
-      f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and Dv a multiple of "
-      f"{_gla_forward_mosaic.BLOCK_V}; got {[str(d) for d in dtypes]}, "
-      f"Dk = {Dk}, Dv = {Dv}")
+      f"q, k, v in one 16-bit dtype, Dk of 64 or 128 and a forward value tile that is a "
+      f"multiple of 32; got {[str(d) for d in dtypes]}, Dk = {Dk}, forward_block_v = {tile}")
   return t._replace(forward=forward)
 
 
@@ -254,10 +258,12 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
   h0 = (jnp.zeros(
       (B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32))
   t = t._replace(interpret=interpret_mode())
-  t = t._replace(block_k=check_tile("block_k", min(t.block_k, Dk), "Dk", Dk),
-                 block_v=check_tile("block_v", min(t.block_v, Dv), "Dv",
-                                    Dv), grad_block_v=check_tile("grad_block_v",
-                                                                 min(t.grad_block_v, Dv), "Dv", Dv))
+  t = t._replace(
+      block_k=check_tile("block_k", min(t.block_k, Dk), "Dk",
+                         Dk), block_v=check_tile("block_v", min(t.block_v, Dv), "Dv", Dv),
+      grad_block_v=check_tile("grad_block_v", min(t.grad_block_v, Dv), "Dv", Dv),
+      forward_block_v=check_tile("forward_block_v", forward_value_tile(t.forward_block_v, B, H, Dv),
+                                 "Dv", Dv))
   dtypes = (q.dtype, k.dtype, v.dtype)
   t = check_forward(t._replace(state_walk=state_walk_kind(t, dtypes, Dk, Dv)), dtypes, Dk, Dv)
   o, ht = _gla_core(qp, kp, vp, b, h0, runs, masks, float(scale), t)

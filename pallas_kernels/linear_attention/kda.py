@@ -45,7 +45,8 @@ from pallas_kernels.linear_attention._kda_scores import FIRST_KERNEL_FORMS
 from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
                                                              chunk_wy_grads)
 from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
-                                                            on_hopper, sixteen_bit)
+                                                            forward_value_tile, on_hopper,
+                                                            sixteen_bit)
 from pallas_kernels.linear_attention._pallas_common import (SUMMED_ROWS, compute_dtype,
                                                             interpret_mode)
 
@@ -78,6 +79,7 @@ class Tiling(NamedTuple):
   summed_rows: str = "all"
   score_operands: str = "compute"  # _chunk_factors.SCORE_OPERANDS
   inverse: str = "by_halves"  # _kda_solve.INVERSES
+  forward_block_v: int = 64  # the fused forward's value tile (_mosaic_common.forward_value_tile)
 
 
 def available_state_walks(interpret):
@@ -125,7 +127,7 @@ def _split_forward(v, b, h0, masks, intra, scale, t, with_states):
 def _fused_forward(v, b, h0, masks, intra, scale, t, with_states):
   qg, kg, w, u0, aqk = intra[:5]
   o, ht, *states = _kda_forward_mosaic.kda_forward(w, u0, kg, qg, aqk, b, masks[0], h0, scale=scale,
-                                                   block_v=t.block_v, out_dtype=v.dtype,
+                                                   block_v=t.forward_block_v, out_dtype=v.dtype,
                                                    interpret=t.interpret, with_states=with_states)
   return (o, ht), *(states if with_states else (None, None))
 
@@ -224,7 +226,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
                 output_final_state=False, normalize_qk=True, decay=None, block_v=None, block_k=None,
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
                 qk_norm="kernel", solve="own_kernel", decay_sum="own_kernel",
-                score_operands="compute", inverse="by_halves", summed_rows="chunk_ends"):
+                score_operands="compute", inverse="by_halves", summed_rows="chunk_ends",
+                forward_block_v=None):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -256,9 +259,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     summed_rows: with the decays summed in the first scores kernel and the fused forward,
     the rows of their sum that kernel writes in the forward alone, one of SUMMED_ROWS:
     "chunk_ends" (each chunk's last row, all the fused forward reads after the scores, and
-    the rows of the chunks whose scores kernel reads them back: the SUB_CHUNKS ones, and
-    the HALVES ones with solve="in_scores") or "all" (as the forward the backward follows
-    writes them).
+    the rows of the chunks the later scores kernels take) or "all" (as the forward the
+    backward follows writes them).
     score_operands: the operand dtype of the in-chunk score products (A_kk, A_qk) where the
     decays factor (WHOLE_CHUNK, HALVES chunks), one of SCORE_OPERANDS: "compute" (the
     default, the faster: docs/performance.md, "Score products on bf16 operands"), the
@@ -266,7 +268,9 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     inverse: how the solve's own kernel forms T = (I + A_kk)^-1, one of INVERSES:
     "by_halves" (the default, the faster: docs/kernel_tuning.md, "KDA in-chunk solve"),
     each 32-token half's inverse on its own, joined by the block below them (a quarter of
-    the tensor-core work), or "whole_chunk", recursive doubling over the whole chunk."""
+    the tensor-core work), or "whole_chunk", recursive doubling over the whole chunk.
+    forward_block_v: the fused forward's value channels per program, a width or "by_heads"
+    (_mosaic_common.forward_value_tile); None: block_v."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -294,11 +298,12 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   # BV = 32 at Dk = 256 keeps the sequential kernels' [Dk, BV] fp32 state small
   bv = check_tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
   bk = check_tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
+  fbv = check_tile("forward_block_v", forward_value_tile(forward_block_v or bv, B, H, Dv), "Dv", Dv)
   interpret = interpret_mode()
   dtypes = (q.dtype, k.dtype, v.dtype)
   walks = state_walk_kinds(state_walk, dtypes, Dk, bv, interpret)
-  forward = check_forward(forward, mosaic_fits(dtypes, Dk, bv), interpret,
-                          mosaic_requirement(dtypes, Dk, bv))
+  forward = check_forward(forward, mosaic_fits(dtypes, Dk, fbv), interpret,
+                          mosaic_requirement(dtypes, Dk, fbv))
   for name, choice, known in (("scores", scores, SCORE_KERNELS),
                               ("key_grads", key_grads, KEY_GRAD_KERNELS), ("solve", solve, SOLVES)):
     if choice not in known:
@@ -306,6 +311,6 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
              scores=scores, key_grads=key_grads, normalize=in_kernel, solve=solve,
              sums_decays=sums_decays, summed_rows=summed_rows, score_operands=score_operands,
-             inverse=inverse)
+             inverse=inverse, forward_block_v=fbv)
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

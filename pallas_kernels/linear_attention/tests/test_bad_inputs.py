@@ -54,3 +54,18 @@ def test_bad_gla_tiles(x):
   args = (x["q"], x["k"], x["v"], x["g"])  # Dk = Dv = 16
   with pytest.raises(ValueError, match="block_k = 12: need a power of two"):
     chunked_gla(*args, tiling=Tiling(block_k=12))
+  with pytest.raises(ValueError, match="forward_block_v = 'widest': expected a width or one of"):
+    chunked_gla(*args, tiling=Tiling(forward_block_v="widest"))
+  with pytest.raises(ValueError, match="forward_block_v = 12: need a power of two"):
+    chunked_kda(*args, x["beta"], forward_block_v=12)
+
+
+def test_forward_value_tiles_by_heads():
+  """"by_heads": 32-wide tiles for at most 16 chains (batch rows x heads), 64 for at most 32,
+    else 128, never wider than the head."""
+  from pallas_kernels.linear_attention._mosaic_common import forward_value_tile
+  assert [forward_value_tile("by_heads", 1, h, 128) for h in (8, 16, 17, 32, 33, 96)
+         ] == [32, 32, 64, 64, 128, 128]
+  assert forward_value_tile("by_heads", 2, 16, 128) == 64
+  assert forward_value_tile("by_heads", 1, 96, 64) == 64
+  assert forward_value_tile(128, 1, 4, 64) == 64

@@ -137,3 +137,19 @@ def test_fused_forward_alone_matches_the_oracle(summed_rows):
   if summed_rows == "chunk_ends":
     o_all, s_all = forward("all")(*args)
     assert rel_rms(o_all, o) == 0.0 and rel_rms(s_all, s) == 0.0
+
+
+def test_fused_forward_value_tiles_give_the_default_tiles_outputs():
+  """The fused forward with 32- and 128-wide value tiles (four programs per head, one) gives
+    the outputs and final state of the default 64-wide tile: 2 chunks, resets, an initial
+    state."""
+  x = make_inputs(seed=27, T=128, H=1, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
+                  segment_rate=0.02)
+  args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"])
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
+  forward = lambda tile: jax.jit(lambda q, k, v, g, h0: chunked_gla(
+      q, k, v, g, initial_state=h0, tiling=Tiling(forward="fused", forward_block_v=tile), **kw))
+  o_ref, s_ref = forward(64)(*args)
+  for tile in (32, 128):
+    o, s = forward(tile)(*args)
+    assert rel_rms(o_ref, o) < 1e-6 and rel_rms(s_ref, s) < 1e-6, tile

@@ -62,10 +62,12 @@ def test_fused_forward_matches_the_walk_and_the_outputs_kernel():
   h, vn, final = _kda_states_mosaic.chunk_states(w, u0, kg, b, carry_in, x["initial_state"],
                                                  cd=jnp.bfloat16, **kw)
   o = chunk_output(qg, aqk, h, vn, scale=0.3, out_dtype=jnp.bfloat16, cd=jnp.bfloat16, **kw)
-  for with_states in (False, True):
+  # the default tile with and without the states; 32- and 128-wide value tiles (four
+  # programs per head, one) without
+  for with_states, tile in ((False, 64), (True, 64), (False, 32), (False, 128)):
     out = _kda_forward_mosaic.kda_forward(w, u0, kg, qg, aqk, b, carry_in, x["initial_state"],
                                           scale=0.3, out_dtype=jnp.bfloat16,
-                                          with_states=with_states, **kw)
+                                          with_states=with_states, block_v=tile, interpret=True)
     want = (o, final, h, vn) if with_states else (o, final)
     chex.assert_trees_all_equal_shapes_and_dtypes(out, want)
     for name, r, got in zip(("o", "final", "states", "v_new"), want, out):
@@ -98,11 +100,10 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
 def test_fused_forward_alone_with_the_decays_summed_in_the_scores(solve):
   """The fused forward alone (no residuals) with the decays summed in the first scores
     kernel, which writes b's chunk-end rows alone (summed_rows="chunk_ends") or every row,
-    against the fp32 oracle: one chunk of each scores layout (the SUB_CHUNKS kernel reads its
-    chunks' rows of b; the HALVES kernel sums its own from the log decays, or reads them
-    where it solves its chunks), resets, an initial state, q and k normalised in the kernel;
-    with the HALVES chunks solved in the scores' kernel or not. The chunk ends give the very
-    outputs and final state of every row."""
+    against the fp32 oracle: one chunk of each scores layout (the later kernels read the
+    HALVES and SUB_CHUNKS chunks' rows of b), resets, an initial state, q and k normalised
+    in the kernel; with the HALVES chunks solved in the scores' kernel or not. The chunk
+    ends give the very outputs and final state of every row."""
   x = one_chunk_of_each_scores_layout(
       make_inputs(seed=36, T=192, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16, segment_rate=0.02))
   args = [x[n] for n in ("q", "k", "v", "g", "beta")]
