@@ -4,6 +4,7 @@ else), built directly into its shardings: no device ever holds more than its sha
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from flax import nnx
@@ -40,10 +41,19 @@ def _build(cfg: Config, seed: int) -> HybridLM:
 
 
 def model_parts(cfg: Config, seed: int = 0) -> ModelParts:
+  return _model_parts(cfg.model, cfg.lora, seed, cfg.mesh.min_shard_size)
+
+
+# Building the abstract model takes seconds and the plan, the trainer, the step and the
+# checkpoint loader each ask for it; the parts depend on these fields alone, and nothing
+# changes them in place (`ModelParts.merge` fills copies of the templates).
+@functools.lru_cache(maxsize=16)
+def _model_parts(model, lora, seed: int, min_shard_size: int) -> ModelParts:
+  cfg = Config(model=model, lora=lora)
   abstract = nnx.eval_shape(lambda: _build(cfg, seed))
-  graphdef, lora, frozen = nnx.split(abstract, LoRAParam, ...)
+  graphdef, lora_state, frozen = nnx.split(abstract, LoRAParam, ...)
   # kernels the checkpoint ships packed stay packed (hylora.io.packed_scheme)
-  return ModelParts(graphdef, lora, pack_template(cfg, frozen), cfg.mesh.min_shard_size)
+  return ModelParts(graphdef, lora_state, pack_template(cfg, frozen), min_shard_size)
 
 
 def shardings(parts: ModelParts, mesh) -> tuple[dict, dict]:
