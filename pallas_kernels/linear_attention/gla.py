@@ -258,12 +258,13 @@ def chunked_gla(q, k, v, g, *, scale=None, initial_state=None, segment_ids=None,
   h0 = (jnp.zeros(
       (B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32))
   t = t._replace(interpret=interpret_mode())
-  t = t._replace(
-      block_k=check_tile("block_k", min(t.block_k, Dk), "Dk",
-                         Dk), block_v=check_tile("block_v", min(t.block_v, Dv), "Dv", Dv),
-      grad_block_v=check_tile("grad_block_v", min(t.grad_block_v, Dv), "Dv", Dv),
-      forward_block_v=check_tile("forward_block_v", forward_value_tile(t.forward_block_v, B, H, Dv),
-                                 "Dv", Dv))
+  widths = {  # each tile: its width, capped at its dimension, which it must divide
+      "block_k": (min(t.block_k, Dk), "Dk", Dk),
+      "block_v": (min(t.block_v, Dv), "Dv", Dv),
+      "grad_block_v": (min(t.grad_block_v, Dv), "Dv", Dv),
+      "forward_block_v": (forward_value_tile(t.forward_block_v, B, H, Dv), "Dv", Dv),
+  }
+  t = t._replace(**{name: check_tile(name, *width) for name, width in widths.items()})
   dtypes = (q.dtype, k.dtype, v.dtype)
   t = check_forward(t._replace(state_walk=state_walk_kind(t, dtypes, Dk, Dv)), dtypes, Dk, Dv)
   o, ht = _gla_core(qp, kp, vp, b, h0, runs, masks, float(scale), t)
