@@ -258,7 +258,7 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
                                                            chunk_value_grads)
   from pallas_kernels.linear_attention._gla_forward_mosaic import gla_forward
   from pallas_kernels.linear_attention._gla_scores import chunk_score_grads, chunk_scores
-  from pallas_kernels.linear_attention._mosaic_common import on_hopper
+  from pallas_kernels.linear_attention._mosaic_common import forward_value_tile, on_hopper
   from pallas_kernels.linear_attention._pallas_common import interpret_mode
   from pallas_kernels.linear_attention.gla import state_walk_kind, state_walks
   interp = interpret_mode()  # a CPU smoke run interprets the kernels
@@ -314,7 +314,8 @@ def kernel_breakdown(shape, tiling, gates="logsigmoid"):
   if interp or on_hopper():  # the fused forward's two kernels (Tiling.forward="fused")
     decayed = jax.jit(lambda q, k, b: chunk_scores(q, k, b, runs, decayed_with=(ci, il), **sk))
     fused = jax.jit(
-        lambda qg, kg, v, a, b: gla_forward(qg, kg, v, a, b, ci, h0, scale=scale, interpret=interp))
+        lambda qg, kg, v, a, b: gla_forward(qg, kg, v, a, b, ci, h0, scale=scale, interpret=interp,
+                                            block_v=forward_value_tile(t.forward_block_v, B, H, D)))
     summing = {
         rows:
             jax.jit(lambda q, k, g, rows=rows: chunk_scores(q, k, g, runs, decayed_with=(
@@ -402,9 +403,11 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
   walk_ms = {}
   if "mosaic" in walks:  # the fused forward: walk and outputs, states written for the backward
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
+    from pallas_kernels.linear_attention._mosaic_common import forward_value_tile
+    tile = forward_value_tile(KDA_DEFAULTS["forward_block_v"], B, H, D)
     fused = jax.jit(lambda w, u0, kg, qg, aqk, b:
-                    kda_forward(w, u0, kg, qg, aqk, b, ci, h0, scale=scale, block_v=kw["block_v"],
-                                out_dtype=vp.dtype, interpret=interp, with_states=True))
+                    kda_forward(w, u0, kg, qg, aqk, b, ci, h0, scale=scale, block_v=tile, out_dtype=
+                                vp.dtype, interpret=interp, with_states=True))
     walk_ms["fused_states_outputs"] = round(median_ms(fused, w, u0, kg, qg, aqk, b), 3)
   for name, (walk_states, walk_grads) in walks.items():
     walk_ms[f"states_{name}"] = round(

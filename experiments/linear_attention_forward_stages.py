@@ -9,9 +9,10 @@ Ours: the L2 norm of q and k (plain JAX), the in-chunk cumulative decay, the in-
 in each form (one kernel; one kernel per layout, chunked_kda's default, and the same
 normalising q and k on its way, as chunked_kda does without gradients), scores and solve
 together (the scores in one kernel, then the solve; by layout, then the solve; by layout,
-the HALVES chunks solved in the scores' kernel), the fused state walk and outputs, the
-forward (chunked_kda's defaults; with the norm as a plain-JAX pass; with the decays summed
-in the first scores kernel). jla (when installed): its cumulative decay, its in-chunk
+the HALVES chunks solved in the scores' kernel), the fused state walk and outputs (the value
+tile by heads, chunked_kda's default, and 64 wide), the forward (chunked_kda's defaults;
+with the norm as a plain-JAX pass; with the decays summed in the first scores kernel; with
+the fused forward's value tile 64 wide). jla (when installed): its cumulative decay, its in-chunk
 kernel with the L2 norm inside and the decayed rows out (the forward's path when no
 gradient is asked), without the norm, without the rows, its solve and its state walk that
 applies T itself. One JSON line per gate regime.
@@ -30,6 +31,7 @@ from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum
 from pallas_kernels.linear_attention._inputs import l2_normalize
 from pallas_kernels.linear_attention._kda_intra import chunk_intra
 from pallas_kernels.linear_attention._kda_scores import chunk_scores
+from pallas_kernels.linear_attention._mosaic_common import forward_value_tile
 from pallas_kernels.linear_attention._pallas_common import interpret_mode
 
 
@@ -62,12 +64,16 @@ def ours(q, k, v, g, beta):
   if not interp:
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
     h0 = jnp.zeros((B, H, D, v.shape[-1]), jnp.float32)
-    walk = jax.jit(
-        lambda w, u0, kg, qg, aqk, b: kda_forward(w, u0, kg, qg, aqk, b, ci, h0, scale=D**-0.5,
-                                                  block_v=64, out_dtype=v.dtype, interpret=False))
-    ms["walk_and_outputs"] = median_ms(walk, w, u0, kg, qg, aqk, b)
+    for name, width in (("walk_and_outputs", 64), ("walk_and_outputs_by_heads",
+                                                   forward_value_tile("by_heads", B, H,
+                                                                      v.shape[-1]))):
+      walk = jax.jit(lambda w, u0, kg, qg, aqk, b, width=width: kda_forward(
+          w, u0, kg, qg, aqk, b, ci, h0, scale=D**-0.5, block_v=width, out_dtype=v.dtype, interpret=
+          False))
+      ms[name] = median_ms(walk, w, u0, kg, qg, aqk, b)
   for name, options in (("forward", {}), ("forward_qk_norm_xla", dict(qk_norm="xla")),
-                        ("forward_decay_sum_in_scores", dict(decay_sum="in_scores"))):
+                        ("forward_decay_sum_in_scores", dict(decay_sum="in_scores")),
+                        ("forward_value_tile_64", dict(forward_block_v=64))):
     ms[name] = median_ms(jax.jit(lambda *a, options=options: chunked_kda(*a, **options)[0]), q, k,
                          v, g, beta)
   return ms

@@ -142,7 +142,8 @@ def test_forward_stages_time_every_stage_of_ours(monkeypatch):
   ms = stages.ours(*x, beta)
   for name in ("normalize", "cumsum", "scores", "scores_by_layout", "scores_by_layout_normalizing",
                "scores_and_solve", "scores_by_layout_then_solve", "scores_by_layout_solving",
-               "forward", "forward_qk_norm_xla", "forward_decay_sum_in_scores"):
+               "forward", "forward_qk_norm_xla", "forward_decay_sum_in_scores",
+               "forward_value_tile_64"):
     assert ms[name] > 0, (name, ms)
 
 

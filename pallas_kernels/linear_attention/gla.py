@@ -49,9 +49,9 @@ class Tiling(NamedTuple):
   # value channels per program of the value-gradient kernel: whole 128-wide heads read
   # the chunk's keys and decays once (the forward outputs kernel keeps block_v)
   grad_block_v: int = 128
-  # value channels per program of the fused forward, a width or "by_heads"
-  # (_mosaic_common.forward_value_tile)
-  forward_block_v: int | str = 64
+  # value channels per program of the fused forward, a width or "by_heads" (by the number
+  # of (batch row, head) chains: _mosaic_common.forward_value_tile)
+  forward_block_v: int | str = "by_heads"
   # the two sequential kernels (chunk states, state gradients): "mosaic" (Hopper: TMA
   # and warpgroup matmuls) or "triton"; "auto" takes "mosaic" where it runs
   # (state_walk_kind)

@@ -227,7 +227,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
                 qk_norm="kernel", solve="own_kernel", decay_sum="own_kernel",
                 score_operands="compute", inverse="by_halves", summed_rows="chunk_ends",
-                forward_block_v=None):
+                forward_block_v="by_heads"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -270,7 +270,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     each 32-token half's inverse on its own, joined by the block below them (a quarter of
     the tensor-core work), or "whole_chunk", recursive doubling over the whole chunk.
     forward_block_v: the fused forward's value channels per program, a width or "by_heads"
-    (_mosaic_common.forward_value_tile); None: block_v."""
+    (the default: by the number of (batch row, head) chains, _mosaic_common.
+    forward_value_tile; docs/kernel_tuning.md, "GLA and KDA fused forwards")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -298,7 +299,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   # BV = 32 at Dk = 256 keeps the sequential kernels' [Dk, BV] fp32 state small
   bv = check_tile("block_v", block_v or min(Dv, 64 if Dk <= 128 else 32), "Dv", Dv)
   bk = check_tile("block_k", block_k or min(Dk, 64), "Dk", Dk)
-  fbv = check_tile("forward_block_v", forward_value_tile(forward_block_v or bv, B, H, Dv), "Dv", Dv)
+  fbv = check_tile("forward_block_v", forward_value_tile(forward_block_v, B, H, Dv), "Dv", Dv)
   interpret = interpret_mode()
   dtypes = (q.dtype, k.dtype, v.dtype)
   walks = state_walk_kinds(state_walk, dtypes, Dk, bv, interpret)

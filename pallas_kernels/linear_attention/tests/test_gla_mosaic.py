@@ -70,18 +70,19 @@ def test_mosaic_walk_refuses_what_it_cannot_take():
 
 def test_auto_forward_is_the_fused_one_where_it_compiles(monkeypatch):
   bf16, f32 = (jnp.bfloat16,) * 3, (jnp.float32,) * 3
+  t = Tiling(forward_block_v=64)  # as chunked_gla resolves its default, "by_heads"
   # interpreted (CPU): the split forward, for GLA and KDA alike
-  assert gla.check_forward(Tiling(interpret=True), bf16, 64, 64).forward == "split"
+  assert gla.check_forward(t._replace(interpret=True), bf16, 64, 64).forward == "split"
   assert kda.check_forward("auto", True, True, "") == "split"
   monkeypatch.setattr(_mosaic_common, "on_hopper", lambda: True)
-  assert gla.check_forward(Tiling(), bf16, 64, 64).forward == "fused"
+  assert gla.check_forward(t, bf16, 64, 64).forward == "fused"
   assert kda.check_forward("auto", True, False, "") == "fused"
   # on Hopper, inputs the Mosaic GPU kernel does not take: the split forward
-  assert gla.check_forward(Tiling(), f32, 64, 64).forward == "split"
-  assert gla.check_forward(Tiling(), bf16, 32, 32).forward == "split"
+  assert gla.check_forward(t, f32, 64, 64).forward == "split"
+  assert gla.check_forward(t, bf16, 32, 32).forward == "split"
   assert kda.check_forward("auto", False, False, "") == "split"
   # asked for by name, the split forward stays
-  assert gla.check_forward(Tiling(forward="split"), bf16, 64, 64).forward == "split"
+  assert gla.check_forward(t._replace(forward="split"), bf16, 64, 64).forward == "split"
 
 
 def test_fused_forward_matches_the_split_forward():
@@ -95,7 +96,8 @@ def test_fused_forward_matches_the_split_forward():
   q, k, v, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
   masks = _chunk_prep.segment_masks(runs)
   # the decays summed as prepare sums them (the scores kernel would take them as g)
-  split = Tiling(state_walk="mosaic", forward="split", interpret=True, decay_sum="own_kernel")
+  split = Tiling(state_walk="mosaic", forward="split", interpret=True, decay_sum="own_kernel",
+                 forward_block_v=64)
   (o_ref, s_ref), a_ref, h_ref, _ = gla._forward(q, k, v, b, x["initial_state"], runs, masks, 0.3,
                                                  split)
   for decayed_rows, with_states in [("scores", False), ("scores", True), ("xla", True)]:
@@ -139,10 +141,10 @@ def test_fused_forward_alone_matches_the_oracle(summed_rows):
     assert rel_rms(o_all, o) == 0.0 and rel_rms(s_all, s) == 0.0
 
 
-def test_fused_forward_value_tiles_give_the_default_tiles_outputs():
-  """The fused forward with 32- and 128-wide value tiles (four programs per head, one) gives
-    the outputs and final state of the default 64-wide tile: 2 chunks, resets, an initial
-    state."""
+def test_fused_forward_value_tiles_give_the_64_wide_tiles_outputs():
+  """The fused forward with 32- and 128-wide value tiles (four programs per head, one) and
+    the default, by heads, gives the outputs and final state of a 64-wide tile: 2 chunks,
+    resets, an initial state."""
   x = make_inputs(seed=27, T=128, H=1, Dk=D, Dv=D, dtype=jnp.bfloat16, min_log_decay=-8.0,
                   segment_rate=0.02)
   args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"])
@@ -150,6 +152,6 @@ def test_fused_forward_value_tiles_give_the_default_tiles_outputs():
   forward = lambda tile: jax.jit(lambda q, k, v, g, h0: chunked_gla(
       q, k, v, g, initial_state=h0, tiling=Tiling(forward="fused", forward_block_v=tile), **kw))
   o_ref, s_ref = forward(64)(*args)
-  for tile in (32, 128):
+  for tile in (32, 128, "by_heads"):
     o, s = forward(tile)(*args)
     assert rel_rms(o_ref, o) < 1e-6 and rel_rms(s_ref, s) < 1e-6, tile
