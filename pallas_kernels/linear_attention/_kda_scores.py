@@ -128,12 +128,13 @@ def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, nor
 
 class _NormalisedRows:
   """A chunk's [C, D] ref read as its L2-normalised rows: each load (all C rows, any
-    channels) times the rows' inverse norms [C, 1], in fp32. The HALVES products take their
-    operands so: scaling the products instead holds the keys' norms as a row too, and
+    channels) times the rows' inverse norms [C, 1], in fp32 (rounded_to: through that dtype
+    first, as the normalised rows written for the backward are). The HALVES products take
+    their operands so: scaling the products instead holds the keys' norms as a row too, and
     spills (experiments/kernel_resources.py)."""
 
-  def __init__(self, ref, scale):
-    self.ref, self.scale, self.shape = ref, scale, ref.shape
+  def __init__(self, ref, scale, rounded_to=None):
+    self.ref, self.scale, self.shape, self.rounded_to = ref, scale, ref.shape, rounded_to
 
   @classmethod
   def of(cls, ref, block_d):
@@ -148,7 +149,10 @@ class _NormalisedRows:
 
   def __getitem__(self, index):
     assert index[0].start == 0 and index[0].size == C, "whole-chunk row loads only"
-    return self.ref[index].astype(F32) * self.scale
+    normalised = self.ref[index].astype(F32) * self.scale
+    if self.rounded_to is None:
+      return normalised
+    return normalised.astype(self.rounded_to).astype(F32)
 
 
 class _RowScales(NamedTuple):
@@ -229,10 +233,11 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                        akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, keep_normalized,
                        normalize, from_gates, interpret, operand, halves_normalize=False,
-                       chunk_ends=False):
+                       chunk_ends=False, halves_here=False):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
-    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the later
-    passes; with `normalize` (extra_refs: the
+    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (halves_here: and of the HALVES ones,
+    from the normalised rows as the HALVES kernel reads them), and every chunk's layout for
+    the later passes; with `normalize` (extra_refs: the
     normalised q, k), all of it from q and k L2-normalised (_RowScales), and the normalised
     rows written for the later passes' chunks (keep_normalized: for every chunk;
     halves_normalize: for the SUB_CHUNKS ones alone, the HALVES kernel normalising its
@@ -262,9 +267,24 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     k = lambda: rows(k_ref, 0, C) * (1.0 if scales is None else scales.k)
     jax.lax.cond(layout == factors.HALVES, lambda: None,
                  lambda: _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref))
-  jax.lax.cond(
-      whole, lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, beta_ref, r_ref, akk_ref,
-                                  aqk_ref, operand, scales), lambda: None)
+  whole_chunk = lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, beta_ref, r_ref, akk_ref,
+                                     aqk_ref, operand, scales)
+  if not halves_here:
+    jax.lax.cond(whole, whole_chunk, lambda: None)
+    return
+
+  def halves():
+    q, k = q_ref, k_ref
+    if scales is not None:  # as the HALVES kernel would read them: normalised, kept rounded
+      kept = normed_refs if keep_normalized else (None, None)
+      q, k = (_NormalisedRows(ref, scale, None if out is None else out.dtype)
+              for ref, scale, out in zip((q_ref, k_ref), (scales.q, scales.k), kept))
+    # b's rows as held where summed here (its ref is this kernel's output)
+    b_rows = factors.HeldRows(b) if from_gates else b_ref
+    _halves(q, k, b_rows, beta_ref, r_ref, akk_ref, aqk_ref, operand)
+
+  jax.lax.cond(whole, whole_chunk,
+               lambda: jax.lax.cond(layout == factors.HALVES, halves, lambda: None))
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
@@ -328,6 +348,11 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
 # (experiments/kernel_resources.py --option qk_norm=kernel; docs/kernel_tuning.md).
 FACTORED_WARPS = 4
 NORMALIZING_WARPS = 8
+# The HALVES chunks' scores in the first kernel where it normalises q and k (at eight warps),
+# from the rows it holds loaded and the norms it has formed, where a kernel of their own
+# reads q, k and b again. Not at four warps: the kernel's code outgrows the instruction
+# cache (experiments/kernel_resources.py).
+HALVES_IN_FIRST_PASS = False
 # The forms with a first kernel over every chunk, which can normalise q and k and sum the
 # decays on its way for the kernels after it
 FIRST_KERNEL_FORMS = ("by_layout",)
@@ -339,7 +364,7 @@ def _first_pass_warps(factored_warps, normalize):
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
                 keys_of_halves, operand, keep_normalized=True, from_gates=False,
-                halves_normalize=False, summed_rows="all"):
+                halves_normalize=False, summed_rows="all", halves_here=False):
   """The first kernel of the scores by layout (_first_pass_kernel): (qg, kg, kw, A_kk, A_qk,
     layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
@@ -356,7 +381,7 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
   kernel = functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves,
                              keep_normalized=keep_normalized, normalize=normalize,
                              from_gates=from_gates, interpret=interpret, operand=operand,
-                             halves_normalize=halves_normalize,
+                             halves_normalize=halves_normalize, halves_here=halves_here,
                              chunk_ends=chunk_ends_asked(summed_rows, from_gates))
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
@@ -401,7 +426,8 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
 
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
-    _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps).
+    _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps); with
+    HALVES_IN_FIRST_PASS and `normalize`, two, the first taking the HALVES chunks too.
     operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
@@ -427,15 +453,17 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   # given: no normalised rows written for its chunks (docs/performance.md, "The HALVES
   # kernel normalising its own rows")
   halves_normalize = normalize and not keep_normalized
+  halves_here = HALVES_IN_FIRST_PASS and normalize
   raw = q, k
   qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
       keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
-      halves_normalize=halves_normalize, summed_rows=summed_rows)
-  a_kk, a_qk = _later_pass(factors.HALVES, *(raw if halves_normalize else (q, k)), b, beta, runs,
-                           layouts, a_kk, a_qk, cd=cd, interpret=interpret, num_warps=num_warps,
-                           operand=operand, normalize=halves_normalize)
+      halves_normalize=halves_normalize, summed_rows=summed_rows, halves_here=halves_here)
+  if not halves_here:
+    a_kk, a_qk = _later_pass(factors.HALVES, *(raw if halves_normalize else (q, k)), b, beta, runs,
+                             layouts, a_kk, a_qk, cd=cd, interpret=interpret, num_warps=num_warps,
+                             operand=operand, normalize=halves_normalize)
   a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
                            interpret=interpret, num_warps=num_warps, operand=operand)
   return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else

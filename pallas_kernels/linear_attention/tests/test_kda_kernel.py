@@ -174,6 +174,43 @@ def test_factored_score_products_in_the_compute_dtype(form):
   _assert_within(_errors(x, scores=form, score_operands="compute"), 6e-3, 1.2e-2)
 
 
+@pytest.mark.parametrize("decay_sum", ["own_kernel", "in_scores"])
+def test_halves_scores_in_the_normalising_first_kernel(monkeypatch, decay_sum):
+  """_kda_scores.HALVES_IN_FIRST_PASS: the first scores kernel, normalising q and k, forms
+  the HALVES chunks' scores itself and no HALVES kernel runs. bf16, one chunk of each
+  scores layout: A_kk and A_qk bit for bit the HALVES kernel's where the normalised rows are
+  kept (the rows it holds rounded as the kept ones are), within fp32 rounding of them in the
+  forward alone (norms summed in another order); fp32 with resets and padding, the decays
+  summed there or before (b's rows held there): the op and its gradients exact."""
+  x = one_chunk_of_each_scores_layout(
+      make_inputs(seed=31, T=192, Dk=32, Dv=32, dtype=jnp.bfloat16, segment_rate=0.03))
+  B, T = x["q"].shape[:2]
+  qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
+                                           x["segment_ids"], B, T)
+  masks = _chunk_prep.segment_masks(runs)
+
+  def scores(halves_here, keep_normalized):
+    monkeypatch.setattr(_kda_scores, "HALVES_IN_FIRST_PASS", halves_here)
+    return jax.jit(lambda q, k, b: _kda_scores.chunk_scores(
+        q, k, b, x["beta"], runs, *masks, cd=jnp.bfloat16, interpret=True, form="by_layout",
+        normalize=True, keep_normalized=keep_normalized)[3:5])(qp, kp, b)
+
+  for keep_normalized, within in ((True, 0.0), (False, 1e-6)):
+    own_kernel, first = scores(False, keep_normalized), scores(True, keep_normalized)
+    for a, ref in zip(first, own_kernel):
+      assert rel_rms(ref.astype(jnp.float32), a.astype(jnp.float32)) <= within, keep_normalized
+  x = one_chunk_of_each_scores_layout(make_inputs(seed=32, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  x = {n: a[:, :150] if n != "initial_state" else a for n, a in x.items()}
+  monkeypatch.setattr(_kda_scores, "HALVES_IN_FIRST_PASS", True)
+  _assert_within(_errors(x, qk_norm="kernel", decay_sum=decay_sum), 1e-4, 1e-4)
+  args = [3.0 * x["q"], 3.0 * x["k"]] + [x[n] for n in NAMES[2:]]
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True)
+  o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a[:5], initial_state=a[5], **kw))(*args)
+  o, s = fast_jit(lambda *a: chunked_kda(*a[:5], initial_state=a[5], decay_sum=decay_sum, **kw))(
+      *args)
+  _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
+
+
 @pytest.mark.parametrize("qk_norm, solve", [("xla", "own_kernel"), ("kernel", "own_kernel"),
                                             ("kernel", "in_scores")])
 def test_decays_summed_in_the_first_scores_kernel(qk_norm, solve):
