@@ -59,9 +59,11 @@ def fused(x, w, segment_ids, **options):
 # short_conv_silu's options: the kernel's defaults (the two-kernel backward at 16-token
 # blocks), a forward of 64-token blocks (fewer halo reads, one program per SM:
 # experiments/kernel_resources.py), the two-kernel backward at 32-token blocks (fewer
-# programs, fewer halo reads) and the one-kernel backward at 32
+# programs, fewer halo reads), the one-kernel backward at 32, and the rows form (each
+# program streaming one head's rows: no shift products, no halos)
 FUSED = {
     "fused": {},
+    "fused_rows": dict(form="rows"),
     "fused_fwd64": dict(block_tokens=(64, None)),
     "fused_bwd_two_kernels32": dict(backward="two_kernels", block_tokens=(None, 32)),
     "fused_bwd_one_kernel32": dict(backward="one_kernel", block_tokens=(None, 32)),

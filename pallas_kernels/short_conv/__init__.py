@@ -5,7 +5,9 @@ for q and k, the per-head L2 norm.
                     normalize=False) -> [B, T, H, D] in x's dtype
 
 `short_conv_silu_reference` is the plain-JAX ground truth (`causal_depthwise_conv`, SiLU,
-`l2_normalize`); `short_conv_silu` one fused Pallas pass each way (interpreted on CPU).
+`l2_normalize`); `short_conv_silu` one fused Pallas pass each way (interpreted on CPU):
+token blocks shifted by products (kernel.py, the default) or each head's rows streamed
+(rows.py, form="rows").
 """
 
 from pallas_kernels.short_conv.kernel import short_conv_silu

@@ -30,17 +30,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.short_conv import rows
+from pallas_kernels.short_conv._activation import activate, pre_activation_grad
 from pallas_kernels.short_conv.reference import short_conv_silu_reference, token_reach
 
 F32 = jnp.float32
 HALO = 16  # tokens next to a block that a shift may read: the smallest matmul side
 NUM_WARPS = 8  # every kernel here: at 4 each program holds more registers
 BACKWARDS = ("one_kernel", "two_kernels")
+FORMS = ("blocks", "rows")
 BLOCK_TOKENS = (32, HALO)  # the forward's: the largest dividing the length
 # The two-kernel backward at 16-token blocks: the fastest backward timed
 # (docs/kernel_tuning.md, "Blocks and backward form")
 BACKWARD_BLOCK_TOKENS = HALO
-EPS = 1e-6  # that of the reference's l2_normalize
 _sq = pl.squeezed
 
 
@@ -95,26 +97,9 @@ def _conv(x, halo, reach, w_ref, taps):
   return y
 
 
-def _activate(y, dtype, normalize):
-  """SiLU, the round to the output dtype, and the norm: (output fp32, 1/|u| or None)."""
-  u = (y * jax.nn.sigmoid(y)).astype(dtype).astype(F32)
-  if not normalize:
-    return u, None
-  inv = jax.lax.rsqrt(jnp.sum(u * u, axis=1, keepdims=True) + EPS)
-  return u * inv, inv
-
-
-def _pre_activation_grad(y, dout, dtype, normalize):
-  """d loss / d (convolution output), given d loss / d output (fp32)."""
-  n, inv = _activate(y, dtype, normalize)
-  du = inv * (dout - n * jnp.sum(dout * n, axis=1, keepdims=True)) if normalize else dout
-  sig = jax.nn.sigmoid(y)
-  return du * sig * (1.0 + y * (1.0 - sig))
-
-
 def _forward_kernel(x_ref, halo_ref, reach_ref, w_ref, out_ref, *, taps, normalize):
   y = _conv(x_ref[...], halo_ref[...], reach_ref[...], w_ref, taps)
-  out_ref[...] = _activate(y, out_ref.dtype, normalize)[0].astype(out_ref.dtype)
+  out_ref[...] = activate(y, out_ref.dtype, normalize)[0].astype(out_ref.dtype)
 
 
 def _backward_kernel(x_ref, halo_ref, next_ref, reach_ref, reach_next_ref, w_ref, dout_ref,
@@ -123,13 +108,14 @@ def _backward_kernel(x_ref, halo_ref, next_ref, reach_ref, reach_next_ref, w_ref
   dtype = dx_ref.dtype
   bt = x.shape[0]
   y = _conv(x, halo, reach, w_ref, taps)
-  dy = _pre_activation_grad(y, dout_ref[...].astype(F32), dtype, normalize)
+  dy = pre_activation_grad(y, dout_ref[...].astype(F32), dtype, normalize)
   # The next 16 tokens' convolution gradient: their taps reach back into this block.
   x_next, reach_next = next_ref[...], reach_next_ref[...]
   y_next = _conv(x_next, x_ref[pl.ds(bt - HALO, HALO), :], reach_next, w_ref, taps)
   has_next = pl.program_id(1) < blocks - 1
-  dy_next = jnp.where(
-      has_next, _pre_activation_grad(y_next, dout_next_ref[...].astype(F32), dtype, normalize), 0.0)
+  dy_next = jnp.where(has_next,
+                      pre_activation_grad(y_next, dout_next_ref[...].astype(F32), dtype, normalize),
+                      0.0)
   dx = dy * _tap(w_ref, taps - 1)
   rows = jax.lax.broadcasted_iota(jnp.int32, (dw_ref.shape[0], 1), 0)
   dw = jnp.where(rows == taps - 1, jnp.sum(dy * x.astype(F32), axis=0)[None, :], 0.0)
@@ -148,7 +134,7 @@ def _dy_kernel(x_ref, halo_ref, reach_ref, w_ref, dout_ref, dy_hi_ref, dy_lo_ref
                normalize):
   """The two-kernel backward's first half: dy, written as its two bf16 halves."""
   y = _conv(x_ref[...], halo_ref[...], reach_ref[...], w_ref, taps)
-  dy = _pre_activation_grad(y, dout_ref[...].astype(F32), x_ref.dtype, normalize)
+  dy = pre_activation_grad(y, dout_ref[...].astype(F32), x_ref.dtype, normalize)
   dy_hi_ref[...], dy_lo_ref[...] = _halves(dy)
 
 
@@ -278,15 +264,19 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None, *,
                     normalize: bool = False, block_tokens: tuple[int | None,
                                                                  int | None] = (None, None),
-                    backward: str = "two_kernels") -> jax.Array:
+                    backward: str = "two_kernels", form: str = "blocks") -> jax.Array:
   """short_conv_silu_reference's result in one Pallas pass (interpreted on CPU). x: [B, T,
     H, D]; weight: [H, D, K] with tap K-1 on the current token, K <= 17; segment_ids:
     [B, T] or None. block_tokens: the forward's and the backward's tokens per program
     (None: the forward the largest of BLOCK_TOKENS dividing T, the backward
-    BACKWARD_BLOCK_TOKENS). backward: one of BACKWARDS (the module docstring). Lengths that
-    are not a multiple of 16 run the reference."""
+    BACKWARD_BLOCK_TOKENS). backward: one of BACKWARDS (the module docstring). form: one of
+    FORMS: "blocks", the kernels of this module, or "rows", each program streaming one head's
+    rows (pallas_kernels/short_conv/rows.py; block_tokens and backward are the blocks'). Lengths
+    that are not a multiple of 16 run the reference."""
   if backward not in BACKWARDS:
     raise ValueError(f"short_conv_silu: backward={backward!r}: expected one of {BACKWARDS}")
+  if form not in FORMS:
+    raise ValueError(f"short_conv_silu: form={form!r}: expected one of {FORMS}")
   B, T, H, D = x.shape
   taps = weight.shape[-1]
   if weight.shape[:2] != (H, D):
@@ -299,4 +289,7 @@ def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | No
   kp = _taps_padded(taps)
   w_taps = jnp.pad(jnp.moveaxis(weight.astype(F32), -1, 1), ((0, 0), (0, kp - taps), (0, 0)))
   reach = token_reach(segment_ids, B, T, taps)
-  return _fused(x, w_taps, reach, taps, normalize, jax.default_backend() == "cpu", blocks, backward)
+  interpret = jax.default_backend() == "cpu"
+  if form == "rows":
+    return rows.by_rows(x, w_taps, reach, taps, normalize, interpret)
+  return _fused(x, w_taps, reach, taps, normalize, interpret, blocks, backward)

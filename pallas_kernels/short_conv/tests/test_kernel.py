@@ -1,7 +1,7 @@
 """The fused short convolution + SiLU (+ L2 norm) against the plain-JAX reference, forward
 and backward, on fresh random inputs: documents that start on a block boundary, one token
 after it, one token long, an id repeated after a different one; several blocks, so that
-the halos on both sides are read. Both backward forms."""
+the halos on both sides are read. Both backward forms of the blocks, and the rows form."""
 
 import functools
 
@@ -36,25 +36,28 @@ def _rel(a, b):
   return np.sqrt(np.mean((a - b)**2) / np.mean(b**2))
 
 
-@pytest.mark.parametrize("backward", ["one_kernel", "two_kernels"])
+@pytest.mark.parametrize("form,backward", [("blocks", "one_kernel"), ("blocks", "two_kernels"),
+                                           ("rows", "two_kernels")])
 @pytest.mark.parametrize("T,taps,normalize,blocks", [(192, 4, True, (None, None)),
                                                      (48, 3, False, (None, None)),
                                                      (128, 2, True, (64, 16))])
-def test_fp32_matches_the_reference_forward_and_backward(T, taps, normalize, blocks, backward):
+def test_fp32_matches_the_reference_forward_and_backward(T, taps, normalize, blocks, backward,
+                                                         form):
   x, w, seg, probe = _inputs(2, T, 2, 32, taps, jnp.float32, seed=T + taps)
-  fused = functools.partial(short_conv_silu, block_tokens=blocks, backward=backward)
+  fused = functools.partial(short_conv_silu, block_tokens=blocks, backward=backward, form=form)
   got = _value_and_grads(fused, x, w, seg, probe, normalize)
   want = _value_and_grads(short_conv_silu_reference, x, w, seg, probe, normalize)
   for name, a, b in zip(("out", "dx", "dw"), got, want):
     assert _rel(a, b) < 2e-5, name
 
 
-def test_bf16_is_as_close_to_fp32_as_the_xla_path():
-  """The fused kernel keeps the norm's and SiLU's gradients in fp32 where the XLA path
-    rounds them to bf16: against the fp32 computation it is no further than that path."""
+@pytest.mark.parametrize("form", ["blocks", "rows"])
+def test_bf16_is_as_close_to_fp32_as_the_xla_path(form):
+  """The fused kernels keep the norm's and SiLU's gradients in fp32 where the XLA path
+    rounds them to bf16: against the fp32 computation they are no further than that path."""
   x, w, seg, probe = _inputs(1, 128, 2, 64, 4, jnp.bfloat16, seed=7)
   truth = _value_and_grads(short_conv_silu_reference, x.astype(jnp.float32), w, seg, probe, True)
-  got = _value_and_grads(short_conv_silu, x, w, seg, probe, True)
+  got = _value_and_grads(functools.partial(short_conv_silu, form=form), x, w, seg, probe, True)
   xla = _value_and_grads(short_conv_silu_reference, x, w, seg, probe, True)
   assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
   for name, a, b, t in zip(("out", "dx", "dw"), got, xla, truth):
@@ -71,6 +74,8 @@ def test_the_two_backward_forms_agree_in_bf16_and_a_bad_one_is_named():
     assert _rel(a, b) < 1e-2, name
   with pytest.raises(ValueError, match="backward='two_kernel'"):
     short_conv_silu(x, w, seg, backward="two_kernel")
+  with pytest.raises(ValueError, match="form='row'"):
+    short_conv_silu(x, w, seg, form="row")
 
 
 def test_reach_counts_earlier_tokens_of_the_same_document():
