@@ -60,15 +60,19 @@ INT4_CONFIG = {
 FORMATS = ("fp8_block", "mxfp4", "int4")
 
 
-def hf_config(fmt: str) -> dict | None:
-  """The config.json of the released family that ships `fmt` (None: the house model)."""
+def hf_config(fmt: str, layers: int = 3) -> dict | None:
+  """The config.json of the released family that ships `fmt` (None: the house model), cut
+  to its first `layers` layers: 3 holds each family's every layer kind; 2 holds the dense
+  FFN and the routed experts (DeepSeek-V3.2: every kind; Kimi K3: KDA only, no MLA)."""
   if fmt == "fp8_block":  # DeepSeek-V3.2: fused gate/up parts of whole 128-row blocks
     hf = fixture_config("deepseek_v32")
-    hf.update(intermediate_size=128, moe_intermediate_size=128, quantization_config=FP8_CONFIG)
+    hf.update(intermediate_size=128, moe_intermediate_size=128, quantization_config=FP8_CONFIG,
+              num_hidden_layers=layers, layer_types=hf["layer_types"][:layers],
+              mlp_layer_types=hf["mlp_layer_types"][:layers])
     return hf
   if fmt == "mxfp4":  # Kimi K3: routed experts only, inputs in groups of 32
     from hylora.core.families import published
-    hf = tiny_k3_config(layers=3)
+    hf = tiny_k3_config(layers=layers)
     hf["text_config"].update(
         routed_expert_hidden_size=64,
         quantization_config=published("kimi-k3")["text_config"]["quantization_config"])
@@ -76,8 +80,8 @@ def hf_config(fmt: str) -> dict | None:
   return None
 
 
-def config(fmt: str):
-  hf = hf_config(fmt)
+def config(fmt: str, layers: int = 3):
+  hf = hf_config(fmt, layers)
   if hf is not None:
     return released_config(hf)
   cfg = two_layer_config()
@@ -141,8 +145,8 @@ class Quantized:
   codes: dict  # path -> (codes, scales) as written, [*stack, N, K / per_code]
 
 
-def build(fmt: str, seed: int = 0) -> Quantized:
-  cfg = config(fmt)
+def build(fmt: str, seed: int = 0, layers: int = 3) -> Quantized:
+  cfg = config(fmt, layers)
   mesh = build_mesh(cfg.mesh)
   parts = st.model_parts(bf16_twin(cfg))
   lora_abstract, frozen_bf16 = st.abstract_arrays(parts, mesh)
@@ -236,7 +240,7 @@ def write_folder(q: Quantized, folder: Path, twin: bool = False) -> Path:
 
 def hf_config_of(cfg, twin: bool) -> dict:
   fmt = cfg.model.quantization.format
-  hf = hf_config(fmt)
+  hf = hf_config(fmt, cfg.model.layers)
   if hf is None:
     model = bf16_twin(cfg).model if twin else cfg.model
     return hf_weights.hf_config(dataclasses.replace(cfg, model=model))
