@@ -637,8 +637,8 @@ def main():
                      "first scores kernel writes in the fused forward alone: every row (all) "
                      "or the chunks' last rows and the rows the later kernels read "
                      "(chunk_ends)",
-      "block_v": "value channels per program of every kernel (and of the fused forward "
-                 "unless --kda-forward-block-v)",
+      "block_v": "value channels per program of every kernel but the fused forward "
+                 "(--kda-forward-block-v)",
       "forward_block_v": "value channels per program of the fused forward (B H Dv / width "
                          "programs): a width, or by_heads (by the batch rows x heads)",
   }

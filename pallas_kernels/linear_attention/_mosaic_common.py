@@ -66,7 +66,7 @@ def forward_value_tile(choice, B, H, Dv):
   if choice == "by_heads":
     chains = B * H
     choice = 32 if chains <= 16 else 64 if chains <= 32 else 128
-  elif isinstance(choice, str):
+  elif not isinstance(choice, int) or isinstance(choice, bool):
     raise ValueError(f"forward_block_v = {choice!r}: expected a width or one of "
                      f"{list(FORWARD_TILES)}")
   return min(choice, Dv)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.short_conv import rows
+from pallas_kernels.short_conv.rows import by_rows
 from pallas_kernels.short_conv._activation import activate, pre_activation_grad
 from pallas_kernels.short_conv.reference import short_conv_silu_reference, token_reach
 
@@ -291,5 +291,5 @@ def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | No
   reach = token_reach(segment_ids, B, T, taps)
   interpret = jax.default_backend() == "cpu"
   if form == "rows":
-    return rows.by_rows(x, w_taps, reach, taps, normalize, interpret)
+    return by_rows(x, w_taps, reach, taps, normalize, interpret)
   return _fused(x, w_taps, reach, taps, normalize, interpret, blocks, backward)

@@ -58,6 +58,8 @@ def test_bad_gla_tiles(x):
     chunked_gla(*args, tiling=Tiling(forward_block_v="widest"))
   with pytest.raises(ValueError, match="forward_block_v = 12: need a power of two"):
     chunked_kda(*args, x["beta"], forward_block_v=12)
+  with pytest.raises(ValueError, match="forward_block_v = None: expected a width or one of"):
+    chunked_kda(*args, x["beta"], forward_block_v=None)
 
 
 def test_forward_value_tiles_by_heads():
