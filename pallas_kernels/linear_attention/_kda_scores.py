@@ -128,13 +128,12 @@ def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, nor
 
 class _NormalisedRows:
   """A chunk's [C, D] ref read as its L2-normalised rows: each load (all C rows, any
-    channels) times the rows' inverse norms [C, 1], in fp32 (rounded_to: through that dtype
-    first, as the normalised rows written for the backward are). The HALVES products take
-    their operands so: scaling the products instead holds the keys' norms as a row too, and
+    channels) times the rows' inverse norms [C, 1], in fp32. The HALVES products take their
+    operands so: scaling the products instead holds the keys' norms as a row too, and
     spills (experiments/kernel_resources.py)."""
 
-  def __init__(self, ref, scale, rounded_to=None):
-    self.ref, self.scale, self.shape, self.rounded_to = ref, scale, ref.shape, rounded_to
+  def __init__(self, ref, scale):
+    self.ref, self.scale, self.shape = ref, scale, ref.shape
 
   @classmethod
   def of(cls, ref, block_d):
@@ -149,10 +148,7 @@ class _NormalisedRows:
 
   def __getitem__(self, index):
     assert index[0].start == 0 and index[0].size == C, "whole-chunk row loads only"
-    normalised = self.ref[index].astype(F32) * self.scale
-    if self.rounded_to is None:
-      return normalised
-    return normalised.astype(self.rounded_to).astype(F32)
+    return self.ref[index].astype(F32) * self.scale
 
 
 class _RowScales(NamedTuple):
@@ -235,9 +231,9 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
                        normalize, from_gates, interpret, operand, halves_normalize=False,
                        chunk_ends=False, halves_here=False):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
-    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (halves_here: and of the HALVES ones,
-    from the normalised rows as the HALVES kernel reads them), and every chunk's layout for
-    the later passes; with `normalize` (extra_refs: the
+    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (halves_here, with `normalize`: and of
+    the HALVES ones, from their rows normalised), and every chunk's layout for the later
+    passes; with `normalize` (extra_refs: the
     normalised q, k), all of it from q and k L2-normalised (_RowScales), and the normalised
     rows written for the later passes' chunks (keep_normalized: for every chunk;
     halves_normalize: for the SUB_CHUNKS ones alone, the HALVES kernel normalising its
@@ -274,11 +270,7 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     return
 
   def halves():
-    q, k = q_ref, k_ref
-    if scales is not None:  # as the HALVES kernel would read them: normalised, kept rounded
-      kept = normed_refs if keep_normalized else (None, None)
-      q, k = (_NormalisedRows(ref, scale, None if out is None else out.dtype)
-              for ref, scale, out in zip((q_ref, k_ref), (scales.q, scales.k), kept))
+    q, k = _NormalisedRows(q_ref, scales.q), _NormalisedRows(k_ref, scales.k)
     # b's rows as held where summed here (its ref is this kernel's output)
     b_rows = factors.HeldRows(b) if from_gates else b_ref
     _halves(q, k, b_rows, beta_ref, r_ref, akk_ref, aqk_ref, operand)
@@ -348,11 +340,12 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
 # (experiments/kernel_resources.py --option qk_norm=kernel; docs/kernel_tuning.md).
 FACTORED_WARPS = 4
 NORMALIZING_WARPS = 8
-# The HALVES chunks' scores in the first kernel where it normalises q and k (at eight warps),
-# from the rows it holds loaded and the norms it has formed, where a kernel of their own
-# reads q, k and b again. Not at four warps: the kernel's code outgrows the instruction
-# cache (experiments/kernel_resources.py).
-HALVES_IN_FIRST_PASS = False
+# In the forward alone, the HALVES chunks' scores in the first kernel where it normalises q
+# and k (at eight warps), from the norms it has formed, where a kernel of their own reads q,
+# k and b again: 1.3% faster with strong gates; in the forward the backward follows, 0.3%
+# slower (docs/performance.md, "The HALVES scores in the first scores kernel"). Not at four
+# warps: the kernel's code outgrows the instruction cache (experiments/kernel_resources.py).
+HALVES_IN_FIRST_PASS = True
 # The forms with a first kernel over every chunk, which can normalise q and k and sum the
 # decays on its way for the kernels after it
 FIRST_KERNEL_FORMS = ("by_layout",)
@@ -427,7 +420,8 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
     _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps); with
-    HALVES_IN_FIRST_PASS and `normalize`, two, the first taking the HALVES chunks too.
+    HALVES_IN_FIRST_PASS, `normalize` and not keep_normalized (the forward alone), two, the
+    first taking the HALVES chunks too.
     operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
@@ -453,7 +447,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   # given: no normalised rows written for its chunks (docs/performance.md, "The HALVES
   # kernel normalising its own rows")
   halves_normalize = normalize and not keep_normalized
-  halves_here = HALVES_IN_FIRST_PASS and normalize
+  halves_here = HALVES_IN_FIRST_PASS and halves_normalize
   raw = q, k
   qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
