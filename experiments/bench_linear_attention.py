@@ -405,9 +405,8 @@ def kda_kernel_breakdown(shape, gates="logsigmoid"):
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
     from pallas_kernels.linear_attention._mosaic_common import forward_value_tile
     tile = forward_value_tile(KDA_DEFAULTS["forward_block_v"], B, H, D)
-    fused = jax.jit(lambda w, u0, kg, qg, aqk, b:
-                    kda_forward(w, u0, kg, qg, aqk, b, ci, h0, scale=scale, block_v=tile, out_dtype=
-                                vp.dtype, interpret=interp, with_states=True))
+    launch = dict(block_v=tile, scale=scale, out_dtype=vp.dtype, interpret=interp, with_states=True)
+    fused = jax.jit(lambda *rows: kda_forward(*rows, ci, h0, **launch))
     walk_ms["fused_states_outputs"] = round(median_ms(fused, w, u0, kg, qg, aqk, b), 3)
   for name, (walk_states, walk_grads) in walks.items():
     walk_ms[f"states_{name}"] = round(

@@ -64,12 +64,11 @@ def ours(q, k, v, g, beta):
   if not interp:
     from pallas_kernels.linear_attention._kda_forward_mosaic import kda_forward
     h0 = jnp.zeros((B, H, D, v.shape[-1]), jnp.float32)
-    for name, width in (("walk_and_outputs", 64), ("walk_and_outputs_by_heads",
-                                                   forward_value_tile("by_heads", B, H,
-                                                                      v.shape[-1]))):
+    by_heads = forward_value_tile("by_heads", B, H, v.shape[-1])  # chunked_kda's default
+    launch = dict(scale=D**-0.5, out_dtype=v.dtype, interpret=False)
+    for name, width in (("walk_and_outputs", by_heads), ("walk_and_outputs_64", 64)):
       walk = jax.jit(lambda w, u0, kg, qg, aqk, b, width=width: kda_forward(
-          w, u0, kg, qg, aqk, b, ci, h0, scale=D**-0.5, block_v=width, out_dtype=v.dtype, interpret=
-          False))
+          w, u0, kg, qg, aqk, b, ci, h0, block_v=width, **launch))
       ms[name] = median_ms(walk, w, u0, kg, qg, aqk, b)
   for name, options in (("forward", {}), ("forward_qk_norm_xla", dict(qk_norm="xla")),
                         ("forward_decay_sum_in_scores", dict(decay_sum="in_scores")),
