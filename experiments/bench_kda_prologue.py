@@ -6,8 +6,8 @@ The prologue of q and of k: a short causal depthwise convolution (4 taps, docume
 apart by segment ids), SiLU and the per-head L2 norm. The baseline is the XLA path,
 `pallas_kernels.short_conv.short_conv_silu_reference(normalize=True)` (the convolution
 and SiLU in one fusion, rounded to bf16, the norm in plain JAX); against it, in the same
-alternating rounds, `short_conv_silu` (one Pallas pass forward, two kernels backward, and
-the other settings of FUSED) and jla's `short_conv_l2norm` (one Mosaic GPU kernel
+alternating rounds, `short_conv_silu` (its default, the rows form: one Pallas pass each way, and
+the blocks form's settings of FUSED) and jla's `short_conv_l2norm` (one Mosaic GPU kernel
 each way). Each shape prints one JSON row: forward and forward+backward (the gradients of
 x and the conv weight) milliseconds, ratios to the XLA path and fused against jla
 (medians of per-round ratios, > 1: the first named is slower), and the relative RMS
@@ -56,17 +56,21 @@ def fused(x, w, segment_ids, **options):
   return short_conv_silu(x, w, segment_ids, normalize=True, **options)
 
 
-# short_conv_silu's options: the kernel's defaults (the two-kernel backward at 16-token
-# blocks), a forward of 64-token blocks (fewer halo reads, one program per SM:
-# experiments/kernel_resources.py), the two-kernel backward at 32-token blocks (fewer
-# programs, fewer halo reads), the one-kernel backward at 32, and the rows form (each
-# program streaming one head's rows: no shift products, no halos)
+# short_conv_silu's options: the kernel's default (the rows form, each program streaming
+# one head's rows: no shift products, no halos) and the blocks form: its defaults (the
+# two-kernel backward at 16-token blocks), a forward of 64-token blocks (fewer halo reads,
+# one program per SM: experiments/kernel_resources.py), the two-kernel backward at 32-token
+# blocks (fewer programs, fewer halo reads) and the one-kernel backward at 32
 FUSED = {
     "fused": {},
-    "fused_rows": dict(form="rows"),
-    "fused_fwd64": dict(block_tokens=(64, None)),
-    "fused_bwd_two_kernels32": dict(backward="two_kernels", block_tokens=(None, 32)),
-    "fused_bwd_one_kernel32": dict(backward="one_kernel", block_tokens=(None, 32)),
+    "fused_blocks":
+        dict(form="blocks"),
+    "fused_blocks_fwd64":
+        dict(form="blocks", block_tokens=(64, None)),
+    "fused_blocks_bwd_two_kernels32":
+        dict(form="blocks", backward="two_kernels", block_tokens=(None, 32)),
+    "fused_blocks_bwd_one_kernel32":
+        dict(form="blocks", backward="one_kernel", block_tokens=(None, 32)),
 }
 
 

@@ -24,10 +24,11 @@ def test_ours_is_conv_silu_and_a_per_head_l2_norm_within_documents():
 
 def test_a_row_without_jla_still_has_the_xla_path_and_the_fused_kernel():
   row = bench.bench_shape((1, 64, 2, 16), rounds=1, calls=1)
-  for side in ("xla", "fused", "fused_bwd_one_kernel32", "fused_rows"):
+  for side in ("xla", "fused", "fused_blocks_bwd_one_kernel32", "fused_blocks"):
     assert row[f"{side}_fwd_ms"] > 0 and row[f"{side}_fwdbwd_ms"] > 0
   assert row["fused_vs_xla_fwd"] > 0 and row["rel_rms_fused_vs_xla"] < 1e-2
-  for side in ("fused", "fused_bwd_two_kernels32", "fused_bwd_one_kernel32", "fused_rows"):
+  for side in ("fused", "fused_blocks_bwd_two_kernels32", "fused_blocks_bwd_one_kernel32",
+               "fused_blocks"):
     assert row[f"rel_rms_{side}_dx_vs_xla"] < 2e-2 and row[f"rel_rms_{side}_dw_vs_xla"] < 2e-2
   assert "jla" in row or "fused_vs_jla_fwd" in row
 

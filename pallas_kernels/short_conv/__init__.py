@@ -6,8 +6,8 @@ for q and k, the per-head L2 norm.
 
 `short_conv_silu_reference` is the plain-JAX ground truth (`causal_depthwise_conv`, SiLU,
 `l2_normalize`); `short_conv_silu` one fused Pallas pass each way (interpreted on CPU):
-token blocks shifted by products (kernel.py, the default) or each head's rows streamed
-(rows.py, form="rows").
+each head's rows streamed (rows.py, form="rows", the default) or token blocks shifted by
+products (kernel.py, form="blocks").
 """
 
 from pallas_kernels.short_conv.kernel import short_conv_silu

@@ -264,15 +264,16 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def short_conv_silu(x: jax.Array, weight: jax.Array, segment_ids: jax.Array | None = None, *,
                     normalize: bool = False, block_tokens: tuple[int | None,
                                                                  int | None] = (None, None),
-                    backward: str = "two_kernels", form: str = "blocks") -> jax.Array:
+                    backward: str = "two_kernels", form: str = "rows") -> jax.Array:
   """short_conv_silu_reference's result in one Pallas pass (interpreted on CPU). x: [B, T,
     H, D]; weight: [H, D, K] with tap K-1 on the current token, K <= 17; segment_ids:
     [B, T] or None. block_tokens: the forward's and the backward's tokens per program
     (None: the forward the largest of BLOCK_TOKENS dividing T, the backward
     BACKWARD_BLOCK_TOKENS). backward: one of BACKWARDS (the module docstring). form: one of
-    FORMS: "blocks", the kernels of this module, or "rows", each program streaming one head's
-    rows (pallas_kernels/short_conv/rows.py; block_tokens and backward are the blocks'). Lengths
-    that are not a multiple of 16 run the reference."""
+    FORMS: "rows" (the default, the faster: docs/performance.md, "The prologue's rows form"),
+    each program streaming one head's rows (pallas_kernels/short_conv/rows.py), or "blocks",
+    the kernels of this module (block_tokens and backward are theirs). Lengths that are not a
+    multiple of 16 run the reference."""
   if backward not in BACKWARDS:
     raise ValueError(f"short_conv_silu: backward={backward!r}: expected one of {BACKWARDS}")
   if form not in FORMS:
