@@ -35,7 +35,7 @@ from pallas_kernels.linear_attention._chunk_factors import (KEY_GRAD_KERNELS, SC
                                                             SCORE_OPERANDS)
 from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention._kda_solve import INVERSES
-from pallas_kernels.linear_attention.kda import DECAY_SUMS, QK_NORMS, SOLVES
+from pallas_kernels.linear_attention.kda import DECAY_SUMS, INVERSE_PRODUCTS, QK_NORMS, SOLVES
 from pallas_kernels.linear_attention._pallas_common import SUMMED_ROWS
 
 SHAPES = [(1, 32768, 32, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (1, 1048576, 8, 128)]
@@ -524,6 +524,7 @@ KDA_CHOICES = {
     "summed_rows": (SUMMED_ROWS, "--kda-summed-rows"),
     "block_v": ((16, 32, 64, 128), "--kda-block-v"),
     "forward_block_v": ((32, 64, 128, "by_heads"), "--kda-forward-block-v"),
+    "inverse_products": (("auto",) + INVERSE_PRODUCTS, "--kda-inverse-products"),
 }
 
 
@@ -640,6 +641,10 @@ def main():
                  "(--kda-forward-block-v)",
       "forward_block_v": "value channels per program of the fused forward (B H Dv / width "
                          "programs): a width, or by_heads (by the batch rows x heads)",
+      "inverse_products":
+          "where the fused forward alone forms T's products w = T kw and "
+          "u0 = T beta v: the solve's kernel (in_solve) or the walk (in_walk, "
+          "the solve writing T alone), or auto (in_walk where the tile is the whole head)",
   }
   for name, (known, flag) in KDA_CHOICES.items():
     ap.add_argument(flag, nargs="+", choices=known, default=[KDA_DEFAULTS[name]], type=_int_or_name,

@@ -25,7 +25,7 @@ import functools
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_scores import chunk_scores, chunk_scores_and_solve
-from pallas_kernels.linear_attention._kda_solve import INVERSES, solve_kernel
+from pallas_kernels.linear_attention._kda_solve import INVERSES, inverse_kernel, solve_kernel
 
 # Four warps spill a little at two programs an SM; eight do not, at one, and took 1.5x the
 # time: docs/kernel_tuning.md, "KDA in-chunk solve"
@@ -36,10 +36,17 @@ SOLVE_WARPS = 4
 # otherwise as "own_kernel")
 SOLVES = ("own_kernel", "in_scores")
 
+# Where T's products w = T kw and u0 = T diag(beta) v are formed (chunk_intra(
+# inverse_products=...)): by the solve's own kernel, or by the fused forward's walk, which
+# reads T, kw, v and beta and forms v_new = T (diag(beta) v - kw S) per chunk; the solve
+# then writes T alone (no w, u0 through memory: the walk's inputs in their place)
+INVERSE_PRODUCTS = ("in_solve", "in_walk")
+
 
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
                 scores="one_kernel", solve_warps=SOLVE_WARPS, normalize=False, solve="own_kernel",
-                from_gates=False, operands="compute", inverse="by_halves", summed_rows="all"):
+                from_gates=False, operands="compute", inverse="by_halves", summed_rows="all",
+                inverse_products="in_solve"):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd; with `normalize`, of q and k L2-normalised
     per token by the first scores kernel (chunk_scores), and with emit_inverse too (what the
@@ -48,10 +55,17 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
     with from_gates the log decays, summed by the first scores kernel (chunk_scores; b
     then comes last, its rows as summed_rows says: _pallas_common.SUMMED_ROWS). operands: the factored score products' operand dtype
     (_chunk_factors.SCORE_OPERANDS); inverse: how the solve's own kernel forms T
-    (_kda_solve.INVERSES)."""
-  for name, choice, known in (("solve", solve, SOLVES), ("inverse", inverse, INVERSES)):
+    (_kda_solve.INVERSES). inverse_products: one of INVERSE_PRODUCTS; "in_walk" (with
+    solve="own_kernel", not emit_inverse) gives the write keys kw and T [B,H,n,C,C] in w's
+    and u0's places."""
+  for name, choice, known in (("solve", solve, SOLVES), ("inverse", inverse, INVERSES),
+                              ("inverse_products", inverse_products, INVERSE_PRODUCTS)):
     if choice not in known:
       raise ValueError(f"{name} = {choice!r}: expected one of {list(known)}")
+  in_walk = inverse_products == "in_walk"
+  if in_walk and (emit_inverse or solve != "own_kernel"):
+    raise ValueError("inverse_products = 'in_walk' takes the solve's own kernel in the "
+                     f"forward alone; got solve = {solve!r}, emit_inverse = {emit_inverse}")
   if solve == "in_scores" and scores == "by_layout":
     return chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, cd=cd,
                                   interpret=interpret, emit_inverse=emit_inverse,
@@ -67,6 +81,11 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
                                                 from_gates=from_gates, operands=operands,
                                                 summed_rows=summed_rows)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
+  if in_walk:
+    t_inv = L.call(functools.partial(inverse_kernel, interpret=interpret, inverse=inverse),
+                   (B, H, n), [square], (square,), (L.shape(cd, B, H, n, C, C),),
+                   interpret=interpret, name="kda_chunk_inverse", num_warps=solve_warps)(a_kk)[0]
+    return (qg, kg, kw, t_inv, a_qk, *after)
   out_specs, out_shape = [keys, values], [L.shape(cd, B, Tp, H, Dk), L.shape(cd, B, Tp, H, Dv)]
   if emit_inverse:
     out_specs.append(square)

@@ -336,16 +336,22 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
 
 # The first pass's warps: four ran faster than eight (docs/kernel_tuning.md, "KDA in-chunk
 # scores"); it spills little since it takes WHOLE_CHUNK chunks alone. Normalising q and k
-# too, it spills at four warps (304 bytes a thread) and at eight not, and ran faster there
-# (experiments/kernel_resources.py --option qk_norm=kernel; docs/kernel_tuning.md).
+# too, it spills at four warps (304 bytes a thread) and its code outgrows the instruction
+# cache; at sixteen it holds half the registers and code of eight, with twice the warps to
+# hide each other's latency, and ran faster than eight in every regime once the HALVES
+# chunks have a kernel of their own (docs/kernel_tuning.md, "KDA in-chunk scores").
 FACTORED_WARPS = 4
-NORMALIZING_WARPS = 8
+NORMALIZING_WARPS = 16
 # In the forward alone, the HALVES chunks' scores in the first kernel where it normalises q
-# and k (at eight warps), from the norms it has formed, where a kernel of their own reads q,
-# k and b again: 1.3% faster with strong gates; in the forward the backward follows, 0.3%
-# slower (docs/performance.md, "The HALVES scores in the first scores kernel"). Not at four
-# warps: the kernel's code outgrows the instruction cache (experiments/kernel_resources.py).
-HALVES_IN_FIRST_PASS = True
+# and k, from the norms it has formed, where a kernel of their own reads q, k and b again:
+# faster with strong gates at eight warps; at sixteen, slower than their own kernel at 64
+# channels a product, and at 128 channels their code slows the WHOLE_CHUNK chunks, which
+# never run it (docs/performance.md, "The first scores kernel at sixteen warps"). Not at
+# four warps: the code outgrows the instruction cache (experiments/kernel_resources.py).
+HALVES_IN_FIRST_PASS = False
+# The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
+# kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
+HALVES_WARPS = None
 # The forms with a first kernel over every chunk, which can normalise q and k and sum the
 # decays on its way for the kernels after it
 FIRST_KERNEL_FORMS = ("by_layout",)
@@ -455,8 +461,9 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
       keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
       halves_normalize=halves_normalize, summed_rows=summed_rows, halves_here=halves_here)
   if not halves_here:
-    a_kk, a_qk = _later_pass(factors.HALVES, *(raw if halves_normalize else (q, k)), b, beta, runs,
-                             layouts, a_kk, a_qk, cd=cd, interpret=interpret, num_warps=num_warps,
+    halves_rows = raw if halves_normalize else (q, k)
+    a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, layouts, a_kk, a_qk,
+                             cd=cd, interpret=interpret, num_warps=HALVES_WARPS or num_warps,
                              operand=operand, normalize=halves_normalize)
   a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
                            interpret=interpret, num_warps=num_warps, operand=operand)

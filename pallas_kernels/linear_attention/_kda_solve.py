@@ -141,10 +141,15 @@ def store_solved_by_halves(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, inve
   store(u0_ref,
         lambda rows, cols: beta_ref[rows].astype(F32)[:, None] * v_ref[rows, cols].astype(F32))
   if inverse_refs:
-    (inv_ref,) = inverse_refs
-    for rows, cols, block in ((top, top, t00), (bottom, top, t10), (bottom, bottom, t11),
-                              (top, bottom, jnp.zeros_like(t00))):
-      inv_ref[rows, cols] = block.astype(inv_ref.dtype)
+    store_inverse_by_halves(inverse_refs[0], t00, t10, t11)
+
+
+def store_inverse_by_halves(inv_ref, t00, t10, t11):
+  """T [C, C] into inv_ref from its blocks (halves_inverse), the zero block above them."""
+  top, bottom = pl.ds(0, HALF), pl.ds(HALF, HALF)
+  for rows, cols, block in ((top, top, t00), (bottom, top, t10), (bottom, bottom, t11),
+                            (top, bottom, jnp.zeros_like(t00))):
+    inv_ref[rows, cols] = block.astype(inv_ref.dtype)
 
 
 def solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, *inverse_ref, cd, interpret,
@@ -158,6 +163,17 @@ def solve_kernel(akk_ref, kw_ref, v_ref, beta_ref, w_ref, u0_ref, *inverse_ref, 
   store_solved(akk_ref[...].astype(F32), lambda cols: kw_ref[:, cols].astype(F32), v_ref,
                lambda: beta_ref[...].astype(F32)[:, None], w_ref, u0_ref, inverse_ref, cd=cd,
                interpret=interpret)
+
+
+def inverse_kernel(akk_ref, inv_ref, *, interpret, inverse="by_halves"):
+  """T = (I + A_kk)^-1 alone, one chunk (one of INVERSES), for a walk that applies it
+    itself (_kda_forward_mosaic with `applied`): w and u0 are not formed."""
+  if inverse == "by_halves":
+    store_inverse_by_halves(
+        inv_ref, *halves_inverse(lambda rows, cols: akk_ref[rows, cols].astype(F32), interpret))
+    return
+  inv_ref[...] = unit_lower_inverse(akk_ref[...].astype(F32),
+                                    interpret=interpret).astype(inv_ref.dtype)
 
 
 def solve_unless_kernel(flag_ref, akk_ref, kw_ref, v_ref, beta_ref, *refs, layout, cd, interpret,

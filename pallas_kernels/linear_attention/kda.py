@@ -7,7 +7,9 @@ Forward, per 64-token chunk (see _kda_intra for the chunk form):
                the first also L2-normalises q and k (qk_norm="kernel", the default) and
                can sum the decays (decay_sum="in_scores")
   kda_chunk_solve (parallel) T = (I + A_kk)^-1 by recursive doubling, w, u0; with
-               solve="in_scores" the scores' HALVES kernel solves its chunks in place
+               solve="in_scores" the scores' HALVES kernel solves its chunks in place;
+               in the fused forward alone with inverse_products="in_walk",
+               kda_chunk_inverse writes T alone and the walk applies it
   kda_states   (sequential) start state of every chunk and v_new = u0 - w S
                (_kda_states, or _kda_states_mosaic on Hopper)
   kda_output   (parallel)   o = scale (qg S + A_qk v_new)
@@ -37,7 +39,7 @@ from pallas_kernels.linear_attention._chunk_factors import (KEY_GRAD_KERNELS, SC
                                                             SCORE_OPERANDS)
 from pallas_kernels.linear_attention._inputs import (check_head_dims, check_tile, default_scale,
                                                      l2_normalize, pad_time, validate)
-from pallas_kernels.linear_attention._kda_intra import SOLVES, chunk_intra
+from pallas_kernels.linear_attention._kda_intra import INVERSE_PRODUCTS, SOLVES, chunk_intra
 from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
 from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
@@ -80,6 +82,9 @@ class Tiling(NamedTuple):
   score_operands: str = "compute"  # _chunk_factors.SCORE_OPERANDS
   inverse: str = "by_halves"  # _kda_solve.INVERSES
   forward_block_v: int = 64  # the fused forward's value tile (_mosaic_common.forward_value_tile)
+  # where T's products are formed in the fused forward alone (_kda_intra.INVERSE_PRODUCTS;
+  # the forward the backward follows, and the split forward, keep "in_solve")
+  inverse_products: str = "in_solve"
 
 
 def available_state_walks(interpret):
@@ -113,8 +118,8 @@ def mosaic_requirement(dtypes, Dk, block_v):
           f"block_v = {block_v}")
 
 
-def _split_forward(v, b, h0, masks, intra, scale, t, with_states):
-  del with_states  # the outputs kernel reads them: always in memory
+def _split_forward(v, b, beta, h0, masks, intra, scale, t, with_states):
+  del beta, with_states  # the outputs kernel reads them: always in memory
   qg, kg, w, u0, aqk = intra[:5]
   cd = w.dtype
   h, vn, ht = _STATE_WALKS[t.state_walks[0]][0](w, u0, kg, b, masks[0], h0, block_v=t.block_v,
@@ -124,11 +129,15 @@ def _split_forward(v, b, h0, masks, intra, scale, t, with_states):
   return (o, ht), h, vn
 
 
-def _fused_forward(v, b, h0, masks, intra, scale, t, with_states):
+def _fused_forward(v, b, beta, h0, masks, intra, scale, t, with_states):
   qg, kg, w, u0, aqk = intra[:5]
+  applied = None
+  if _inverse_products(t, with_states) == "in_walk":  # intra holds kw and T for w and u0
+    w, u0, applied = w, v, (u0, beta)
   o, ht, *states = _kda_forward_mosaic.kda_forward(w, u0, kg, qg, aqk, b, masks[0], h0, scale=scale,
                                                    block_v=t.forward_block_v, out_dtype=v.dtype,
-                                                   interpret=t.interpret, with_states=with_states)
+                                                   interpret=t.interpret, with_states=with_states,
+                                                   applied=applied)
   return (o, ht), *(states if with_states else (None, None))
 
 
@@ -152,6 +161,22 @@ def _summed_rows(t, for_backward):
   return t.summed_rows if alone else "all"
 
 
+def _products_for_tile(choice, forward_block_v, Dv):
+  """inverse_products' "auto": in the walk where the fused forward's value tile is the
+    whole head, where T and kw are read once a head and the walk's chain is not the bound
+    (as jla's fused forward decides by its chains)."""
+  if choice != "auto":
+    return choice
+  return "in_walk" if forward_block_v == Dv else "in_solve"
+
+
+def _inverse_products(t, for_backward):
+  """Where T's products are formed: t.inverse_products in the fused forward alone with the
+    solve in its own kernel, else by the solve ("in_solve": the backward reads w)."""
+  alone = t.forward == "fused" and not for_backward and t.solve == "own_kernel"
+  return t.inverse_products if alone else "in_solve"
+
+
 def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
   """(q and k as the backward reads them, normalised where t.normalize; b, the in-chunk
     cumulative decay (summed from the log decays given as b where t.sums_decays); the
@@ -162,12 +187,13 @@ def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
                       emit_inverse=for_backward, interpret=t.interpret, scores=t.scores,
                       normalize=t.normalize, solve=t.solve, from_gates=t.sums_decays,
                       operands=t.score_operands, inverse=t.inverse,
-                      summed_rows=_summed_rows(t, for_backward))
+                      summed_rows=_summed_rows(t, for_backward),
+                      inverse_products=_inverse_products(t, for_backward))
   if t.sums_decays:
     *intra, b = intra
   if t.normalize:
     *intra, q, k = intra if for_backward else (*intra, None, None)
-  return q, k, b, intra, *_FORWARDS[t.forward](v, b, h0, masks, intra, scale, t, for_backward)
+  return q, k, b, intra, *_FORWARDS[t.forward](v, b, beta, h0, masks, intra, scale, t, for_backward)
 
 
 def _normalize_vjp(x, dy):
@@ -227,7 +253,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
                 state_walk="auto", forward="auto", scores="by_layout", key_grads="by_layout",
                 qk_norm="kernel", solve="own_kernel", decay_sum="own_kernel",
                 score_operands="compute", inverse="by_halves", summed_rows="chunk_ends",
-                forward_block_v="by_heads"):
+                forward_block_v="by_heads", inverse_products="auto"):
   """Chunked KDA on Pallas kernels (interpreted on CPU). q, k, g: [B, T, H, Dk]; v:
     [B, T, H, Dv]; beta: [B, T, H]; g is the per-channel log decay (<= 0), or with
     decay (a decay_gate.DecayGate) the gate projection the decay is computed from, in the
@@ -271,7 +297,14 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
     the tensor-core work), or "whole_chunk", recursive doubling over the whole chunk.
     forward_block_v: the fused forward's value channels per program, a width or "by_heads"
     (the default: by the number of (batch row, head) chains, _mosaic_common.
-    forward_value_tile; docs/kernel_tuning.md, "GLA and KDA fused forwards")."""
+    forward_value_tile; docs/kernel_tuning.md, "GLA and KDA fused forwards").
+    inverse_products: where T's products w = T kw and u0 = T diag(beta) v are formed in
+    the fused forward alone (with solve="own_kernel"; elsewhere by the solve), one of
+    INVERSE_PRODUCTS: "in_solve", by the solve's own kernel, "in_walk", by the fused
+    forward's walk, v_new = T (diag(beta) v - kw S) a chunk, the solve writing T alone, or
+    "auto" (the default): "in_walk" where the fused forward's value tile is the whole head
+    (T and kw read once a head), else "in_solve" (docs/kernel_tuning.md, "KDA in-chunk
+    solve")."""
   B, T, H, Dk, Dv = validate(q, k, v, g, beta, initial_state, segment_ids, decay)
   check_head_dims(Dk, Dv)
   scale = default_scale(scale, Dk)
@@ -280,7 +313,8 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
       "decay_sum": (decay_sum, DECAY_SUMS),
       "score_operands": (score_operands, SCORE_OPERANDS),
       "inverse": (inverse, INVERSES),
-      "summed_rows": (summed_rows, SUMMED_ROWS)
+      "summed_rows": (summed_rows, SUMMED_ROWS),
+      "inverse_products": (inverse_products, ("auto",) + INVERSE_PRODUCTS),
   }
   for name, (choice, known) in asked.items():
     if choice not in known:
@@ -312,6 +346,7 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   t = Tiling(block_v=bv, block_k=bk, state_walks=walks, interpret=interpret, forward=forward,
              scores=scores, key_grads=key_grads, normalize=in_kernel, solve=solve,
              sums_decays=sums_decays, summed_rows=summed_rows, score_operands=score_operands,
-             inverse=inverse, forward_block_v=fbv)
+             inverse=inverse, forward_block_v=fbv,
+             inverse_products=_products_for_tile(inverse_products, fbv, Dv))
   o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

@@ -176,7 +176,7 @@ def test_factored_score_products_in_the_compute_dtype(form):
 
 @pytest.mark.parametrize("decay_sum", ["own_kernel", "in_scores"])
 def test_halves_scores_in_the_normalising_first_kernel(monkeypatch, decay_sum):
-  """_kda_scores.HALVES_IN_FIRST_PASS (the default): in the forward alone the first scores
+  """_kda_scores.HALVES_IN_FIRST_PASS (an option): in the forward alone the first scores
   kernel, normalising q and k, forms the HALVES chunks' scores itself and no HALVES kernel
   runs. bf16, one chunk of each scores layout: A_kk and A_qk within fp32 rounding of the
   HALVES kernel's (the norms summed in another order), and bit for bit the same where the

@@ -117,3 +117,55 @@ def test_fused_forward_alone_with_the_decays_summed_in_the_scores(solve):
   assert rel_rms(o_ref, o) < 5e-3 and rel_rms(s_ref, s) < 5e-3
   o_all, s_all = forward("all")(*args, x["initial_state"])
   assert rel_rms(o_all, o) == 0.0 and rel_rms(s_all, s) == 0.0
+
+
+@pytest.mark.parametrize("normalize_qk", [True, False])
+def test_fused_forward_alone_applying_the_inverse_in_the_walk(normalize_qk):
+  """inverse_products="in_walk": the solve writes T alone and the fused forward's walk forms
+    v_new = T (diag(beta) v - kw S), against the fp32 oracle and against the solve's own
+    products, in the forward alone: one chunk of each scores layout (strong decays in the
+    HALVES and SUB_CHUNKS chunks), resets, an initial state, beta up to 1, two value tiles
+    of 32 and one of 64. With a gradient asked for, the forward keeps the solve's products
+    (the backward reads w): the same outputs either way."""
+  x = one_chunk_of_each_scores_layout(
+      make_inputs(seed=37, T=192, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16, segment_rate=0.02))
+  if not normalize_qk:  # the delta rule needs |k|^2 beta <= 2 to stay stable
+    x["k"] = (x["k"] / jnp.linalg.norm(x["k"].astype(jnp.float32), axis=-1, keepdims=True)).astype(
+        x["k"].dtype)
+  args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True, normalize_qk=normalize_qk)
+  o_ref, s_ref = kda_recurrent(*[a.astype(jnp.float32) for a in args],
+                               initial_state=x["initial_state"], **kw)
+
+  def forward(products, tile):
+    return jax.jit(lambda q, k, v, g, beta, h0:
+                   chunked_kda(q, k, v, g, beta, initial_state=h0, forward="fused", inverse_products
+                               =products, forward_block_v=tile, **kw))
+
+  for tile in (32, 64):
+    o, s = forward("in_walk", tile)(*args, x["initial_state"])
+    o_solve, s_solve = forward("in_solve", tile)(*args, x["initial_state"])
+    assert rel_rms(o_ref, o) < 5e-3 and rel_rms(s_ref, s) < 5e-3, tile
+    assert rel_rms(o_solve, o) < 5e-3 and rel_rms(s_solve, s) < 5e-3, tile
+  loss = lambda products: jax.jit(
+      jax.value_and_grad(lambda v: jnp.sum(
+          chunked_kda(*args[:2], v, *args[3:], initial_state=x["initial_state"], forward="fused",
+                      inverse_products=products, **kw)[0].astype(jnp.float32))))
+  (l_walk, dv_walk), (l_solve, dv_solve) = loss("in_walk")(args[2]), loss("in_solve")(args[2])
+  assert l_walk == l_solve and rel_rms(dv_solve, dv_walk) == 0.0
+
+
+def test_the_inverse_in_the_walk_refuses_what_it_cannot_take():
+  x = make_inputs(seed=38, T=64, H=1, Dk=64, Dv=64, dtype=jnp.bfloat16)
+  args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+  with pytest.raises(ValueError,
+                     match=r"inverse_products = 'walk': expected one of \['auto', 'in_solve'"):
+    chunked_kda(*args, inverse_products="walk")
+
+
+def test_the_inverse_goes_to_the_walk_where_the_tile_is_the_whole_head():
+  from pallas_kernels.linear_attention.kda import _products_for_tile
+  assert _products_for_tile("auto", 128, 128) == "in_walk"
+  assert _products_for_tile("auto", 64, 128) == "in_solve"
+  assert _products_for_tile("in_walk", 64, 128) == "in_walk"
+  assert _products_for_tile("in_solve", 128, 128) == "in_solve"
