@@ -119,21 +119,22 @@ def test_fused_forward_alone_with_the_decays_summed_in_the_scores(solve):
   assert rel_rms(o_all, o) == 0.0 and rel_rms(s_all, s) == 0.0
 
 
-@pytest.mark.parametrize("normalize_qk", [True, False])
-def test_fused_forward_alone_applying_the_inverse_in_the_walk(normalize_qk):
+def test_fused_forward_alone_applying_the_inverse_in_the_walk():
   """inverse_products="in_walk": the solve writes T alone and the fused forward's walk forms
     v_new = T (diag(beta) v - kw S), against the fp32 oracle and against the solve's own
     products, in the forward alone: one chunk of each scores layout (strong decays in the
     HALVES and SUB_CHUNKS chunks), resets, an initial state, beta up to 1, two value tiles
-    of 32 and one of 64. With a gradient asked for, the forward keeps the solve's products
-    (the backward reads w): the same outputs either way."""
+    of 32 and one of 64; q and k normalised before the op, as the KDA layer's prologue does
+    (normalize_qk=False: the walk does the same either way). With a gradient asked for, the
+    forward keeps the solve's products (the backward reads w): the same outputs either way."""
   x = one_chunk_of_each_scores_layout(
       make_inputs(seed=37, T=192, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16, segment_rate=0.02))
-  if not normalize_qk:  # the delta rule needs |k|^2 beta <= 2 to stay stable
-    x["k"] = (x["k"] / jnp.linalg.norm(x["k"].astype(jnp.float32), axis=-1, keepdims=True)).astype(
-        x["k"].dtype)
+  for name in ("q", "k"):  # the delta rule needs |k|^2 beta <= 2 to stay stable
+    x[name] = (x[name] /
+               jnp.linalg.norm(x[name].astype(jnp.float32), axis=-1, keepdims=True)).astype(
+                   x[name].dtype)
   args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-  kw = dict(segment_ids=x["segment_ids"], output_final_state=True, normalize_qk=normalize_qk)
+  kw = dict(segment_ids=x["segment_ids"], output_final_state=True, normalize_qk=False)
   o_ref, s_ref = kda_recurrent(*[a.astype(jnp.float32) for a in args],
                                initial_state=x["initial_state"], **kw)
 
