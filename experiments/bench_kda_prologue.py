@@ -6,9 +6,9 @@ The prologue of q and of k: a short causal depthwise convolution (4 taps, docume
 apart by segment ids), SiLU and the per-head L2 norm. The baseline is the XLA path,
 `pallas_kernels.short_conv.short_conv_silu_reference(normalize=True)` (the convolution
 and SiLU in one fusion, rounded to bf16, the norm in plain JAX); against it, in the same
-alternating rounds, `short_conv_silu` (its default, the rows form: one Pallas pass each way, and
-the blocks form's settings of FUSED) and jla's `short_conv_l2norm` (one Mosaic GPU kernel
-each way). Each shape prints one JSON row: forward and forward+backward (the gradients of
+alternating rounds, `short_conv_silu` (its default, the rows form: one Pallas pass each
+way; and the blocks form's settings of FUSED) and jla's `short_conv_l2norm` (one Mosaic GPU
+kernel each way). Each shape prints one JSON row: forward and forward+backward (the gradients of
 x and the conv weight) milliseconds, ratios to the XLA path and fused against jla
 (medians of per-round ratios, > 1: the first named is slower), and the relative RMS
 difference of each output and of its gradients (dx, dw) from the XLA path's. jla missing

@@ -2,7 +2,8 @@
 u0 = T diag(beta) v (see _kda_intra for the chunk form). Called by the solve's own kernel
 (solve_kernel, and solve_unless_kernel for the chunks the scores' HALVES kernel did not
 solve) and at the end of that kernel, which solves its chunks in place on a [C, C] A_kk
-held in registers (_kda_scores.chunk_scores_and_solve).
+held in registers (_kda_scores.chunk_scores_and_solve); or T alone (inverse_kernel), for the
+fused forward's walk to apply itself (_kda_intra's inverse_products="in_walk").
 
 The solve's own kernel forms T in one of the INVERSES: "whole_chunk", recursive doubling
 over the whole [C, C] chunk (unit_lower_inverse), or "by_halves", each 32-token half's

@@ -132,8 +132,9 @@ def _split_forward(v, b, beta, h0, masks, intra, scale, t, with_states):
 def _fused_forward(v, b, beta, h0, masks, intra, scale, t, with_states):
   qg, kg, w, u0, aqk = intra[:5]
   applied = None
-  if _inverse_products(t, with_states) == "in_walk":  # intra holds kw and T for w and u0
-    w, u0, applied = w, v, (u0, beta)
+  if _inverse_products(t, with_states) == "in_walk":
+    kw, t_inv = w, u0  # the solve wrote T alone: intra holds kw and T where w and u0 are
+    w, u0, applied = kw, v, (t_inv, beta)
   o, ht, *states = _kda_forward_mosaic.kda_forward(w, u0, kg, qg, aqk, b, masks[0], h0, scale=scale,
                                                    block_v=t.forward_block_v, out_dtype=v.dtype,
                                                    interpret=t.interpret, with_states=with_states,

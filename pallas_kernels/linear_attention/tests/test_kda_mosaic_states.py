@@ -124,9 +124,10 @@ def test_fused_forward_alone_applying_the_inverse_in_the_walk():
     v_new = T (diag(beta) v - kw S), against the fp32 oracle and against the solve's own
     products, in the forward alone: one chunk of each scores layout (strong decays in the
     HALVES and SUB_CHUNKS chunks), resets, an initial state, beta up to 1, two value tiles
-    of 32 and one of 64; q and k normalised before the op, as the KDA layer's prologue does
-    (normalize_qk=False: the walk does the same either way). With a gradient asked for, the
-    forward keeps the solve's products (the backward reads w): the same outputs either way."""
+    of 32 (T over the whole chunk) and one of 64 (T by halves); q and k normalised before
+    the op, as the KDA layer's prologue does (normalize_qk=False: the walk does the same
+    either way). With a gradient asked for, the forward keeps the solve's products (the
+    backward reads w): the same outputs either way."""
   x = one_chunk_of_each_scores_layout(
       make_inputs(seed=37, T=192, H=2, Dk=64, Dv=64, dtype=jnp.bfloat16, segment_rate=0.02))
   for name in ("q", "k"):  # the delta rule needs |k|^2 beta <= 2 to stay stable
@@ -138,14 +139,15 @@ def test_fused_forward_alone_applying_the_inverse_in_the_walk():
   o_ref, s_ref = kda_recurrent(*[a.astype(jnp.float32) for a in args],
                                initial_state=x["initial_state"], **kw)
 
-  def forward(products, tile):
+  def forward(products, tile, inverse):
     return jax.jit(lambda q, k, v, g, beta, h0:
                    chunked_kda(q, k, v, g, beta, initial_state=h0, forward="fused", inverse_products
-                               =products, forward_block_v=tile, **kw))
+                               =products, forward_block_v=tile, inverse=inverse, **kw))
 
-  for tile in (32, 64):
-    o, s = forward("in_walk", tile)(*args, x["initial_state"])
-    o_solve, s_solve = forward("in_solve", tile)(*args, x["initial_state"])
+  # T by halves (the default) and over the whole chunk
+  for tile, inverse in ((32, "whole_chunk"), (64, "by_halves")):
+    o, s = forward("in_walk", tile, inverse)(*args, x["initial_state"])
+    o_solve, s_solve = forward("in_solve", tile, inverse)(*args, x["initial_state"])
     assert rel_rms(o_ref, o) < 5e-3 and rel_rms(s_ref, s) < 5e-3, tile
     assert rel_rms(o_solve, o) < 5e-3 and rel_rms(s_solve, s) < 5e-3, tile
   loss = lambda products: jax.jit(
