@@ -5,7 +5,7 @@ and Mosaic GPU), compiled for Hopper on any machine: no GPU needed.
     ... --ops linear_attention.kda --option forward=fused    # an option of the op's
 
 Each implementation of an op is lowered for CUDA (forward, and forward+backward where the op
-is differentiated) at the op's `bench` shapes from experiments.op_checks (shapes only:
+is differentiated, then the forward alone for the kernels only it runs) at the op's `bench` shapes from experiments.op_checks (shapes only:
 nothing is allocated). Every Triton kernel in it is compiled for sm_90a with the `triton`
 package and assembled by its `ptxas -v`, which gives registers per thread and spill bytes,
 and disassembled by its `nvdisasm` for the size of the machine code (a kernel past the SM's
@@ -155,29 +155,46 @@ def _input_shapes(check, size):
   return args, arrays, static
 
 
+FORWARD_ALONE = " (forward alone)"  # the name's suffix of a kernel only the forward alone runs
+
+
 def capture_kernels(op: str, impl: str, size: str = "bench", **options) -> list[Kernel]:
   """The Triton and Mosaic GPU kernels one implementation of an op runs on Hopper
-    (forward, then backward), each once; `options` go to the op beside its check's."""
+    (forward, then backward), each once, then those its forward alone runs and the
+    backward's forward does not (an op's inference path: the KDA walk that applies T
+    itself, a fused forward without the backward's states), their names ending in
+    FORWARD_ALONE; `options` go to the op beside its check's."""
   check = CHECKS[op]
   args, arrays, static = _input_shapes(check, size)
   fn = functools.partial(catalog().resolve(op, impl), **static, **options)
   # an option replaces the check's argument of its name (decay=None: g taken as the decays)
   arrays = {name: a for name, a in arrays.items() if name not in options}
 
-  def run(args, arrays):
-    if not check.grad_argnums:
-      return fn(*args, **arrays)
+  def forward(args, arrays):
+    return fn(*args, **arrays)
+
+  def forward_and_backward(args, arrays):
     loss = lambda *a: sum(
         jnp.sum(x.astype(jnp.float32))
         for x in jax.tree.leaves(fn(*a, **arrays))
         if jnp.issubdtype(x.dtype, jnp.floating))
     return jax.value_and_grad(loss, check.grad_argnums)(*args)  # the value keeps the forward
 
-  kernels: list[Kernel] = []
-  with _lowering_for_cuda(kernels):
-    jax.jit(run).trace(args, arrays).lower(lowering_platforms=("cuda",))
-  unique = {(k.name, k.ttir, k.mosaic_shared): k for k in kernels}
-  return list(unique.values())
+  def lowered(run):
+    kernels: list[Kernel] = []
+    with _lowering_for_cuda(kernels):
+      jax.jit(run).trace(args, arrays).lower(lowering_platforms=("cuda",))
+    return {(k.name, k.ttir, k.mosaic_shared): k for k in kernels}
+
+  if not check.grad_argnums:
+    return list(lowered(forward).values())
+  trained = lowered(forward_and_backward)
+  alone = [
+      dataclasses.replace(k, name=k.name + FORWARD_ALONE)
+      for key, k in lowered(forward).items()
+      if key not in trained
+  ]
+  return list(trained.values()) + alone
 
 
 def parse_ptxas(report: str) -> dict:

@@ -82,21 +82,26 @@ _SHARED_LIMIT = 227 * 1024  # a program's shared memory on Hopper
 
 
 @pytest.mark.parametrize(
-    "op, options, walk, fused",
+    "op, options, walk, fused, alone",
     [
-        ("linear_attention.kda", dict(forward="split"), "kda_states_mosaic", None),
-        ("linear_attention.kda", {}, None, "kda_forward_mosaic"),  # the default on Hopper
-        ("linear_attention.gla", {}, None, "gla_forward_mosaic"),
+        ("linear_attention.kda", dict(forward="split"), "kda_states_mosaic", None, set()),
+        # the default on Hopper; its forward alone applies T in the walk (the bench shape's 64
+        # heads take the 128-wide value tile): T and beta slots beside the others
+        ("linear_attention.kda", {}, None, "kda_forward_mosaic", {"kda_forward_mosaic"}),
+        # GLA's forward alone: the same shared memory, the states not sent on (one row)
+        ("linear_attention.gla", {}, None, "gla_forward_mosaic", set()),
         ("linear_attention.gla", dict(tiling=Tiling(forward="fused", decayed_rows="xla")), None,
-         "gla_forward_mosaic"),
+         "gla_forward_mosaic", set()),
     ])
-def test_mosaic_gpu_kernels_lower_for_hopper_at_the_benchmark_shape(op, options, walk, fused):
+def test_mosaic_gpu_kernels_lower_for_hopper_at_the_benchmark_shape(op, options, walk, fused,
+                                                                    alone):
   """Mosaic GPU's own lowering (not its interpreter) at Dk = Dv = 128: layouts, WGMMA
-    operands, the shared memory of a program."""
+    operands, the shared memory of a program, in training and in the forward alone (a fused
+    forward without the backward's states)."""
   kernels = kr.capture_kernels(op, "pallas", "bench", **options)
   mosaic = {k.name: k for k in kernels if k.is_mosaic}
   state_grads = op.rsplit(".", 1)[1] + "_state_grads_mosaic"
-  assert set(mosaic) == {walk or fused, state_grads}
+  assert set(mosaic) == {walk or fused, state_grads} | {n + kr.FORWARD_ALONE for n in alone}
   assert all(0 < k.mosaic_shared <= _SHARED_LIMIT for k in mosaic.values())
   if fused:  # a state warpgroup and an output warpgroup
     assert mosaic[fused].num_warps == 8 and walk is None
