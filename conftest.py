@@ -18,11 +18,12 @@ os.environ.setdefault(
     "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same tiny train step (in-process and in the CLI runs they
-# launch); a persistent cache compiles it once per test session. Environment variables,
-# so that subprocesses share it.
+# launch), and both workers the same small programs; a persistent cache compiles each once
+# per test session (programs of 0.3 s and more: the two workers' repeats of short compiles
+# pay for the cache's writes). Environment variables, so that subprocesses share it.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).parent / ".cache" / "jax-tests"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 # One scratch folder per test session for the command-line runs (tests/cli_runs.py):
 # made here by the test session's main process, before any -n worker starts (they inherit the
 # variable and share the runs), and removed when that process ends.
