@@ -15,10 +15,12 @@ SUB_CHUNKS; the key gradients' WHOLE_CHUNK, PER_SUB_CHUNK or SUB_CHUNKS):
                   their initialisation); one [64, D] matmul per product.
   HALVES          each 32-token half anchored at its 16th token, every token within
                   HALF_LIMIT of its half's anchor (a gate above -5 a token on average over
-                  any 16 tokens, which covers gates bounded below by -5): one [64, D]
-                  matmul per product gives the pairs inside a half; the pairs across the
-                  halves come from a second one with both sides anchored at the first
-                  half's last token, where no factor exceeds 1 whatever the decay.
+                  any 16 tokens, which covers gates bounded below by -5), and the second
+                  half's anchor within HALF_LIMIT of the first half's last token: one
+                  [64, D] matmul per product gives the pairs inside a half; the pairs
+                  across the halves come from a second one with both sides anchored at
+                  the first half's last token, where no factor exceeds 1 whatever the
+                  decay.
   PER_SUB_CHUNK   one anchor m_J per 16-token sub-chunk J, the midpoint of its range: every
                   sub-chunk decays by at most 2 * FACTOR_LIMIT (a gate above -5.3 a token
                   on average, which covers gates bounded below by -5). Every token is
@@ -158,19 +160,24 @@ def halves_bounded_rows(b):
   """halves_bounded for a chunk's rows b [C, D] held in registers: every token's gap to its
     half's anchor, taken from the rows (score_layouts' test)."""
   first = iota(C, 0, (C, 1)) < HALF
-  anchor = jnp.where(first, row_of(b, HALF_ANCHOR), row_of(b, HALF + HALF_ANCHOR))
-  return jnp.max(jnp.abs(b - anchor)) <= HALF_LIMIT
+  second_anchor = row_of(b, HALF + HALF_ANCHOR)
+  anchor = jnp.where(first, row_of(b, HALF_ANCHOR), second_anchor)
+  edge_gap = jnp.max(jnp.abs(row_of(b, HALF - 1) - second_anchor))
+  return jnp.maximum(jnp.max(jnp.abs(b - anchor)), edge_gap) <= HALF_LIMIT
 
 
 def halves_bounded(b_ref):
   """Whether every token of the chunk (b_ref [C, D]) is within HALF_LIMIT of its half's
-    anchor in every channel: the HALVES layout. With b falling in every channel (midpoint),
-    a half's widest gap is at one of its ends."""
-  gap = None
+    anchor in every channel, and the second half's anchor within HALF_LIMIT of the first
+    half's last token (the pairs across re-anchor there: halves_products): the HALVES
+    layout. With b falling in every channel (midpoint), a half's widest gap is at one of its
+    ends."""
+  second_anchor = rows(b_ref, HALF + HALF_ANCHOR, 1)
+  gap = jnp.abs(rows(b_ref, HALF - 1, 1) - second_anchor)
   for start in (0, HALF):
     anchor = rows(b_ref, start + HALF_ANCHOR, 1)
     widest = jnp.maximum(rows(b_ref, start, 1) - anchor, anchor - rows(b_ref, start + HALF - 1, 1))
-    gap = widest if gap is None else jnp.maximum(gap, widest)
+    gap = jnp.maximum(gap, widest)
   return jnp.max(gap) <= HALF_LIMIT
 
 
@@ -196,16 +203,29 @@ class HeldRows(NamedTuple):
   b: jax.Array
 
 
-def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
+# How halves_products forms the pairs across the halves: "bridged" from the inside's
+# operands, each side re-anchored at the first half's last token by one row of factors (no
+# exp of its own, one load of the rows; needs the second half's anchor within HALF_LIMIT of
+# that token, which halves_bounded checks; holds both products' sums at once); "own_exp",
+# from one more exp over the chunk's rows of b, loaded again
+HALVES_ACROSS_FORMS = ("bridged", "own_exp")
+
+
+def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None, across="own_exp"):
   """HALVES: per query a [C, D] x [D, C] product for the pairs inside each half and one for
-    those across, its keys of the second half zero (k_ref and query_refs: the chunk's
-    [C, D] refs; b_ref: the ref of its b, or HeldRows): every store is [C, C].
-    block_d: the channels taken at a time, each block's products summed (fewer operands
-    live at once than the whole width's); None: all D at once."""
+    those across (k_ref and query_refs: the chunk's [C, D] refs; b_ref: the ref of its b, or
+    HeldRows): two stores, each [C, C], the first over the pairs inside, the second over
+    those across. block_d: the channels taken at a time, each block's products summed
+    (fewer operands live at once than the whole width's); None: all D at once. across: one
+    of HALVES_ACROSS_FORMS."""
+  if across not in HALVES_ACROSS_FORMS:
+    raise ValueError(f"across = {across!r}: expected one of {HALVES_ACROSS_FORMS}")
   D = k_ref.shape[-1]
   block_d = min(block_d or D, D)
   dtypes = dtypes or (F32,) * len(query_refs)
   first = iota(C, 0, (C, 1)) < HALF
+  inside_region = first | (iota(C, 1, (C, C)) >= HALF)
+  across_region = jnp.logical_not(first) & (iota(C, 1, (C, C)) < HALF)
   # per block, a loader of rows [start, start + n) of a ref's block_d channels (fp32)
   blocks = [rows] if block_d == D else [
       (lambda ref, start, n, d=d: ref[pl.ds(start, n), pl.ds(d, block_d)].astype(jnp.float32))
@@ -214,28 +234,43 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
   if isinstance(b_ref, HeldRows):
     held = jnp.split(b_ref.b, len(blocks), axis=1) if len(blocks) > 1 else [b_ref.b]
 
-  def products(region, operands):
-    """operands(load, i) -> (query-side factor, keys) of the channels `load` reads, block i."""
-    sums = None
-    for i, load in enumerate(blocks):
-      down, keys = operands(load, i)
-      parts = [
-          mm(load(x, 0, C) * down, keys, dtype, trans_b=True)
-          for x, dtype in zip(query_refs, dtypes)
-      ]
-      sums = parts if sums is None else [a + p for a, p in zip(sums, parts)]
-    store(0, region, *sums)
-
   def summed(load, i):
     """(b's rows of block i [C, n], which `load` reads; row(r) -> its row r [1, n])."""
     if isinstance(b_ref, HeldRows):
       return held[i], lambda r: row_of(held[i], r)
     return load(b_ref, 0, C), lambda r: load(b_ref, r, 1)
 
+  def add(sums, parts):
+    return parts if sums is None else [a + p for a, p in zip(sums, parts)]
+
+  def products(load, down, keys):
+    return [
+        mm(load(x, 0, C) * down, keys, dtype, trans_b=True) for x, dtype in zip(query_refs, dtypes)
+    ]
+
   def inside(load, i):
+    """(query-side factors, keys) of block i through each half's anchor, and b's row(r)."""
     b, row = summed(load, i)
     down, up = factors(b, jnp.where(first, row(HALF_ANCHOR), row(HALF + HALF_ANCHOR)))
-    return down, load(k_ref, 0, C) * up
+    return down, load(k_ref, 0, C) * up, row
+
+  if across == "bridged":
+    # the pairs across from the inside's operands: a query of the second half times
+    # exp(m_2 - edge), a key of the first times exp(edge - m_1) (m_h: the halves' anchors,
+    # edge: the first half's last token), both rows <= 1 and >= exp(-HALF_LIMIT), so that
+    # the products are the pairs' factors through the edge, each <= 1
+    inside_sums = across_sums = None
+    for i, load in enumerate(blocks):
+      down, keys, row = inside(load, i)
+      edge = row(HALF - 1)
+      inside_sums = add(inside_sums, products(load, down, keys))
+      across_sums = add(
+          across_sums,
+          products(load, down * jnp.exp(row(HALF + HALF_ANCHOR) - edge),
+                   keys * jnp.exp(edge - row(HALF_ANCHOR))))
+    store(0, inside_region, *inside_sums)
+    store(0, across_region, *across_sums)
+    return
 
   def across(load, i):
     # queries of the second half and keys of the first, both through the first half's last
@@ -247,8 +282,12 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None):
     to_edge = jnp.exp(jnp.where(first, edge - b, b - edge))
     return jnp.where(first, 0.0, to_edge), jnp.where(first, load(k_ref, 0, C) * to_edge, 0.0)
 
-  products(first | (iota(C, 1, (C, C)) >= HALF), inside)
-  products(jnp.logical_not(first) & (iota(C, 1, (C, C)) < HALF), across)
+  for region, operands in ((inside_region, lambda load, i: inside(load, i)[:2]), (across_region,
+                                                                                  across)):
+    sums = None
+    for i, load in enumerate(blocks):
+      sums = add(sums, products(load, *operands(load, i)))
+    store(0, region, *sums)
 
 
 def anchors(b_ref):
@@ -435,6 +474,7 @@ def score_layouts(g):
   b = jnp.cumsum(g.astype(jnp.float32).reshape(B, T // C, C, H, D), axis=2)
   whole = jnp.max(b.max(axis=2) - b.min(axis=2), axis=-1) <= 2.0 * WHOLE_LIMIT
   halves = b.reshape(B, T // C, 2, HALF, H, D)
-  gap = jnp.abs(halves - halves[:, :, :, HALF_ANCHOR:HALF_ANCHOR + 1])
-  bounded = jnp.max(gap, axis=(2, 3, -1)) <= HALF_LIMIT
+  gap = jnp.max(jnp.abs(halves - halves[:, :, :, HALF_ANCHOR:HALF_ANCHOR + 1]), axis=(2, 3, -1))
+  edge_gap = jnp.max(jnp.abs(halves[:, :, 0, -1] - halves[:, :, 1, HALF_ANCHOR]), axis=-1)
+  bounded = jnp.maximum(gap, edge_gap) <= HALF_LIMIT
   return jnp.where(whole, WHOLE_CHUNK, jnp.where(bounded, HALVES, SUB_CHUNKS)).astype(jnp.int32)

@@ -88,6 +88,10 @@ def _whole_chunk(q_ref, k_ref, b, r_ref, a_ref, operand):
 # [C, C] store (the pairs across as a [C, C] product too): faster than all channels at once
 # and two masked stores (docs/kernel_tuning.md, "GLA tiling")
 HALVES_BLOCK_D = 64
+# The pairs across the halves from the inside's operands (_chunk_factors.HALVES_ACROSS_FORMS):
+# faster than their own exp with strong gates (docs/performance.md, "The pairs across the
+# halves from the inside's operands")
+HALVES_ACROSS = "bridged"
 
 # With summed_rows="chunk_ends", the HALVES chunks take b's rows held in registers (split
 # into channel blocks there) instead of writing them and reading them back
@@ -103,7 +107,8 @@ def _halves(q_ref, k_ref, b_ref, r_ref, a_ref, operand):
     del start  # every product spans all C columns
     kept[:] = [jnp.where(region, a, kept[0]) if kept else a]
 
-  factors.halves_products(k_ref, b_ref, (q_ref,), keep, block_d=HALVES_BLOCK_D, dtypes=(operand,))
+  factors.halves_products(k_ref, b_ref, (q_ref,), keep, block_d=HALVES_BLOCK_D, dtypes=(operand,),
+                          across=HALVES_ACROSS)
   _store_columns(r_ref, a_ref, 0, None, kept[0])
 
 

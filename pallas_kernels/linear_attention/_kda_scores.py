@@ -112,18 +112,25 @@ def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, operand, scales=Non
 # The HALVES products 64 channels at a time: two queries' operands over all of D = 128 do
 # not fit the registers (experiments/kernel_resources.py)
 HALVES_BLOCK_D = 64
+# The pairs across the halves by their own exp (_chunk_factors.HALVES_ACROSS_FORMS): from the
+# inside's operands, the HALVES kernel at four warps holds four [C, C] sums for its two
+# queries and spills, and ran slower (docs/performance.md, "The pairs across the halves from
+# the inside's operands")
+HALVES_ACROSS = "own_exp"
 
 
-def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=False):
-  """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands; with
-    `normalize`, of q and k as given, their rows scaled by their inverse norms
-    (_NormalisedRows)."""
+def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=False,
+            block_d=None):
+  """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands, block_d
+    channels at a time (None: HALVES_BLOCK_D); with `normalize`, of q and k as given, their
+    rows scaled by their inverse norms (_NormalisedRows)."""
+  block_d = block_d or HALVES_BLOCK_D
   if normalize:
-    q_ref, k_ref = (_NormalisedRows.of(ref, HALVES_BLOCK_D) for ref in (q_ref, k_ref))
+    q_ref, k_ref = (_NormalisedRows.of(ref, block_d) for ref in (q_ref, k_ref))
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
-          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=HALVES_BLOCK_D,
-      dtypes=(operand,) * 2)
+          r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=block_d,
+      dtypes=(operand,) * 2, across=HALVES_ACROSS)
 
 
 class _NormalisedRows:
@@ -273,7 +280,8 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     q, k = _NormalisedRows(q_ref, scales.q), _NormalisedRows(k_ref, scales.k)
     # b's rows as held where summed here (its ref is this kernel's output)
     b_rows = factors.HeldRows(b) if from_gates else b_ref
-    _halves(q, k, b_rows, beta_ref, r_ref, akk_ref, aqk_ref, operand)
+    _halves(q, k, b_rows, beta_ref, r_ref, akk_ref, aqk_ref, operand,
+            block_d=HALVES_IN_FIRST_PASS_BLOCK_D)
 
   jax.lax.cond(whole, whole_chunk,
                lambda: jax.lax.cond(layout == factors.HALVES, halves, lambda: None))
@@ -325,7 +333,7 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
     beta = beta_ref[...].astype(F32)[:, None]
     store, a_kk = _kept_scores(r_ref, beta, aqk_ref)
     factors.halves_products(k_ref, b_ref, (k_ref, q_ref), store, block_d=HALVES_BLOCK_D,
-                            dtypes=(operand,) * 2)
+                            dtypes=(operand,) * 2, across=HALVES_ACROSS)
     kw_cols = lambda cols: write_keys(k_ref[:, cols].astype(F32), b_ref[:, cols].astype(F32), beta,
                                       lambda: flag_column(ci_ref, 0, C))
     store_solved(a_kk(), kw_cols, v_ref, lambda: beta, w_ref, u0_ref, inverse_ref, cd=cd,
@@ -349,6 +357,9 @@ NORMALIZING_WARPS = 16
 # never run it (docs/performance.md, "The first scores kernel at sixteen warps"). Not at
 # four warps: the code outgrows the instruction cache (experiments/kernel_resources.py).
 HALVES_IN_FIRST_PASS = False
+# ... and their channels a product there: at sixteen warps all 128 fit (HALVES_BLOCK_D is the
+# HALVES kernels')
+HALVES_IN_FIRST_PASS_BLOCK_D = 128
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
 HALVES_WARPS = None

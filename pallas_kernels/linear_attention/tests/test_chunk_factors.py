@@ -135,6 +135,14 @@ def test_score_layouts_take_halves_up_to_the_half_limit_from_each_anchor():
     assert int(factors.score_layouts(gates(-g_after))[0, 0, 0]) == layout, g_after
   mild = jnp.full((1, CHUNK, 1, 4), -2 * factors.WHOLE_LIMIT / CHUNK * 0.9)
   assert int(factors.score_layouts(mild)[0, 0, 0]) == factors.WHOLE_CHUNK
+  # the pairs across re-anchor at the first half's last token: one strong gate on the second
+  # half's first token, every token near its own anchor, and the second anchor 0.5 inside
+  # (or past) HALF_LIMIT from that token
+  after_boundary = 2.0 * factors.HALF_ANCHOR  # tokens HALF + 1 .. the anchor, at -2 each
+  for over, layout in ((-0.5, factors.HALVES), (0.5, factors.SUB_CHUNKS)):
+    g = jnp.full((1, CHUNK, 1, 4), -2.0).at[0, factors.HALF, 0,
+                                            1].set(-(factors.HALF_LIMIT + over - after_boundary))
+    assert int(factors.score_layouts(g)[0, 0, 0]) == layout, over
 
 
 def test_layouts_from_the_end_rows_are_the_layouts_of_every_token():
@@ -167,8 +175,10 @@ def test_layouts_from_the_end_rows_are_the_layouts_of_every_token():
   # channel 0 at -2 a token (126 over the chunk: not WHOLE_CHUNK, well inside HALVES)
   assert 2 * factors.WHOLE_LIMIT < 126
   not_whole = jnp.zeros((1, CHUNK, 1, 4)).at[0, :, 0, 0].set(-2.0)
+  # each of the four gaps to an anchor past HALF_LIMIT, and the gap from the first half's
+  # last token to the second half's anchor
   for start, stop in ((1, anchor + 1), (anchor + 1, half), (half + 1, half + anchor + 1),
-                      (half + anchor + 1, CHUNK)):  # each of the four gaps past HALF_LIMIT
+                      (half + anchor + 1, CHUNK), (half, half + anchor + 1)):
     for over in (-0.5, 0.5):
       g = not_whole.at[0, start:stop, 0, 2].set(-(factors.HALF_LIMIT + over) / (stop - start))
       cases.append(g)

@@ -80,6 +80,18 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
   _check(x, out_tol, grad_tol, tiling=Tiling(scores=scores))
 
 
+@pytest.mark.parametrize("across", factors.HALVES_ACROSS_FORMS)
+def test_halves_scores_over_channel_blocks_either_form_of_the_pairs_across(across, monkeypatch):
+  """The HALVES products summed over channel blocks (_gla_scores.HALVES_BLOCK_D: 16 of 32
+  here) at the gate bound, fp32, with the pairs across the halves in either form
+  (_chunk_factors.HALVES_ACROSS_FORMS)."""
+  from pallas_kernels.linear_attention import _gla_scores
+  monkeypatch.setattr(_gla_scores, "HALVES_BLOCK_D", 16)
+  monkeypatch.setattr(_gla_scores, "HALVES_ACROSS", across)
+  x = with_halves(make_inputs(seed=24, T=192, Dk=32, Dv=32))
+  _check(x, 1e-4, 1e-4)
+
+
 def _three_score_layouts(seed, D=32):
   """fp32 inputs (T = 192, Dk = Dv = D) whose scores take HALVES, WHOLE_CHUNK and
   SUB_CHUNKS, a chunk each: with_halves' first chunk, then mild gates, then g = -20 on every

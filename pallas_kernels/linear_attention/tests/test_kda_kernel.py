@@ -98,13 +98,17 @@ def test_scores_of_chunks_anchored_per_half_at_the_gate_bound(scores, dtype, out
   _assert_within(_errors(x, scores=scores), out_tol, grad_tol)
 
 
-@pytest.mark.parametrize("scores, qk_norm", [("by_layout", "xla"), ("one_kernel", "xla"),
-                                             ("by_layout", "kernel")])
-def test_halves_scores_over_channel_blocks(scores, qk_norm, monkeypatch):
+@pytest.mark.parametrize("scores, qk_norm, across", [("by_layout", "xla", "own_exp"),
+                                                     ("one_kernel", "xla", "own_exp"),
+                                                     ("by_layout", "kernel", "own_exp"),
+                                                     ("by_layout", "xla", "bridged")])
+def test_halves_scores_over_channel_blocks(scores, qk_norm, across, monkeypatch):
   """The HALVES products summed over channel blocks (_kda_scores.HALVES_BLOCK_D; 64 of the
   released heads' 128, here 16 of 32) at the gate bound, fp32; by layout, over the rows
-  the first kernel normalised too."""
+  the first kernel normalised too; the pairs across the halves in either form
+  (_chunk_factors.HALVES_ACROSS_FORMS: bridged, their factors down to exp(-79))."""
   monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
+  monkeypatch.setattr(_kda_scores, "HALVES_ACROSS", across)
   x = with_halves(make_inputs(seed=23, T=192, Dk=32, Dv=32, segment_rate=0.03))
   _assert_within(_errors(x, scores=scores, qk_norm=qk_norm), 1e-4, 1e-4)
 
