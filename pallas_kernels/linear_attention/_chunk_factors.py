@@ -282,8 +282,10 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None, 
     to_edge = jnp.exp(jnp.where(first, edge - b, b - edge))
     return jnp.where(first, 0.0, to_edge), jnp.where(first, load(k_ref, 0, C) * to_edge, 0.0)
 
-  for region, operands in ((inside_region, lambda load, i: inside(load, i)[:2]), (across_region,
-                                                                                  across)):
+  def inside_operands(load, i):
+    return inside(load, i)[:2]
+
+  for region, operands in ((inside_region, inside_operands), (across_region, across)):
     sums = None
     for i, load in enumerate(blocks):
       sums = add(sums, products(load, *operands(load, i)))

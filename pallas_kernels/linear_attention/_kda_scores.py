@@ -357,8 +357,8 @@ NORMALIZING_WARPS = 16
 # never run it (docs/performance.md, "The first scores kernel at sixteen warps"). Not at
 # four warps: the code outgrows the instruction cache (experiments/kernel_resources.py).
 HALVES_IN_FIRST_PASS = False
-# ... and their channels a product there: at sixteen warps all 128 fit (HALVES_BLOCK_D is the
-# HALVES kernels')
+# The channels a HALVES product takes at a time in the first kernel (HALVES_IN_FIRST_PASS):
+# at sixteen warps all 128 fit; HALVES_BLOCK_D is the HALVES kernels' own, the backward's too
 HALVES_IN_FIRST_PASS_BLOCK_D = 128
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
