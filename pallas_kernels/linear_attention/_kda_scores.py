@@ -188,11 +188,12 @@ def _loader(ref):
   return lambda: rows(ref, 0, C)
 
 
-def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref):
+def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref, cols=None):
   """kw = beta k exp(b) carry_in, the keys the solve turns into w (kw_ref's dtype, that of
-    its product's operands), so that the solve reads neither k nor b."""
+    its product's operands), so that the solve reads neither k nor b (cols: as
+    store_decayed_rows takes them)."""
   kw = write_keys(k, b, beta_ref[...].astype(F32)[:, None], lambda: flag_column(ci_ref, 0, C))
-  kw_ref[...] = kw.astype(kw_ref.dtype)
+  kw_ref[(...,) if cols is None else (pl.ds(0, C), cols)] = kw.astype(kw_ref.dtype)
 
 
 def _rows_written(q_ref, k_ref, b, b_last, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
@@ -236,7 +237,7 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                        akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, keep_normalized,
                        normalize, from_gates, interpret, operand, halves_normalize=False,
-                       chunk_ends=False, halves_here=False):
+                       chunk_ends=False, halves_here=False, halves_rows_later=False):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
     ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (halves_here, with `normalize`: and of
     the HALVES ones, from their rows normalised), and every chunk's layout for the later
@@ -246,7 +247,20 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     halves_normalize: for the SUB_CHUNKS ones alone, the HALVES kernel normalising its
     own); with from_gates, b_ref holds the log decays g and b is summed here into the last of
     extra_refs (sum_decays), or with chunk_ends in registers, its rows written as
-    _pallas_common.SUMMED_ROWS' chunk_ends says."""
+    _pallas_common.SUMMED_ROWS' chunk_ends says. With halves_rows_later (b given summed),
+    nothing of the HALVES chunks but their flag: their own kernel writes their rows too
+    (_halves_rows_and_scores)."""
+  if halves_rows_later:
+    # six rows of b give the layout; the other chunks as without halves_rows_later
+    _, layout = factors.record_layout(flag_ref, b_ref)
+    rest = functools.partial(_first_pass_kernel, q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref,
+                             il_ref, qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref, flag_ref,
+                             *extra_refs, keys_of_halves=keys_of_halves,
+                             keep_normalized=keep_normalized, normalize=normalize,
+                             from_gates=from_gates, interpret=interpret, operand=operand,
+                             halves_normalize=halves_normalize)
+    jax.lax.cond(layout == factors.HALVES, lambda: None, rest)
+    return
   normed_refs = extra_refs[:2] if normalize else ()
   # with from_gates b_ref holds g; from here on, the b it sums to
   b_ref, b, b_last = chunk_decays(b_ref, extra_refs[-1] if from_gates else None,
@@ -285,6 +299,29 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
 
   jax.lax.cond(whole, whole_chunk,
                lambda: jax.lax.cond(layout == factors.HALVES, halves, lambda: None))
+
+
+def _halves_rows_and_scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, flag_ref,
+                                   *refs, operand):
+  """A HALVES chunk whole, from q and k as given, normalised here (_NormalisedRows): its qg,
+    kg and kw, HALVES_BLOCK_D channels at a time, and A_kk, A_qk; their memory is the first
+    kernel's outputs (halves_rows_later), the other chunks' stay as written."""
+  qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref = refs[len(refs) // 2:]
+
+  def compute():
+    q, k = (_NormalisedRows.of(ref, HALVES_BLOCK_D) for ref in (q_ref, k_ref))
+    D = k_ref.shape[-1]
+    block = min(HALVES_BLOCK_D, D)
+    for d in range(0, D, block):
+      cols = pl.ds(d, block)
+      b = b_ref[pl.ds(0, C), cols].astype(F32)
+      k_d = k[pl.ds(0, C), cols]
+      store_decayed_rows(q[pl.ds(0, C), cols], k_d, b, b_ref[pl.ds(C - 1, 1), cols].astype(F32),
+                         ci_ref, il_ref, qg_ref, kg_ref, cols)
+      _store_write_keys(k_d, b, beta_ref, ci_ref, kw_ref, cols)
+    _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand)
+
+  factors.if_layout(flag_ref, factors.HALVES, compute)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
@@ -360,6 +397,12 @@ HALVES_IN_FIRST_PASS = False
 # The channels a HALVES product takes at a time in the first kernel (HALVES_IN_FIRST_PASS):
 # at sixteen warps all 128 fit; HALVES_BLOCK_D is the HALVES kernels' own, the backward's too
 HALVES_IN_FIRST_PASS_BLOCK_D = 128
+# In the forward alone with b given summed, the HALVES chunks' qg, kg and kw from their own
+# kernel, which holds their q, k and b anyway, and the first kernel reading six rows of b for
+# each of them and nothing more: q, k and b read once for those chunks, not twice, with no
+# HALVES code in the first kernel (_halves_rows_and_scores_kernel). An option to time
+# (docs/performance.md, "Still untimed")
+HALVES_ROWS_IN_THEIR_KERNEL = False
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
 HALVES_WARPS = None
@@ -374,7 +417,8 @@ def _first_pass_warps(factored_warps, normalize):
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
                 keys_of_halves, operand, keep_normalized=True, from_gates=False,
-                halves_normalize=False, summed_rows="all", halves_here=False):
+                halves_normalize=False, summed_rows="all", halves_here=False,
+                halves_rows_later=False):
   """The first kernel of the scores by layout (_first_pass_kernel): (qg, kg, kw, A_kk, A_qk,
     layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
@@ -392,7 +436,8 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
                              keep_normalized=keep_normalized, normalize=normalize,
                              from_gates=from_gates, interpret=interpret, operand=operand,
                              halves_normalize=halves_normalize, halves_here=halves_here,
-                             chunk_ends=chunk_ends_asked(summed_rows, from_gates))
+                             chunk_ends=chunk_ends_asked(summed_rows, from_gates),
+                             halves_rows_later=halves_rows_later)
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
       kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
@@ -465,13 +510,28 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   # kernel normalising its own rows")
   halves_normalize = normalize and not keep_normalized
   halves_here = HALVES_IN_FIRST_PASS and halves_normalize
+  halves_rows_later = (HALVES_ROWS_IN_THEIR_KERNEL and halves_normalize and not halves_here and
+                       not from_gates)
   raw = q, k
   qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
       q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
       warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
       keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
-      halves_normalize=halves_normalize, summed_rows=summed_rows, halves_here=halves_here)
-  if not halves_here:
+      halves_normalize=halves_normalize, summed_rows=summed_rows, halves_here=halves_here,
+      halves_rows_later=halves_rows_later)
+  if halves_rows_later:
+    keys, square = L.chunk_rows(Dk), L.chunk_square()
+    written = (qg, kg, kw, a_kk, a_qk)
+    inputs = [keys, keys, keys, L.chunk_beta()] + [L.chunk_flags()] * 3 + [L.chunk_layout_flag()]
+    qg, kg, kw, a_kk, a_qk = L.call(
+        functools.partial(_halves_rows_and_scores_kernel, operand=operand), (B, H, n),
+        inputs + [keys] * 3 + [square] * 2, (keys,) * 3 + (square,) * 2,
+        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in written),
+        name="kda_chunk_scores_halves_with_rows",
+        input_output_aliases={len(inputs) + i: i for i in range(len(written))}, interpret=interpret,
+        num_warps=HALVES_WARPS or num_warps, num_stages=2)(*raw, b, beta, runs, carry_in, in_last,
+                                                           layouts, *written)
+  elif not halves_here:
     halves_rows = raw if halves_normalize else (q, k)
     a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, layouts, a_kk, a_qk,
                              cd=cd, interpret=interpret, num_warps=HALVES_WARPS or num_warps,

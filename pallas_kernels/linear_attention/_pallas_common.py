@@ -42,13 +42,14 @@ def flag_column(ref, start, n=SUB):
   return ref[pl.ds(start, n)].astype(F32)[:, None]
 
 
-def store_decayed_rows(q, k, b, b_last, ci_ref, il_ref, qg_ref, kg_ref):
+def store_decayed_rows(q, k, b, b_last, ci_ref, il_ref, qg_ref, kg_ref, cols=None):
   """The chunk's decayed rows, in qg_ref's and kg_ref's dtype: qg = q exp(b) carry_in and
-    kg = k exp(b_last - b) in_last (q, k, b: the chunk's [C, D] rows, fp32; b_last [1, D]:
-    b's last row)."""
-  qg_ref[...] = (q * jnp.exp(b) * flag_column(ci_ref, 0, CHUNK)).astype(qg_ref.dtype)
+    kg = k exp(b_last - b) in_last (q, k, b: the chunk's [C, D] rows, fp32, or with cols (a
+    pl.ds of channels) those channels' [C, n]; b_last [1, D] or [1, n]: b's last row)."""
+  at = (...,) if cols is None else (pl.ds(0, CHUNK), cols)
+  qg_ref[at] = (q * jnp.exp(b) * flag_column(ci_ref, 0, CHUNK)).astype(qg_ref.dtype)
   kg = k * masked_exp(b_last - b) * flag_column(il_ref, 0, CHUNK)
-  kg_ref[...] = kg.astype(kg_ref.dtype)
+  kg_ref[at] = kg.astype(kg_ref.dtype)
 
 
 # The rows of the summed decays b that a scores kernel summing them itself writes

@@ -213,6 +213,46 @@ def test_halves_scores_in_the_normalising_first_kernel(monkeypatch, decay_sum):
   _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
 
 
+_HALVES_WITH_ROWS = "kda_chunk_scores_halves_with_rows"
+
+
+def test_halves_rows_in_their_own_kernel(monkeypatch):
+  """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL (an option): in the forward alone the HALVES
+  kernel writes its chunks' qg, kg and kw too, and the first kernel reads six rows of b for
+  them and writes nothing else. fp32, one chunk of each scores layout: qg, kg, kw, A_kk and
+  A_qk as the default's (the norms summed in blocks: within fp32 rounding); resets and
+  padding: the forward alone exact against the oracle."""
+  x = one_chunk_of_each_scores_layout(make_inputs(seed=33, T=192, Dk=32, Dv=32, segment_rate=0.03))
+  B, T = x["q"].shape[:2]
+  qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
+                                           x["segment_ids"], B, T)
+  masks = _chunk_prep.segment_masks(runs)
+  monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)  # two channel blocks
+
+  def scores(rows_in_halves_kernel):
+    monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", rows_in_halves_kernel)
+
+    def fn(q, k, b):
+      return _kda_scores.chunk_scores(q, k, b, x["beta"], runs, *masks, cd=jnp.float32,
+                                      interpret=True, form="by_layout", normalize=True,
+                                      keep_normalized=False)[:5]
+
+    assert (_HALVES_WITH_ROWS in str(jax.make_jaxpr(fn)(qp, kp, b))) == rows_in_halves_kernel
+    return jax.jit(fn)(qp, kp, b)
+
+  for a, ref in zip(scores(True), scores(False)):
+    assert rel_rms(ref, a) <= 1e-6
+  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", True)
+  args = [3.0 * x[n][:, :150] if n in "qk" else x[n][:, :150] for n in NAMES[:5]]
+  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"][:, :150],
+            output_final_state=True)
+  forward = lambda *a: chunked_kda(*a, **kw)
+  assert _HALVES_WITH_ROWS in str(jax.make_jaxpr(forward)(*args))
+  o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
+  o, s = fast_jit(forward)(*args)
+  _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
+
+
 @pytest.mark.parametrize("qk_norm, solve", [("xla", "own_kernel"), ("kernel", "own_kernel"),
                                             ("kernel", "in_scores")])
 def test_decays_summed_in_the_first_scores_kernel(qk_norm, solve):
