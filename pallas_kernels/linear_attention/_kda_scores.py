@@ -249,7 +249,7 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
     extra_refs (sum_decays), or with chunk_ends in registers, its rows written as
     _pallas_common.SUMMED_ROWS' chunk_ends says. With halves_rows_later (b given summed),
     nothing of the HALVES chunks but their flag: their own kernel writes their rows too
-    (_halves_rows_and_scores)."""
+    (_halves_rows_and_scores_kernel)."""
   if halves_rows_later:
     # six rows of b give the layout; the other chunks as without halves_rows_later
     _, layout = factors.record_layout(flag_ref, b_ref)
@@ -466,6 +466,22 @@ def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpr
                 num_warps=num_warps, num_stages=2)(q, k, b, beta, runs, layouts, a_kk, a_qk)
 
 
+def _halves_pass_with_rows(q, k, b, beta, runs, carry_in, in_last, layouts, written, *, interpret,
+                           num_warps, operand):
+  """(qg, kg, kw, A_kk, A_qk) = written (the first kernel's, with halves_rows_later) with the
+    HALVES chunks' formed in place from q and k as given (_halves_rows_and_scores_kernel)."""
+  B, Tp, H, Dk = k.shape
+  keys, square = L.chunk_rows(Dk), L.chunk_square()
+  inputs = [keys, keys, keys, L.chunk_beta()] + [L.chunk_flags()] * 3 + [L.chunk_layout_flag()]
+  call = L.call(functools.partial(_halves_rows_and_scores_kernel, operand=operand), (B, H, Tp // C),
+                inputs + [keys] * 3 + [square] * 2, (keys,) * 3 + (square,) * 2,
+                tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in written),
+                name="kda_chunk_scores_halves_with_rows",
+                input_output_aliases={len(inputs) + i: i for i in range(len(written))},
+                interpret=interpret, num_warps=num_warps, num_stages=2)
+  return call(q, k, b, beta, runs, carry_in, in_last, layouts, *written)
+
+
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
                  form="one_kernel", factored_warps=None, normalize=False, keep_normalized=True,
                  from_gates=False, operands="compute", summed_rows="all"):
@@ -483,7 +499,9 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
     _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps); with
     HALVES_IN_FIRST_PASS, `normalize` and not keep_normalized (the forward alone), two, the
-    first taking the HALVES chunks too.
+    first taking the HALVES chunks too; with HALVES_ROWS_IN_THEIR_KERNEL there (b given
+    summed), the HALVES kernel writes its chunks' qg, kg and kw too, and the first kernel
+    nothing of theirs but their flag.
     operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
@@ -520,17 +538,10 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
       halves_normalize=halves_normalize, summed_rows=summed_rows, halves_here=halves_here,
       halves_rows_later=halves_rows_later)
   if halves_rows_later:
-    keys, square = L.chunk_rows(Dk), L.chunk_square()
-    written = (qg, kg, kw, a_kk, a_qk)
-    inputs = [keys, keys, keys, L.chunk_beta()] + [L.chunk_flags()] * 3 + [L.chunk_layout_flag()]
-    qg, kg, kw, a_kk, a_qk = L.call(
-        functools.partial(_halves_rows_and_scores_kernel, operand=operand), (B, H, n),
-        inputs + [keys] * 3 + [square] * 2, (keys,) * 3 + (square,) * 2,
-        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in written),
-        name="kda_chunk_scores_halves_with_rows",
-        input_output_aliases={len(inputs) + i: i for i in range(len(written))}, interpret=interpret,
-        num_warps=HALVES_WARPS or num_warps, num_stages=2)(*raw, b, beta, runs, carry_in, in_last,
-                                                           layouts, *written)
+    qg, kg, kw, a_kk, a_qk = _halves_pass_with_rows(*raw, b, beta, runs, carry_in, in_last, layouts,
+                                                    (qg, kg, kw, a_kk, a_qk), interpret=interpret,
+                                                    num_warps=HALVES_WARPS or num_warps,
+                                                    operand=operand)
   elif not halves_here:
     halves_rows = raw if halves_normalize else (q, k)
     a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, layouts, a_kk, a_qk,
