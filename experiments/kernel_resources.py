@@ -5,8 +5,8 @@ and Mosaic GPU), compiled for Hopper on any machine: no GPU needed.
     ... --ops linear_attention.kda --option forward=fused    # an option of the op's
 
 Each implementation of an op is lowered for CUDA (forward, and forward+backward where the op
-is differentiated, then the forward alone for the kernels only it runs) at the op's `bench` shapes from experiments.op_checks (shapes only:
-nothing is allocated). Every Triton kernel in it is compiled for sm_90a with the `triton`
+is differentiated, then the forward alone for the kernels only it runs) at the op's `bench`
+shapes from experiments.op_checks (shapes only: nothing is allocated). Every Triton kernel in it is compiled for sm_90a with the `triton`
 package and assembled by its `ptxas -v`, which gives registers per thread and spill bytes,
 and disassembled by its `nvdisasm` for the size of the machine code (a kernel past the SM's
 instruction cache, about 128 KiB, stalls on instruction fetches: see docs/kernel_tuning.md,

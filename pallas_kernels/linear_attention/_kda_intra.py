@@ -53,8 +53,8 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
     backward reads) the normalised q, k [B,Tp,H,Dk] (in their dtypes) follow. solve: one of
     SOLVES (solve_warps: the own kernel's warps). b: the in-chunk cumulative log decay, or
     with from_gates the log decays, summed by the first scores kernel (chunk_scores; b
-    then comes last, its rows as summed_rows says: _pallas_common.SUMMED_ROWS). operands: the factored score products' operand dtype
-    (_chunk_factors.SCORE_OPERANDS); inverse: how the solve's own kernel forms T
+    then comes last, its rows as summed_rows says: _pallas_common.SUMMED_ROWS). operands: the
+    factored score products' operand dtype (_chunk_factors.SCORE_OPERANDS); inverse: how the solve's own kernel forms T
     (_kda_solve.INVERSES). inverse_products: one of INVERSE_PRODUCTS; "in_walk" (with
     solve="own_kernel", not emit_inverse) gives the write keys kw and T [B,H,n,C,C] in w's
     and u0's places."""

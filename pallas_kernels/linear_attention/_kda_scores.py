@@ -34,10 +34,11 @@ from pallas_kernels.linear_attention._inputs import inverse_l2_norms, inverse_ro
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
                                                         write_keys)
-from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_decays,
-                                                            chunk_ends_asked, flag_column, iota,
-                                                            masked_exp, rows, store_decayed_rows,
-                                                            store_summed, store_where)
+from pallas_kernels.linear_attention._pallas_common import (F32, N_SUB, SUB, chunk_columns,
+                                                            chunk_decays, chunk_ends_asked,
+                                                            flag_column, iota, masked_exp, rows,
+                                                            store_decayed_rows, store_summed,
+                                                            store_where)
 from pallas_kernels.linear_attention._score_rows import (edge_decay, store_diagonal,
                                                          store_row_blocks)
 
@@ -193,7 +194,7 @@ def _store_write_keys(k, b, beta_ref, ci_ref, kw_ref, cols=None):
     its product's operands), so that the solve reads neither k nor b (cols: as
     store_decayed_rows takes them)."""
   kw = write_keys(k, b, beta_ref[...].astype(F32)[:, None], lambda: flag_column(ci_ref, 0, C))
-  kw_ref[(...,) if cols is None else (pl.ds(0, C), cols)] = kw.astype(kw_ref.dtype)
+  kw_ref[chunk_columns(cols)] = kw.astype(kw_ref.dtype)
 
 
 def _rows_written(q_ref, k_ref, b, b_last, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,

@@ -42,11 +42,17 @@ def flag_column(ref, start, n=SUB):
   return ref[pl.ds(start, n)].astype(F32)[:, None]
 
 
+def chunk_columns(cols=None):
+  """The index of a chunk's [C, D] ref: all of it, or with cols (a pl.ds of channels) every
+    row of those channels."""
+  return (...,) if cols is None else (pl.ds(0, CHUNK), cols)
+
+
 def store_decayed_rows(q, k, b, b_last, ci_ref, il_ref, qg_ref, kg_ref, cols=None):
   """The chunk's decayed rows, in qg_ref's and kg_ref's dtype: qg = q exp(b) carry_in and
     kg = k exp(b_last - b) in_last (q, k, b: the chunk's [C, D] rows, fp32, or with cols (a
     pl.ds of channels) those channels' [C, n]; b_last [1, D] or [1, n]: b's last row)."""
-  at = (...,) if cols is None else (pl.ds(0, CHUNK), cols)
+  at = chunk_columns(cols)
   qg_ref[at] = (q * jnp.exp(b) * flag_column(ci_ref, 0, CHUNK)).astype(qg_ref.dtype)
   kg = k * masked_exp(b_last - b) * flag_column(il_ref, 0, CHUNK)
   kg_ref[at] = kg.astype(kg_ref.dtype)

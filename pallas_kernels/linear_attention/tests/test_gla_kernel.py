@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
-from pallas_kernels.linear_attention import _chunk_prep, chunked_gla, gla_recurrent
+from pallas_kernels.linear_attention import _chunk_prep, _gla_scores, chunked_gla, gla_recurrent
 from pallas_kernels.linear_attention._gla_scores import chunk_scores
 from pallas_kernels.linear_attention.gla import Tiling
 from pallas_kernels.linear_attention.tests._data import (at_the_whole_chunk_limit, make_inputs,
@@ -85,7 +85,6 @@ def test_halves_scores_over_channel_blocks_either_form_of_the_pairs_across(acros
   """The HALVES products summed over channel blocks (_gla_scores.HALVES_BLOCK_D: 16 of 32
   here) at the gate bound, fp32, with the pairs across the halves in either form
   (_chunk_factors.HALVES_ACROSS_FORMS)."""
-  from pallas_kernels.linear_attention import _gla_scores
   monkeypatch.setattr(_gla_scores, "HALVES_BLOCK_D", 16)
   monkeypatch.setattr(_gla_scores, "HALVES_ACROSS", across)
   x = with_halves(make_inputs(seed=24, T=192, Dk=32, Dv=32))
