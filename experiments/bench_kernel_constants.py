@@ -6,9 +6,10 @@ jla, in alternating rounds of one process.
         --setting b64:_kda_scores.HALVES_BLOCK_D=64 --setting b128:_kda_scores.HALVES_BLOCK_D=128
 
 A setting is NAME:MODULE.CONSTANT=VALUE[;MODULE.CONSTANT=VALUE...], MODULE a module of
-pallas_kernels.linear_attention and VALUE a Python literal. Each setting's op (chunked_kda or
-chunked_gla with its defaults) is traced and compiled with its constants in place, which are
-then restored: the kernels read them at trace time, so each compiled function keeps its
+pallas_kernels.linear_attention and VALUE a Python literal; `op.KEYWORD=VALUE` passes a keyword
+to the op instead (--setting "in_scores:op.decay_sum='in_scores'"). Each setting's op
+(chunked_kda or chunked_gla, with its defaults but the keywords given) is traced and compiled
+with its constants in place, which are then restored: the kernels read them at trace time, so each compiled function keeps its
 own. Then every setting's forward and forward+backward (bench_linear_attention's
 fwd_and_fwdbwd) is timed against jla's (experiments.timing.interleaved_ratios; without jla,
 against the first setting). One JSON line per gate regime: per pass, each setting's median
@@ -20,6 +21,7 @@ import ast
 import contextlib
 import functools
 import importlib
+import inspect
 import json
 
 import jax
@@ -30,6 +32,8 @@ from experiments.bench_linear_attention import (CORRECTNESS_SHAPE, GATES, correc
 from experiments.timing import interleaved_ratios
 
 PACKAGE = "pallas_kernels.linear_attention"
+# the MODULE of a setting's item that is a keyword of the op, not a module's constant
+OP = "op"
 
 
 def parse_setting(spec):
@@ -44,6 +48,9 @@ def parse_setting(spec):
     module, dot, constant = target.rpartition(".")
     if not (eq and dot):
       raise ValueError(f"setting {spec!r}: {item!r} is not MODULE.CONSTANT=VALUE")
+    if module == OP:
+      patches.append((OP, constant, ast.literal_eval(value)))
+      continue
     mod = importlib.import_module(f"{PACKAGE}.{module}")
     if not hasattr(mod, constant):
       raise ValueError(f"setting {spec!r}: {PACKAGE}.{module} has no {constant}")
@@ -53,7 +60,8 @@ def parse_setting(spec):
 
 @contextlib.contextmanager
 def patched(patches):
-  """The constants set for the block, restored after it."""
+  """The constants set for the block, restored after it (the op's keywords left out)."""
+  patches = [(mod, name, value) for mod, name, value in patches if mod != OP]
   saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
   try:
     for mod, name, value in patches:
@@ -65,14 +73,19 @@ def patched(patches):
 
 
 def traced_under(op, patches):
-  """The op (chunked_kda or chunked_gla with its defaults), traced under the patches wherever
-    it is traced (jitted by a caller)."""
+  """The op (chunked_kda or chunked_gla with its defaults but the patches' keywords), traced
+    under the patches' constants wherever it is traced (jitted by a caller)."""
   from pallas_kernels.linear_attention import chunked_gla, chunked_kda
   fn = {"kda": chunked_kda, "gla": chunked_gla}[op]
+  keywords = {name: value for mod, name, value in patches if mod == OP}
+  known = inspect.signature(fn).parameters
+  for name in keywords:
+    if known.get(name) is None or known[name].kind != inspect.Parameter.KEYWORD_ONLY:
+      raise ValueError(f"op.{name}: {fn.__name__} takes no keyword {name}")
 
   def op_under_patches(*a):
     with patched(patches):
-      return fn(*a)
+      return fn(*a, **keywords)
 
   return op_under_patches
 
@@ -119,8 +132,10 @@ def main(argv=None):
   ap.add_argument("--shape", type=lambda s: tuple(map(int, s.split(","))),
                   default=(1, 32768, 32, 128))
   ap.add_argument("--gates", nargs="+", choices=GATES, default=["logsigmoid"])
-  ap.add_argument("--setting", action="append", type=parse_setting, required=True,
-                  help="NAME:MODULE.CONSTANT=VALUE[;...] (repeat for each setting)")
+  ap.add_argument(
+      "--setting", action="append", type=parse_setting, required=True,
+      help="NAME:MODULE.CONSTANT=VALUE[;...] (repeat for each setting; "
+      "MODULE op: a keyword of the op)")
   ap.add_argument("--no-peer", action="store_true", help="against the first setting, not jla")
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--calls", type=int, default=10)

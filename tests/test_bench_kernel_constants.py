@@ -16,6 +16,9 @@ def test_settings_parse_and_bad_ones_are_refused():
       "b32:_kda_scores.HALVES_BLOCK_D=32;_chunk_factors.HALF_LIMIT=1.5")
   assert name == "b32"
   assert patches == [(_kda_scores, "HALVES_BLOCK_D", 32), (_chunk_factors, "HALF_LIMIT", 1.5)]
+  assert bench.parse_setting("s:op.decay_sum='in_scores';_kda_scores.HALVES_BLOCK_D=32") == ("s", [
+      (bench.OP, "decay_sum", "in_scores"), (_kda_scores, "HALVES_BLOCK_D", 32)
+  ])
   for spec, match in (("_kda_scores.HALVES_BLOCK_D=32", "expected NAME:"),
                       ("x:_kda_scores.HALVES_BLOCK_D", "is not MODULE.CONSTANT=VALUE"),
                       ("x:_kda_scores.NO_SUCH=1", "has no NO_SUCH"), ("x:_no_such_module.X=1",
@@ -40,6 +43,24 @@ def test_constants_hold_while_tracing_and_are_restored():
     with bench.patched([(_chunk_factors, "HALF_LIMIT", 0.0)]):
       raise RuntimeError
   assert _chunk_factors.HALF_LIMIT == own
+
+
+def test_an_op_keyword_reaches_the_op_and_an_unknown_one_is_refused():
+  """op.scale=0.5 halves chunked_gla's query scale: its output differs from the default's
+    (by more than rounding); a keyword the op does not take is refused before any tracing."""
+  x = bench.inputs(1, 64, 1, 32)
+  plain = np.asarray(bench.compiled("gla", [], x)[0](), np.float32)
+  halved = np.asarray(
+      bench.compiled("gla", [bench.parse_setting("h:op.scale=0.5")[1]][0], x)[0](), np.float32)
+  own_scale = np.asarray(
+      bench.compiled("gla",
+                     bench.parse_setting(f"o:op.scale={32 ** -0.5}")[1], x)[0](), np.float32)
+  np.testing.assert_array_equal(own_scale, plain)
+  assert not np.allclose(halved, plain, rtol=0.05, atol=0.05)
+  with pytest.raises(ValueError, match="op.no_such: chunked_gla takes no keyword no_such"):
+    bench.traced_under("gla", bench.parse_setting("n:op.no_such=1")[1])
+  with pytest.raises(ValueError, match="op.q: chunked_gla takes no keyword q"):
+    bench.traced_under("gla", bench.parse_setting("n:op.q=1")[1])
 
 
 def test_a_row_against_the_first_setting_without_jla():

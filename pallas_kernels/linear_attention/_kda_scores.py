@@ -401,8 +401,9 @@ HALVES_IN_FIRST_PASS_BLOCK_D = 128
 # In the forward alone with b given summed, the HALVES chunks' qg, kg and kw from their own
 # kernel, which holds their q, k and b anyway, and the first kernel reading six rows of b for
 # each of them and nothing more: q, k and b read once for those chunks, not twice, with no
-# HALVES code in the first kernel (_halves_rows_and_scores_kernel). An option to time
-# (docs/performance.md, "Still untimed")
+# HALVES code in the first kernel (_halves_rows_and_scores_kernel). Faster with strong gates,
+# slower wherever the chunks are WHOLE_CHUNK: the first kernel waits for the layout's rows
+# before it loads the chunk's (docs/kernel_tuning.md, "KDA in-chunk scores")
 HALVES_ROWS_IN_THEIR_KERNEL = False
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
