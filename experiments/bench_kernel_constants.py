@@ -6,15 +6,16 @@ jla, in alternating rounds of one process.
         --setting b64:_kda_scores.HALVES_BLOCK_D=64 --setting b128:_kda_scores.HALVES_BLOCK_D=128
 
 A setting is NAME:MODULE.CONSTANT=VALUE[;MODULE.CONSTANT=VALUE...], MODULE a module of
-pallas_kernels.linear_attention and VALUE a Python literal; `op.KEYWORD=VALUE` passes a keyword
-to the op instead (--setting "in_scores:op.decay_sum='in_scores'"). Each setting's op
-(chunked_kda or chunked_gla, with its defaults but the keywords given) is traced and compiled
-with its constants in place, which are then restored: the kernels read them at trace time, so each compiled function keeps its
-own. Then every setting's forward and forward+backward (bench_linear_attention's
-fwd_and_fwdbwd) is timed against jla's (experiments.timing.interleaved_ratios; without jla,
-against the first setting). One JSON line per gate regime: per pass, each setting's median
-ms and median per-round ratio (baseline / setting: > 1, the setting faster). With
---correctness, first each setting's output and gradients against the fp32 reference.
+pallas_kernels.linear_attention and VALUE a Python literal; `op.KEYWORD=VALUE` passes a
+keyword to the op instead (--setting "in_scores:op.decay_sum='in_scores'"). Each setting's op
+(chunked_kda or chunked_gla, with its defaults but the keywords given) is traced and
+compiled with its constants in place, which are then restored: the kernels read them at
+trace time, so each compiled function keeps its own. Then every setting's forward and
+forward+backward (bench_linear_attention's fwd_and_fwdbwd) is timed against jla's
+(experiments.timing.interleaved_ratios; without jla, against the first setting). One JSON
+line per gate regime: per pass, each setting's median ms and median per-round ratio
+(baseline / setting: > 1, the setting faster). With --correctness, first each setting's
+output and gradients against the fp32 reference.
 """
 import argparse
 import ast

@@ -50,11 +50,10 @@ def test_an_op_keyword_reaches_the_op_and_an_unknown_one_is_refused():
     (by more than rounding); a keyword the op does not take is refused before any tracing."""
   x = bench.inputs(1, 64, 1, 32)
   plain = np.asarray(bench.compiled("gla", [], x)[0](), np.float32)
-  halved = np.asarray(
-      bench.compiled("gla", [bench.parse_setting("h:op.scale=0.5")[1]][0], x)[0](), np.float32)
-  own_scale = np.asarray(
+  forward = lambda spec: np.asarray(
       bench.compiled("gla",
-                     bench.parse_setting(f"o:op.scale={32 ** -0.5}")[1], x)[0](), np.float32)
+                     bench.parse_setting(spec)[1], x)[0](), np.float32)
+  halved, own_scale = forward("h:op.scale=0.5"), forward(f"o:op.scale={32 ** -0.5}")
   np.testing.assert_array_equal(own_scale, plain)
   assert not np.allclose(halved, plain, rtol=0.05, atol=0.05)
   with pytest.raises(ValueError, match="op.no_such: chunked_gla takes no keyword no_such"):
