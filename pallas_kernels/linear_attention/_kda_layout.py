@@ -36,6 +36,27 @@ def chunk_state(dk, dv):
   return pl.BlockSpec((_sq, _sq, _sq, dk, dv), lambda b, h, c: (b, h, c, 0, 0))
 
 
+# grid (b, h, c): G consecutive chunks (_chunk_group), c the group
+def group_rows(d, size):
+  return pl.BlockSpec((_sq, size * C, _sq, d), lambda b, h, c: (b, c, h, 0))
+
+
+def group_beta(size):
+  return pl.BlockSpec((_sq, size * C, _sq), lambda b, h, c: (b, c, h))
+
+
+def group_flags(size):
+  return pl.BlockSpec((_sq, size * C), lambda b, h, c: (b, c))
+
+
+def group_square(size):
+  return pl.BlockSpec((_sq, _sq, size, C, C), lambda b, h, c: (b, h, c, 0, 0))
+
+
+def group_layout_flag(size):
+  return pl.BlockSpec((_sq, _sq, size, C), lambda b, h, c: (b, h, c, 0))
+
+
 # grid (b, h, c, kb): one chunk, one block of key channels
 def kblock_rows(bk):
   return pl.BlockSpec((_sq, C, _sq, bk), lambda b, h, c, kb: (b, c, h, kb))
