@@ -69,6 +69,7 @@ class ChunkOf:
 
 
 class _At:
+  """ChunkOf.at: the group's ref viewed at the chunk's index shifted (one indexer)."""
 
   def __init__(self, chunk):
     self.chunk = chunk
