@@ -495,14 +495,9 @@ def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpr
     (_later_pass_kernel; normalize: HALVES from q and k unnormalised)."""
   B, Tp, H, Dk = k.shape
   size = chunk_group(layout, Tp // C)
-  if size == 1:
-    keys, square = L.chunk_rows(Dk), L.chunk_square()
-    inputs = [keys, keys, keys, L.chunk_beta(), L.chunk_flags(), L.chunk_layout_flag()]
-    kernel = _later_pass_kernel
-  else:
-    keys, square = L.group_rows(Dk, size), L.group_square(size)
-    inputs = [keys, keys, keys, L.group_beta(size), L.group_flags(size), L.group_layout_flag(size)]
-    kernel = _later_pass_group_kernel
+  keys, square = L.chunk_rows(Dk, size), L.chunk_square(size)
+  inputs = [keys, keys, keys, L.chunk_beta(size), L.chunk_flags(size), L.chunk_layout_flag(size)]
+  kernel = _later_pass_kernel if size == 1 else _later_pass_group_kernel
   name = {factors.HALVES: "halves", factors.SUB_CHUNKS: "sub_chunks"}[layout]
   shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (a_kk, a_qk))
   aliases = {len(inputs): 0, len(inputs) + 1: 1}
