@@ -112,28 +112,6 @@ def test_mosaic_gpu_kernels_lower_for_hopper_at_the_benchmark_shape(op, options,
   }
 
 
-def test_later_scores_kernels_over_groups_of_chunks_lower_for_hopper(monkeypatch):
-  """_kda_scores.HALVES_PASS_CHUNKS / SUB_CHUNKS_PASS_CHUNKS: the HALVES and SUB_CHUNKS
-    kernels over four chunks a program go through Triton's lowering (each chunk's offset
-    folded into one indexer a load: a view of a view would not), forward and backward."""
-  from pallas_kernels.linear_attention import _kda_scores
-
-  def loops(chunks):
-    monkeypatch.setattr(_kda_scores, "HALVES_PASS_CHUNKS", chunks)
-    monkeypatch.setattr(_kda_scores, "SUB_CHUNKS_PASS_CHUNKS", chunks)
-    kernels = kr.capture_kernels("linear_attention.kda", "pallas", "bench")
-    return {
-        k.name: k.ttir.count("scf.for") for k in kernels if "halves" in k.name or "sub" in k.name
-    }
-
-  grouped, single = loops(4), loops(1)
-  assert set(grouped) == {
-      "kda_chunk_scores_halves", "kda_chunk_scores_sub_chunks",
-      "kda_chunk_scores_halves" + kr.FORWARD_ALONE
-  }
-  assert all(grouped[name] == single[name] + 1 for name in grouped), (grouped, single)
-
-
 def test_an_option_is_key_equals_a_literal_or_a_string():
   assert kr._option("forward=fused") == ("forward", "fused")
   assert kr._option("block_v=64") == ("block_v", 64)

@@ -15,27 +15,21 @@ from pallas_kernels.linear_attention._pallas_common import chunk_call, compiler_
 _sq = pl.squeezed
 
 
-# grid (b, h, c): one chunk, or with `chunks` > 1 that many consecutive ones, c the group
-# (_chunk_group: along the rows, or a leading axis of the per-chunk blocks)
-def chunk_rows(d, chunks=1):
-  return pl.BlockSpec((_sq, chunks * C, _sq, d), lambda b, h, c: (b, c, h, 0))
+# grid (b, h, c): one chunk
+def chunk_rows(d):
+  return pl.BlockSpec((_sq, C, _sq, d), lambda b, h, c: (b, c, h, 0))
 
 
-def chunk_beta(chunks=1):
-  return pl.BlockSpec((_sq, chunks * C, _sq), lambda b, h, c: (b, c, h))
+def chunk_beta():
+  return pl.BlockSpec((_sq, C, _sq), lambda b, h, c: (b, c, h))
 
 
-def chunk_flags(chunks=1):
-  return pl.BlockSpec((_sq, chunks * C), lambda b, h, c: (b, c))
+def chunk_flags():
+  return pl.BlockSpec((_sq, C), lambda b, h, c: (b, c))
 
 
-def _per_chunk(chunks):
-  """The chunk axis of a per-chunk block: squeezed for one chunk, else the group's."""
-  return _sq if chunks == 1 else chunks
-
-
-def chunk_square(chunks=1):
-  return pl.BlockSpec((_sq, _sq, _per_chunk(chunks), C, C), lambda b, h, c: (b, h, c, 0, 0))
+def chunk_square():
+  return pl.BlockSpec((_sq, _sq, _sq, C, C), lambda b, h, c: (b, h, c, 0, 0))
 
 
 def chunk_state(dk, dv):
@@ -93,9 +87,9 @@ def seq_states(n, dk, bv):
   return pl.BlockSpec((_sq, _sq, n, dk, bv), lambda b, h, j: (b, h, 0, 0, j))
 
 
-def chunk_layout_flag(chunks=1):
+def chunk_layout_flag():
   """[B, H, n, C] int32: a chunk's in-chunk layout, repeated over its C entries."""
-  return pl.BlockSpec((_sq, _sq, _per_chunk(chunks), C), lambda b, h, c: (b, h, c, 0))
+  return pl.BlockSpec((_sq, _sq, _sq, C), lambda b, h, c: (b, h, c, 0))
 
 
 def call(kernel, grid, in_specs, out_specs, out_shape, *, interpret, name, num_warps=4,

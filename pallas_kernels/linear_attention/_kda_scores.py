@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
-from pallas_kernels.linear_attention import _chunk_group as group
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._inputs import inverse_l2_norms, inverse_root
@@ -326,36 +325,17 @@ def _halves_rows_and_scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref,
   factors.if_layout(flag_ref, factors.HALVES, compute)
 
 
-def _later_pass_chunk(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, *, layout, cd,
-                      operand, normalize=False):
-  """A_kk and A_qk of a chunk in `layout` (HALVES or SUB_CHUNKS). normalize (HALVES): q and
-    k as given, normalised here (_halves)."""
+def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
+                       aqk_ref, *, layout, cd, operand, normalize=False):
+  """A later pass: A_kk and A_qk of the chunks in `layout` (HALVES or SUB_CHUNKS); their
+    memory is the first pass's outputs, the other chunks' stay as written. normalize (HALVES):
+    q and k as given, normalised here (_halves)."""
   refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
   if layout == factors.HALVES:
-    _halves(*refs, operand, normalize)
+    compute = lambda: _halves(*refs, operand, normalize)
   else:
-    _by_sub_chunks(*refs, cd)
-
-
-def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
-                       aqk_ref, *, layout, **chunk):
-  """A later pass: A_kk and A_qk of the chunks in `layout` (_later_pass_chunk); their
-    memory is the first pass's outputs, the other chunks' stay as written."""
-  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-  factors.if_layout(flag_ref, layout, lambda: _later_pass_chunk(*refs, layout=layout, **chunk))
-
-
-def _later_pass_group_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in,
-                             akk_ref, aqk_ref, *, layout, **chunk):
-  """_later_pass_kernel over a group of chunks (_chunk_group), their flags read at once."""
-  kinds = (group.ROWS,) * 5 + (group.LEADING,) * 2
-  refs = (q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref)
-
-  def one(g):
-    _later_pass_chunk(*(group.ChunkOf(ref, g, kind) for ref, kind in zip(refs, kinds)),
-                      layout=layout, **chunk)
-
-  group.each_chunk_of_layout(flag_ref, layout, one)
+    compute = lambda: _by_sub_chunks(*refs, cd)
+  factors.if_layout(flag_ref, layout, compute)
 
 
 # The scores with the solve in place (chunk_scores_and_solve): the HALVES pass keeps its
@@ -428,23 +408,6 @@ HALVES_ROWS_IN_THEIR_KERNEL = False
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
 HALVES_WARPS = None
-# The chunks one program of the HALVES kernel and of the SUB_CHUNKS kernel takes
-# (_chunk_group): with more than one it reads their layout flags at once and ends after that
-# load where none is of its layout, where one program a chunk pays a launch and a load for
-# each (41 us of each kernel at the first shape when no chunk is of its layout:
-# docs/performance.md, "The HALVES chunks whole in their own kernel, timed"). Options to time
-# ("Still untimed"): the SUB_CHUNKS kernel finds no chunk under every gate regime timed, the
-# HALVES one none under mild gates and nearly all under strong ones
-HALVES_PASS_CHUNKS = 1
-SUB_CHUNKS_PASS_CHUNKS = 1
-
-
-def chunk_group(layout, n):
-  """The chunks a program of the later pass of `layout` takes for n chunks a sequence: its
-    constant where that divides n, else one."""
-  size = HALVES_PASS_CHUNKS if layout == factors.HALVES else SUB_CHUNKS_PASS_CHUNKS
-  return size if size > 1 and n % size == 0 else 1
-
 
 # The forms with a first kernel over every chunk, which can normalise q and k and sum the
 # decays on its way for the kernels after it
@@ -494,18 +457,35 @@ def _later_pass(layout, q, k, b, beta, runs, layouts, a_kk, a_qk, *, cd, interpr
   """(A_kk, A_qk) with the chunks of `layout` (HALVES or SUB_CHUNKS) formed in place
     (_later_pass_kernel; normalize: HALVES from q and k unnormalised)."""
   B, Tp, H, Dk = k.shape
-  size = chunk_group(layout, Tp // C)
-  keys, square = L.chunk_rows(Dk, size), L.chunk_square(size)
-  inputs = [keys, keys, keys, L.chunk_beta(size), L.chunk_flags(size), L.chunk_layout_flag(size)]
-  kernel = _later_pass_kernel if size == 1 else _later_pass_group_kernel
+  keys, square = L.chunk_rows(Dk), L.chunk_square()
+  inputs = [keys, keys, keys, L.chunk_beta(), L.chunk_flags(), L.chunk_layout_flag()]
   name = {factors.HALVES: "halves", factors.SUB_CHUNKS: "sub_chunks"}[layout]
   shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (a_kk, a_qk))
   aliases = {len(inputs): 0, len(inputs) + 1: 1}
-  kernel = functools.partial(kernel, layout=layout, cd=cd, operand=operand, normalize=normalize)
-  return L.call(kernel, (B, H, Tp // C // size), inputs + [square, square], (square, square),
-                shapes, name=f"kda_chunk_scores_{name}", input_output_aliases=aliases,
-                interpret=interpret, num_warps=num_warps, num_stages=2)(q, k, b, beta, runs,
-                                                                        layouts, a_kk, a_qk)
+  kernel = functools.partial(_later_pass_kernel, layout=layout, cd=cd, operand=operand,
+                             normalize=normalize)
+  call = L.call(kernel, (B, H, Tp // C), inputs + [square, square], (square, square), shapes,
+                name=f"kda_chunk_scores_{name}", input_output_aliases=aliases, interpret=interpret,
+                num_warps=num_warps, num_stages=2)
+  return if_any_chunk(layouts, layout, lambda *a: call(q, k, b, beta, runs, layouts, *a), a_kk,
+                      a_qk)
+
+
+# A later pass launched only where a chunk takes its layout (lax.cond on the layout flags):
+# its programs otherwise each read a flag and end, 31-41 us a kernel at the goal shapes,
+# where the condition costs a reduction over the flags and a conditional
+# (docs/performance.md, "Later passes skipped where no chunk takes their layout")
+SKIP_ABSENT_LAYOUTS = True
+
+
+def if_any_chunk(layouts, layout, run, *outputs):
+  """run(*outputs) where some chunk's flag (layouts [B, H, n, C], _chunk_factors.
+    record_layout) is `layout`, else the outputs unchanged; with SKIP_ABSENT_LAYOUTS off,
+    run(*outputs) always."""
+  if not SKIP_ABSENT_LAYOUTS:
+    return run(*outputs)
+  present = jnp.any(layouts[..., 0] == layout)
+  return jax.lax.cond(present, run, lambda *a: a, *outputs)
 
 
 def _halves_pass_with_rows(q, k, b, beta, runs, carry_in, in_last, layouts, written, *, interpret,
@@ -521,7 +501,9 @@ def _halves_pass_with_rows(q, k, b, beta, runs, carry_in, in_last, layouts, writ
                 name="kda_chunk_scores_halves_with_rows",
                 input_output_aliases={len(inputs) + i: i for i in range(len(written))},
                 interpret=interpret, num_warps=num_warps, num_stages=2)
-  return call(q, k, b, beta, runs, carry_in, in_last, layouts, *written)
+  return if_any_chunk(layouts, factors.HALVES,
+                      lambda *w: call(q, k, b, beta, runs, carry_in, in_last, layouts, *w),
+                      *written)
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,

@@ -253,46 +253,43 @@ def test_halves_rows_in_their_own_kernel(monkeypatch):
   _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
 
 
-def test_later_pass_programs_over_groups_of_chunks(monkeypatch):
-  """_kda_scores.HALVES_PASS_CHUNKS and SUB_CHUNKS_PASS_CHUNKS (options): the HALVES and
-  SUB_CHUNKS kernels' programs take three chunks each, one of each scores layout in every group (two heads), and write
-  what one program a chunk writes, to the bit (the forward alone's scores, the HALVES kernel
-  normalising its own rows); the grid is a third as long. Where the group does not divide
-  the chunks, one program a chunk. Then the op, forward and backward (the normalised rows
-  kept), against the oracle with the groups."""
-  x = one_chunk_of_each_scores_layout(
-      make_inputs(seed=43, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03))
+@pytest.mark.parametrize("layouts", ["each", "whole_chunk_alone"])
+def test_later_passes_skipped_where_no_chunk_takes_their_layout(monkeypatch, layouts):
+  """_kda_scores.SKIP_ABSENT_LAYOUTS: the HALVES and SUB_CHUNKS kernels each run under a
+  condition on the layout flags, and the scores are the same to the bit as with both kernels
+  run over every chunk: one chunk of each scores layout on each of two heads (both run), or
+  every chunk WHOLE_CHUNK (neither has a chunk); the forward alone's scores and the
+  training forward's. Then the op, forward and backward, against the oracle with it."""
+  x = make_inputs(seed=43, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03)
+  if layouts == "each":
+    x = one_chunk_of_each_scores_layout(x)
+  else:
+    x["g"] = -0.05 * jnp.abs(x["g"])
   B, T = x["q"].shape[:2]
   qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
                                            x["segment_ids"], B, T)
   masks = _chunk_prep.segment_masks(runs)
+  expected = jnp.array([0, 3, 2] if layouts == "each" else [0, 0, 0])
+  assert jnp.all(factors.score_layouts(x["g"])[0] == expected[:,
+                                                              None]), factors.score_layouts(x["g"])
   monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
 
-  def scores(chunks):
-    monkeypatch.setattr(_kda_scores, "HALVES_PASS_CHUNKS", chunks)
-    monkeypatch.setattr(_kda_scores, "SUB_CHUNKS_PASS_CHUNKS", chunks)
+  def scores(skip, keep_normalized):
+    monkeypatch.setattr(_kda_scores, "SKIP_ABSENT_LAYOUTS", skip)
 
     def fn(q, k, b):
       return _kda_scores.chunk_scores(q, k, b, x["beta"], runs, *masks, cd=jnp.float32,
                                       interpret=True, form="by_layout", normalize=True,
-                                      keep_normalized=False)
+                                      keep_normalized=keep_normalized)
 
-    grids = [
-        str(e.params["grid_mapping"].grid)
-        for e in jax.make_jaxpr(fn)(qp, kp, b).eqns
-        if e.primitive.name == "pallas_call"
-    ]
-    return jax.jit(fn)(qp, kp, b), grids
+    conds = [e for e in jax.make_jaxpr(fn)(qp, kp, b).eqns if e.primitive.name == "cond"]
+    assert len(conds) == (2 if skip else 0)
+    return jax.jit(fn)(qp, kp, b)
 
-  (grouped, grouped_grids), (single, single_grids) = scores(3), scores(1)
-  assert grouped_grids[1:] == ["(1, 2, 1)"] * 2 and single_grids[1:] == ["(1, 2, 3)"] * 2
-  for a, ref in zip(grouped, single):
-    chex.assert_trees_all_equal(a, ref)
-  monkeypatch.setattr(_kda_scores, "HALVES_PASS_CHUNKS", 2)
-  monkeypatch.setattr(_kda_scores, "SUB_CHUNKS_PASS_CHUNKS", 3)
-  assert [_kda_scores.chunk_group(factors.HALVES, n) for n in (3, 4)] == [1, 2]
-  assert [_kda_scores.chunk_group(factors.SUB_CHUNKS, n) for n in (3, 4)] == [3, 1]
-  monkeypatch.setattr(_kda_scores, "HALVES_PASS_CHUNKS", 3)
+  for keep_normalized in (False, True):
+    for a, ref in zip(scores(True, keep_normalized), scores(False, keep_normalized), strict=True):
+      chex.assert_trees_all_equal(a, ref)
+  monkeypatch.setattr(_kda_scores, "SKIP_ABSENT_LAYOUTS", True)
   _assert_within(_errors(x), 1e-4, 1e-4)
 
 
