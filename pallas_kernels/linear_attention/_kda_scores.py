@@ -31,6 +31,7 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._inputs import inverse_l2_norms, inverse_root
+from pallas_kernels.linear_attention._chunk_factors import HALF
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
                                                         write_keys)
@@ -118,25 +119,62 @@ HALVES_BLOCK_D = 64
 # queries and spills, and ran slower (docs/performance.md, "The pairs across the halves from
 # the inside's operands")
 HALVES_ACROSS = "own_exp"
+# How the HALVES kernels form their products: "full_width", [C, C] products masked to the
+# pairs inside the halves and to those across (_chunk_factors.halves_products, by
+# HALVES_ACROSS); "blocks", [HALF, HALF] ones, the two halves and the block across
+# (_chunk_factors.halves_block_products): three quarters of a [C, C] product's work where
+# the other takes two whole ones; in the forward alone (_halves; untimed)
+HALVES_PRODUCTS_FORMS = ("full_width", "blocks")
+HALVES_PRODUCTS = "full_width"
 
 
 def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=False,
             block_d=None):
-  """A_kk and A_qk of a HALVES chunk: two matmuls each of `operand` dtype operands, block_d
-    channels at a time (None: HALVES_BLOCK_D); with `normalize`, of q and k as given, their
-    rows scaled by their inverse norms (_NormalisedRows)."""
+  """A_kk and A_qk of a HALVES chunk: two [C, C] matmuls each, or three [HALF, HALF] ones
+    (HALVES_PRODUCTS), of `operand` dtype operands, block_d channels at a time (None:
+    HALVES_BLOCK_D); with `normalize`, of q and k as given, their rows scaled by their
+    inverse norms (_NormalisedRows)."""
+  if HALVES_PRODUCTS not in HALVES_PRODUCTS_FORMS:
+    raise ValueError(f"HALVES_PRODUCTS = {HALVES_PRODUCTS!r}: expected one of "
+                     f"{list(HALVES_PRODUCTS_FORMS)}")
   block_d = block_d or HALVES_BLOCK_D
+  # by blocks where this normalises q and k (the forward alone's kernels), not on rows held
+  # in registers (the first kernel's HALVES chunks) nor on the kept normalised rows (the
+  # training forward's HALVES kernel, which spills with them and outgrows the instruction
+  # cache: experiments/kernel_resources.py)
+  by_blocks = HALVES_PRODUCTS == "blocks" and normalize and not isinstance(b_ref, factors.HeldRows)
   if normalize:
-    q_ref, k_ref = (_NormalisedRows.of(ref, block_d) for ref in (q_ref, k_ref))
+    q_ref, k_ref = (_NormalisedRows.of(ref, block_d, by_halves=by_blocks) for ref in (q_ref, k_ref))
+  if by_blocks:
+    above = (pl.ds(0, HALF), pl.ds(HALF, HALF))  # no pairs: s > t
+    for ref in (akk_ref, aqk_ref):
+      ref[above] = jnp.zeros((HALF, HALF), ref.dtype)
+    factors.halves_block_products(
+        k_ref, b_ref, (k_ref, q_ref), lambda row, col, a_kk, a_qk: _store_block(
+            r_ref, beta_ref, akk_ref, aqk_ref, row, col, a_kk, a_qk), block_d=block_d,
+        dtypes=(operand,) * 2)
+    return
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=block_d,
       dtypes=(operand,) * 2, across=HALVES_ACROSS)
 
 
+def _store_block(r_ref, beta_ref, akk_ref, aqk_ref, row, col, a_kk, a_qk):
+  """Rows [row, row + n) and columns [col, col + n) of A_kk and A_qk from their unmasked
+    products [n, n]."""
+  n = a_kk.shape[0]
+  t, s = row + iota(n, 0, (n, n)), col + iota(n, 1, (n, n))
+  same = r_ref[pl.ds(row, n)][:, None] == r_ref[pl.ds(col, n)][None, :]
+  beta = beta_ref[pl.ds(row, n)].astype(F32)[:, None]
+  at = (pl.ds(row, n), pl.ds(col, n))
+  akk_ref[at] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
+  aqk_ref[at] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
+
+
 class _NormalisedRows:
-  """A chunk's [C, D] ref read as its L2-normalised rows: each load (all C rows, any
-    channels) times the rows' inverse norms [C, 1], in fp32. The HALVES products take their
+  """A chunk's [C, D] ref read as its L2-normalised rows: each load (all C rows, or a
+    half's rows where made by_halves; any channels) times the rows' inverse norms, in fp32. The HALVES products take their
     operands so: scaling the products instead holds the keys' norms as a row too, and
     spills (experiments/kernel_resources.py)."""
 
@@ -144,18 +182,27 @@ class _NormalisedRows:
     self.ref, self.scale, self.shape = ref, scale, ref.shape
 
   @classmethod
-  def of(cls, ref, block_d):
+  def of(cls, ref, block_d, by_halves=False):
     """The rows of ref, their squares summed block_d channels at a time (no [C, D] fp32
-      row block held: a kernel short of registers)."""
+      row block held: a kernel short of registers); by_halves: each half's rows' norms
+      apart, for loads of a half's rows (halves_block_products), not the whole chunk's."""
     block = min(block_d, ref.shape[-1])
-    squares = [
-        jnp.sum(jnp.square(ref[:, pl.ds(d, block)].astype(F32)), axis=1)
-        for d in range(0, ref.shape[-1], block)
-    ]
-    return cls(ref, inverse_root(functools.reduce(jnp.add, squares))[:, None])
+
+    def scale(start, n):
+      squares = [
+          jnp.sum(jnp.square(ref[pl.ds(start, n), pl.ds(d, block)].astype(F32)), axis=1)
+          for d in range(0, ref.shape[-1], block)
+      ]
+      return inverse_root(functools.reduce(jnp.add, squares))[:, None]
+
+    return cls(ref, (scale(0, HALF), scale(HALF, HALF)) if by_halves else scale(0, C))
 
   def __getitem__(self, index):
-    assert index[0].start == 0 and index[0].size == C, "whole-chunk row loads only"
+    rows_at = (index[0].start, index[0].size)
+    if isinstance(self.scale, tuple):
+      assert rows_at in ((0, HALF), (HALF, HALF)), "a half's row loads only"
+      return self.ref[index].astype(F32) * self.scale[rows_at[0] // HALF]
+    assert rows_at == (0, C), "whole-chunk row loads only"
     return self.ref[index].astype(F32) * self.scale
 
 
@@ -320,7 +367,10 @@ def _halves_rows_and_scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref,
       store_decayed_rows(q[pl.ds(0, C), cols], k_d, b, b_ref[pl.ds(C - 1, 1), cols].astype(F32),
                          ci_ref, il_ref, qg_ref, kg_ref, cols)
       _store_write_keys(k_d, b, beta_ref, ci_ref, kw_ref, cols)
-    _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand)
+    if HALVES_PRODUCTS == "blocks":  # its operands by halves: their norms by halves
+      _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=True)
+    else:
+      _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand)
 
   factors.if_layout(flag_ref, factors.HALVES, compute)
 

@@ -293,6 +293,53 @@ def test_later_passes_skipped_where_no_chunk_takes_their_layout(monkeypatch, lay
   _assert_within(_errors(x), 1e-4, 1e-4)
 
 
+@pytest.mark.parametrize("path", ["forward_alone", "training", "rows_in_their_kernel"])
+def test_halves_products_by_blocks(monkeypatch, path):
+  """_kda_scores.HALVES_PRODUCTS = "blocks" (an option): in the forward alone, the HALVES
+  chunks' A_kk and A_qk from [HALF, HALF] products, the halves through their anchors and the
+  block across through the first half's last token, within fp32 rounding of the [C, C]
+  products' (the HALVES kernel normalising its rows by halves, and the kernel that writes
+  the HALVES chunks' rows too), the other layouts' to the bit; the training forward's
+  scores unchanged, to the bit. Then the op, forward and backward, against the oracle with
+  it; an unknown form is refused."""
+  x = one_chunk_of_each_scores_layout(
+      make_inputs(seed=47, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03))
+  B, T = x["q"].shape[:2]
+  qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
+                                           x["segment_ids"], B, T)
+  masks = _chunk_prep.segment_masks(runs)
+  monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
+  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", path == "rows_in_their_kernel")
+
+  def scores(form):
+    monkeypatch.setattr(_kda_scores, "HALVES_PRODUCTS", form)
+    return jax.jit(lambda q, k, b: _kda_scores.chunk_scores(
+        q, k, b, x["beta"], runs, *masks, cd=jnp.float32, interpret=True, form="by_layout",
+        normalize=True, keep_normalized=path == "training"))(qp, kp, b)
+
+  blocks, full = scores("blocks"), scores("full_width")
+  if path == "training":
+    for a, ref in zip(blocks, full, strict=True):
+      chex.assert_trees_all_equal(a, ref)
+    return
+  assert not jnp.array_equal(blocks[4][:, :, 1], full[4][:, :, 1])  # other sums: other roundings
+  for name, a, ref in zip(("qg", "kg", "kw", "a_kk", "a_qk"), blocks, full):
+    halves = ref[:, :, 1] if name.startswith("a_") else ref[:, 64:128]
+    assert float(jnp.max(jnp.abs(halves))) > 0, name
+    chex.assert_trees_all_close(a, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    if name.startswith("a_"):  # the WHOLE_CHUNK and SUB_CHUNKS chunks' to the bit
+      chex.assert_trees_all_equal(a[:, :, ::2], ref[:, :, ::2])
+  monkeypatch.setattr(_kda_scores, "HALVES_PRODUCTS", "blocks")
+  args = [3.0 * x[n] if n in "qk" else x[n] for n in NAMES[:5]]
+  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
+  o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
+  o, s = fast_jit(lambda *a: chunked_kda(*a, **kw))(*args)
+  _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
+  monkeypatch.setattr(_kda_scores, "HALVES_PRODUCTS", "quarters")
+  with pytest.raises(ValueError, match=r"HALVES_PRODUCTS = 'quarters': expected one of"):
+    scores("quarters")
+
+
 @pytest.mark.parametrize("qk_norm, solve", [("xla", "own_kernel"), ("kernel", "own_kernel"),
                                             ("kernel", "in_scores")])
 def test_decays_summed_in_the_first_scores_kernel(qk_norm, solve):
