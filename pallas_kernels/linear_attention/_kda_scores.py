@@ -138,11 +138,11 @@ def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, nor
     raise ValueError(f"HALVES_PRODUCTS = {HALVES_PRODUCTS!r}: expected one of "
                      f"{list(HALVES_PRODUCTS_FORMS)}")
   block_d = block_d or HALVES_BLOCK_D
-  # by blocks where this normalises q and k (the forward alone's kernels), not on rows held
-  # in registers (the first kernel's HALVES chunks) nor on the kept normalised rows (the
-  # training forward's HALVES kernel, which spills with them and outgrows the instruction
-  # cache: experiments/kernel_resources.py)
-  by_blocks = HALVES_PRODUCTS == "blocks" and normalize and not isinstance(b_ref, factors.HeldRows)
+  # by blocks where this normalises q and k (the forward alone's HALVES kernels), not on the
+  # kept normalised rows (the training forward's HALVES kernel, which spills with them and
+  # outgrows the instruction cache: experiments/kernel_resources.py) nor on the first
+  # kernel's rows held in registers (given normalised)
+  by_blocks = HALVES_PRODUCTS == "blocks" and normalize
   if normalize:
     q_ref, k_ref = (_NormalisedRows.of(ref, block_d, by_halves=by_blocks) for ref in (q_ref, k_ref))
   if by_blocks:
