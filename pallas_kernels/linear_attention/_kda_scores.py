@@ -89,18 +89,21 @@ def _sub_chunk_rows(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, star
   store_diagonal(aqk_ref, jnp.where(same, qk_d, 0.0), start, out_row=start)
 
 
-def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk, scales=None):
+def _store_columns(r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk, scales=None,
+                   row=None):
   """Columns [start, start + n) of A_kk and A_qk from their unmasked products [C, n], where
-    region (None: everywhere); with scales (_RowScales; n = C), the products of the raw rows
-    scaled to those of the L2-normalised rows."""
-  n = a_kk.shape[1]
-  t, s = iota(C, 0, (C, n)), start + iota(n, 1, (C, n))
-  same = r_ref[...][:, None] == r_ref[pl.ds(start, n)][None, :]
-  beta = beta_ref[...].astype(F32)[:, None]
+    region (None: everywhere); with `row`, products [m, n] of rows [row, row + m) alone;
+    with scales (_RowScales; n = C), the products of the raw rows scaled to those of the
+    L2-normalised rows."""
+  m, n = a_kk.shape
+  rows_at = slice(None) if row is None else pl.ds(row, m)
+  t, s = (row or 0) + iota(m, 0, (m, n)), start + iota(n, 1, (m, n))
+  same = r_ref[rows_at][:, None] == r_ref[pl.ds(start, n)][None, :]
+  beta = beta_ref[rows_at].astype(F32)[:, None]
   if scales is not None:
     a_kk, a_qk, beta = a_kk * scales.k_row, a_qk * (scales.q * scales.k_row), beta * scales.k
-  store_where(akk_ref, start, region, jnp.where(same & (s < t), beta * a_kk, 0.0))
-  store_where(aqk_ref, start, region, jnp.where(same & (s <= t), a_qk, 0.0))
+  store_where(akk_ref, start, region, jnp.where(same & (s < t), beta * a_kk, 0.0), row)
+  store_where(aqk_ref, start, region, jnp.where(same & (s <= t), a_qk, 0.0), row)
 
 
 def _whole_chunk(q, k, b, beta_ref, r_ref, akk_ref, aqk_ref, operand, scales=None):
@@ -150,26 +153,14 @@ def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, nor
     for ref in (akk_ref, aqk_ref):
       ref[above] = jnp.zeros((HALF, HALF), ref.dtype)
     factors.halves_block_products(
-        k_ref, b_ref, (k_ref, q_ref), lambda row, col, a_kk, a_qk: _store_block(
-            r_ref, beta_ref, akk_ref, aqk_ref, row, col, a_kk, a_qk), block_d=block_d,
+        k_ref, b_ref, (k_ref, q_ref), lambda row, col, a_kk, a_qk: _store_columns(
+            r_ref, beta_ref, akk_ref, aqk_ref, col, None, a_kk, a_qk, row=row), block_d=block_d,
         dtypes=(operand,) * 2)
     return
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=block_d,
       dtypes=(operand,) * 2, across=HALVES_ACROSS)
-
-
-def _store_block(r_ref, beta_ref, akk_ref, aqk_ref, row, col, a_kk, a_qk):
-  """Rows [row, row + n) and columns [col, col + n) of A_kk and A_qk from their unmasked
-    products [n, n]."""
-  n = a_kk.shape[0]
-  t, s = row + iota(n, 0, (n, n)), col + iota(n, 1, (n, n))
-  same = r_ref[pl.ds(row, n)][:, None] == r_ref[pl.ds(col, n)][None, :]
-  beta = beta_ref[pl.ds(row, n)].astype(F32)[:, None]
-  at = (pl.ds(row, n), pl.ds(col, n))
-  akk_ref[at] = jnp.where(same & (s < t), beta * a_kk, 0.0).astype(akk_ref.dtype)
-  aqk_ref[at] = jnp.where(same & (s <= t), a_qk, 0.0).astype(aqk_ref.dtype)
 
 
 class _NormalisedRows:

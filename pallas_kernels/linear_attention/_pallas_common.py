@@ -120,10 +120,11 @@ def summed_in_registers(g_ref, b_ref):
   return b, last
 
 
-def store_where(ref, start, region, x):
+def store_where(ref, start, region, x, row=None):
   """Columns [start, start + n) of the [C, C] ref take x [C, n] (in the ref's dtype) where
-    region, all of them when region is None."""
-  cols = (slice(None), pl.ds(start, x.shape[1]))
+    region, all of them when region is None; with `row`, x [m, n] goes to rows [row, row +
+    m) of those columns."""
+  cols = (slice(None) if row is None else pl.ds(row, x.shape[0]), pl.ds(start, x.shape[1]))
   if region is None:
     ref[cols] = x.astype(ref.dtype)
   else:
