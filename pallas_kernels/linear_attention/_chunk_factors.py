@@ -517,6 +517,17 @@ def chunk_layouts(g):
                                                  SUB_CHUNKS)).astype(jnp.int32)
 
 
+def unfactored_share(b):
+  """The share (fp32 scalar) of the (row, chunk, head) blocks of b [B, Tp, H, D] (the in-chunk
+    cumulative log decay, Tp a multiple of the chunk) whose decays do not factor over one
+    anchor (not WHOLE_CHUNK) in some channel, from each chunk's end rows (midpoint's test):
+    two rows a chunk read, for a choice between kernels made per call."""
+  B, Tp, H, D = b.shape
+  chunks = b.reshape(B, Tp // C, C, H, D)
+  span = jnp.max(chunks[:, :, 0] - chunks[:, :, C - 1], axis=-1)
+  return jnp.mean((span > 2.0 * WHOLE_LIMIT).astype(jnp.float32))
+
+
 def score_layouts(g):
   """[B, n, H] int32: the layout each chunk of gates g [B, T, H, D] takes in the scores'
     kernels over all its channels (WHOLE_CHUNK, HALVES or SUB_CHUNKS; T a multiple of the

@@ -444,8 +444,13 @@ HALVES_IN_FIRST_PASS_BLOCK_D = 128
 # each of them and nothing more: q, k and b read once for those chunks, not twice, with no
 # HALVES code in the first kernel (_halves_rows_and_scores_kernel). Faster with strong gates,
 # slower wherever the chunks are WHOLE_CHUNK: the first kernel waits for the layout's rows
-# before it loads the chunk's (docs/kernel_tuning.md, "KDA in-chunk scores")
+# before it loads the chunk's (docs/kernel_tuning.md, "KDA in-chunk scores"). "by_census":
+# chosen per call, where at least HALVES_ROWS_CENSUS_SHARE of the chunks do not factor over
+# one anchor by their end rows (_chunk_factors.unfactored_share, a reduction over two rows
+# of b a chunk, then a lax.cond between the two forms)
 HALVES_ROWS_IN_THEIR_KERNEL = False
+HALVES_ROWS_FORMS = (False, True, "by_census")
+HALVES_ROWS_CENSUS_SHARE = 0.6
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
 HALVES_WARPS = None
@@ -566,7 +571,8 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     HALVES_IN_FIRST_PASS, `normalize` and not keep_normalized (the forward alone), two, the
     first taking the HALVES chunks too; with HALVES_ROWS_IN_THEIR_KERNEL there (b given
     summed), the HALVES kernel writes its chunks' qg, kg and kw too, and the first kernel
-    nothing of theirs but their flag.
+    nothing of theirs but their flag ("by_census": in the calls where most chunks do not
+    factor over one anchor).
     operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
@@ -575,6 +581,9 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     if asked and form not in FIRST_KERNEL_FORMS:
       raise ValueError(
           f"chunk_scores({name}=True) needs a form of {list(FIRST_KERNEL_FORMS)}, not {form!r}")
+  if HALVES_ROWS_IN_THEIR_KERNEL not in HALVES_ROWS_FORMS:
+    raise ValueError(f"HALVES_ROWS_IN_THEIR_KERNEL = {HALVES_ROWS_IN_THEIR_KERNEL!r}: expected "
+                     f"one of {list(HALVES_ROWS_FORMS)}")
   operand = factors.operand_dtype(operands, cd)
   B, Tp, H, Dk = k.shape
   n = Tp // C
@@ -593,29 +602,36 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   # kernel normalising its own rows")
   halves_normalize = normalize and not keep_normalized
   halves_here = HALVES_IN_FIRST_PASS and halves_normalize
-  halves_rows_later = (HALVES_ROWS_IN_THEIR_KERNEL and halves_normalize and not halves_here and
-                       not from_gates)
-  raw = q, k
-  qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
-      q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
-      warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
-      keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
-      halves_normalize=halves_normalize, summed_rows=summed_rows, halves_here=halves_here,
-      halves_rows_later=halves_rows_later)
-  if halves_rows_later:
-    qg, kg, kw, a_kk, a_qk = _halves_pass_with_rows(*raw, b, beta, runs, carry_in, in_last, layouts,
-                                                    (qg, kg, kw, a_kk, a_qk), interpret=interpret,
-                                                    num_warps=HALVES_WARPS or num_warps,
-                                                    operand=operand)
-  elif not halves_here:
-    halves_rows = raw if halves_normalize else (q, k)
-    a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, layouts, a_kk, a_qk,
-                             cd=cd, interpret=interpret, num_warps=HALVES_WARPS or num_warps,
-                             operand=operand, normalize=halves_normalize)
-  a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
-                           interpret=interpret, num_warps=num_warps, operand=operand)
-  return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
-                                     ()) + ((b,) if from_gates else ())
+  rows_later_fits = halves_normalize and not halves_here and not from_gates
+
+  def by_layout(q, k, b, halves_rows_later):
+    raw = q, k
+    qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
+        q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
+        warps=_first_pass_warps(factored_warps, normalize), normalize=normalize,
+        keys_of_halves=True, keep_normalized=keep_normalized, from_gates=from_gates,
+        operand=operand, halves_normalize=halves_normalize, summed_rows=summed_rows,
+        halves_here=halves_here, halves_rows_later=halves_rows_later)
+    if halves_rows_later:
+      qg, kg, kw, a_kk, a_qk = _halves_pass_with_rows(*raw, b, beta, runs, carry_in, in_last,
+                                                      layouts, (qg, kg, kw, a_kk, a_qk),
+                                                      interpret=interpret, num_warps=HALVES_WARPS or
+                                                      num_warps, operand=operand)
+    elif not halves_here:
+      halves_rows = raw if halves_normalize else (q, k)
+      a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, layouts, a_kk, a_qk,
+                               cd=cd, interpret=interpret, num_warps=HALVES_WARPS or num_warps,
+                               operand=operand, normalize=halves_normalize)
+    a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
+                             interpret=interpret, num_warps=num_warps, operand=operand)
+    return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
+                                       ()) + ((b,) if from_gates else ())
+
+  if HALVES_ROWS_IN_THEIR_KERNEL == "by_census" and rows_later_fits:
+    many = factors.unfactored_share(b) >= HALVES_ROWS_CENSUS_SHARE
+    return jax.lax.cond(many, functools.partial(by_layout, halves_rows_later=True),
+                        functools.partial(by_layout, halves_rows_later=False), q, k, b)
+  return by_layout(q, k, b, HALVES_ROWS_IN_THEIR_KERNEL is True and rows_later_fits)
 
 
 def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,

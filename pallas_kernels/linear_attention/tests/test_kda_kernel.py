@@ -253,6 +253,51 @@ def test_halves_rows_in_their_own_kernel(monkeypatch):
   _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
 
 
+def test_halves_rows_in_their_kernel_by_census(monkeypatch):
+  """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL = "by_census": per call, the HALVES chunks' rows
+  in their own kernel where at least HALVES_ROWS_CENSUS_SHARE of the chunks do not factor
+  over one anchor, else the first kernel's: the scores to the bit as the form it picks,
+  with two chunks of three not factoring (the rows in their kernel) and with none (the first
+  kernel's), both forms compiled into one function; the op against the oracle with it; an
+  unknown form refused."""
+  monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
+  x = make_inputs(seed=49, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03)
+  mild = dict(x, g=-0.05 * jnp.abs(x["g"]))
+  each = one_chunk_of_each_scores_layout(x)
+
+  def scores(x, form):
+    monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", form)
+    B, T = x["q"].shape[:2]
+    qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
+                                             x["segment_ids"], B, T)
+    masks = _chunk_prep.segment_masks(runs)
+
+    def fn(q, k, b):
+      return _kda_scores.chunk_scores(q, k, b, x["beta"], runs, *masks, cd=jnp.float32,
+                                      interpret=True, form="by_layout", normalize=True,
+                                      keep_normalized=False)[:5]
+
+    if form == "by_census":
+      assert float(factors.unfactored_share(b)) == pytest.approx(2 / 3 if x is each else 0.0)
+      jaxpr = str(jax.make_jaxpr(fn)(qp, kp, b))
+      # both forms compiled: the HALVES kernel with rows and the one without
+      assert jaxpr.count("kda_chunk_scores_halves") > jaxpr.count(_HALVES_WITH_ROWS) > 0
+    return jax.jit(fn)(qp, kp, b)
+
+  for inputs, picked in ((each, True), (mild, False)):
+    chex.assert_trees_all_equal(scores(inputs, "by_census"), scores(inputs, picked))
+  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "by_census")
+  args = [3.0 * each[n] if n in "qk" else each[n] for n in NAMES[:5]]
+  kw = dict(initial_state=each["initial_state"], segment_ids=each["segment_ids"],
+            output_final_state=True)
+  o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
+  o, s = fast_jit(lambda *a: chunked_kda(*a, **kw))(*args)
+  _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
+  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "sometimes")
+  with pytest.raises(ValueError, match="HALVES_ROWS_IN_THEIR_KERNEL = 'sometimes'"):
+    scores(each, "sometimes")
+
+
 @pytest.mark.parametrize("layouts", ["each", "whole_chunk_alone"])
 def test_later_passes_skipped_where_no_chunk_takes_their_layout(monkeypatch, layouts):
   """_kda_scores.SKIP_ABSENT_LAYOUTS: the HALVES and SUB_CHUNKS kernels each run under a
