@@ -528,6 +528,25 @@ def unfactored_share(b):
   return jnp.mean((span > 2.0 * WHOLE_LIMIT).astype(jnp.float32))
 
 
+def score_layout_flags(b):
+  """[B, H, n, C] int32: each chunk's layout for the scores (WHOLE_CHUNK, HALVES, SUB_CHUNKS),
+    repeated over its C entries, as record_layout writes it, from the six rows of b
+    [B, Tp, H, D] (the in-chunk cumulative log decay) that it reads: plain JAX, for the
+    kernels of a call that need every chunk's layout before their first (the same
+    subtractions and comparisons: the same flags)."""
+  B, Tp, H, D = b.shape
+  chunk = b.reshape(B, Tp // C, C, H, D).astype(jnp.float32)
+  row = lambda i: chunk[:, :, i]
+  whole = jnp.max(row(0) - row(C - 1), axis=-1) <= 2.0 * WHOLE_LIMIT
+  gap = jnp.abs(row(HALF - 1) - row(HALF + HALF_ANCHOR))
+  for start in (0, HALF):
+    anchor = row(start + HALF_ANCHOR)
+    gap = jnp.maximum(gap, jnp.maximum(row(start) - anchor, anchor - row(start + HALF - 1)))
+  bounded = jnp.max(gap, axis=-1) <= HALF_LIMIT
+  layout = jnp.where(whole, WHOLE_CHUNK, jnp.where(bounded, HALVES, SUB_CHUNKS)).astype(jnp.int32)
+  return jnp.broadcast_to(layout.transpose(0, 2, 1)[..., None], (B, H, Tp // C, C))
+
+
 def score_layouts(g):
   """[B, n, H] int32: the layout each chunk of gates g [B, T, H, D] takes in the scores'
     kernels over all its channels (WHOLE_CHUNK, HALVES or SUB_CHUNKS; T a multiple of the

@@ -340,6 +340,32 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
                lambda: jax.lax.cond(layout == factors.HALVES, halves, lambda: None))
 
 
+def _rows_by_blocks(q, k, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref, normed=None):
+  """A chunk's qg, kg and kw from q and k (its rows as _NormalisedRows), HALVES_BLOCK_D
+    channels at a time; normed(cols, q, k), where given, takes each block's normalised rows."""
+  D = b_ref.shape[-1]
+  block = min(HALVES_BLOCK_D, D)
+  for d in range(0, D, block):
+    cols = pl.ds(d, block)
+    b = b_ref[pl.ds(0, C), cols].astype(F32)
+    q_d, k_d = q[pl.ds(0, C), cols], k[pl.ds(0, C), cols]
+    store_decayed_rows(q_d, k_d, b, b_ref[pl.ds(C - 1, 1), cols].astype(F32), ci_ref, il_ref,
+                       qg_ref, kg_ref, cols)
+    _store_write_keys(k_d, b, beta_ref, ci_ref, kw_ref, cols)
+    if normed is not None:
+      normed(cols, q_d, k_d)
+
+
+def _halves_scores_of_raw_rows(q_ref, k_ref, q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref,
+                               operand):
+  """A HALVES chunk's A_kk, A_qk from q and k as given (refs), their rows normalised (q, k:
+    as _NormalisedRows over the whole chunk, what the [C, C] products load)."""
+  if HALVES_PRODUCTS == "blocks":  # its operands by halves: their norms by halves
+    _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=True)
+  else:
+    _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand)
+
+
 def _halves_rows_and_scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, flag_ref,
                                    *refs, operand):
   """A HALVES chunk whole, from q and k as given, normalised here (_NormalisedRows): its qg,
@@ -349,21 +375,51 @@ def _halves_rows_and_scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref,
 
   def compute():
     q, k = (_NormalisedRows.of(ref, HALVES_BLOCK_D) for ref in (q_ref, k_ref))
-    D = k_ref.shape[-1]
-    block = min(HALVES_BLOCK_D, D)
-    for d in range(0, D, block):
-      cols = pl.ds(d, block)
-      b = b_ref[pl.ds(0, C), cols].astype(F32)
-      k_d = k[pl.ds(0, C), cols]
-      store_decayed_rows(q[pl.ds(0, C), cols], k_d, b, b_ref[pl.ds(C - 1, 1), cols].astype(F32),
-                         ci_ref, il_ref, qg_ref, kg_ref, cols)
-      _store_write_keys(k_d, b, beta_ref, ci_ref, kw_ref, cols)
-    if HALVES_PRODUCTS == "blocks":  # its operands by halves: their norms by halves
-      _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=True)
-    else:
-      _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand)
+    _rows_by_blocks(q, k, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
+    _halves_scores_of_raw_rows(q_ref, k_ref, q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref,
+                               operand)
 
   factors.if_layout(flag_ref, factors.HALVES, compute)
+
+
+def _halves_first_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, flag_ref, qg_ref,
+                         kg_ref, kw_ref, akk_ref, aqk_ref, nq_ref, nk_ref, *, operand):
+  """The first kernel of the HALVES-first form, the layouts given (flag_ref): a HALVES chunk
+    whole, as _halves_rows_and_scores_kernel forms it; a SUB_CHUNKS chunk's qg, kg, kw and
+    its normalised q, k rows (nq_ref, nk_ref, what the SUB_CHUNKS kernel reads); nothing of a
+    WHOLE_CHUNK chunk (_whole_chunks_kernel's)."""
+  layout = jnp.max(flag_ref[...])
+
+  def store_normalised(cols, q, k):
+    for ref, x in ((nq_ref, q), (nk_ref, k)):
+      ref[pl.ds(0, C), cols] = x.astype(ref.dtype)
+
+  def compute():
+    sub_chunks = layout == factors.SUB_CHUNKS
+    q, k = (_NormalisedRows.of(ref, HALVES_BLOCK_D) for ref in (q_ref, k_ref))
+    _rows_by_blocks(q, k, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
+                    lambda *a: jax.lax.cond(sub_chunks, lambda: store_normalised(*a), lambda: None))
+    jax.lax.cond(
+        sub_chunks, lambda: None, lambda: _halves_scores_of_raw_rows(
+            q_ref, k_ref, q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand))
+
+  jax.lax.cond(layout == factors.WHOLE_CHUNK, lambda: None, compute)
+
+
+def _whole_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, flag_ref, *refs,
+                         operand):
+  """A WHOLE_CHUNK chunk (its layout given) whole, as the first kernel forms it from q and k
+    normalised (its rows scaled: _RowScales), into the HALVES-first kernel's outputs."""
+  qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref = refs[len(refs) // 2:]
+
+  def compute():
+    b = rows(b_ref, 0, C)
+    scales = _rows_written(q_ref, k_ref, b, rows(b_ref, C - 1, 1), beta_ref, ci_ref, il_ref, qg_ref,
+                           kg_ref, kw_ref, normalize=True)
+    _whole_chunk(_loader(q_ref), _loader(k_ref), b, beta_ref, r_ref, akk_ref, aqk_ref, operand,
+                 scales)
+
+  factors.if_layout(flag_ref, factors.WHOLE_CHUNK, compute)
 
 
 def _later_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, flag_ref, _akk_in, _aqk_in, akk_ref,
@@ -449,8 +505,14 @@ HALVES_IN_FIRST_PASS_BLOCK_D = 128
 # one anchor by their end rows (_chunk_factors.unfactored_share, a reduction over two rows
 # of b a chunk, then a lax.cond between the two forms)
 HALVES_ROWS_IN_THEIR_KERNEL = False
-HALVES_ROWS_FORMS = (False, True, "by_census")
+# "halves_first" (the layouts taken from six rows of b a chunk in XLA first,
+# _chunk_factors.score_layout_flags): the HALVES chunks' kernel first, writing the SUB_CHUNKS
+# chunks' rows too, then the WHOLE_CHUNK chunks' kernel only where a chunk takes that layout:
+# with strong gates no kernel reads b's rows for the layout alone.
+HALVES_ROWS_FORMS = (False, True, "halves_first", "by_census")
 HALVES_ROWS_CENSUS_SHARE = 0.6
+# The form "by_census" takes where the share is reached (else False)
+HALVES_ROWS_CENSUS_FORM = True
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
 HALVES_WARPS = None
@@ -552,6 +614,38 @@ def _halves_pass_with_rows(q, k, b, beta, runs, carry_in, in_last, layouts, writ
                       *written)
 
 
+def _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps,
+                       operand):
+  """(qg, kg, kw, A_kk, A_qk) of q and k normalised, by the HALVES-first form
+    (HALVES_ROWS_IN_THEIR_KERNEL): the layouts from b in XLA, then _halves_first_kernel
+    (num_warps), _whole_chunks_kernel where a chunk is WHOLE_CHUNK and the SUB_CHUNKS kernel
+    where one is SUB_CHUNKS, each into the first one's outputs."""
+  B, Tp, H, Dk = k.shape
+  n = Tp // C
+  keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
+  layouts = factors.score_layout_flags(b)
+  inputs = [keys, keys, keys, L.chunk_beta(), flag, flag, flag, L.chunk_layout_flag()]
+  specs = (keys,) * 3 + (square,) * 2
+  shapes = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(F32, B, H, n, C,
+                                                       C), L.shape(cd, B, H, n, C, C))
+  args = (q, k, b, beta, runs, carry_in, in_last, layouts)
+  *written, nq, nk = L.call(
+      functools.partial(_halves_first_kernel,
+                        operand=operand), (B, H, n), inputs, specs + (keys, keys),
+      shapes + (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)),
+      name="kda_chunk_scores_halves_first", interpret=interpret, num_warps=num_warps,
+      num_stages=2)(*args)
+  whole = L.call(functools.partial(_whole_chunks_kernel, operand=operand), (B, H, n),
+                 inputs + list(specs), specs, shapes, name="kda_chunk_scores_whole_chunk_given",
+                 input_output_aliases={len(inputs) + i: i for i in range(len(specs))},
+                 interpret=interpret, num_warps=NORMALIZING_WARPS, num_stages=2)
+  qg, kg, kw, a_kk, a_qk = if_any_chunk(layouts, factors.WHOLE_CHUNK, lambda *w: whole(*args, *w),
+                                        *written)
+  a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, nq, nk, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
+                           interpret=interpret, num_warps=num_warps, operand=operand)
+  return qg, kg, kw, a_kk, a_qk
+
+
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
                  form="one_kernel", factored_warps=None, normalize=False, keep_normalized=True,
                  from_gates=False, operands="compute", summed_rows="all"):
@@ -581,9 +675,12 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     if asked and form not in FIRST_KERNEL_FORMS:
       raise ValueError(
           f"chunk_scores({name}=True) needs a form of {list(FIRST_KERNEL_FORMS)}, not {form!r}")
-  if HALVES_ROWS_IN_THEIR_KERNEL not in HALVES_ROWS_FORMS:
-    raise ValueError(f"HALVES_ROWS_IN_THEIR_KERNEL = {HALVES_ROWS_IN_THEIR_KERNEL!r}: expected "
-                     f"one of {list(HALVES_ROWS_FORMS)}")
+  for name, value, known in (("HALVES_ROWS_IN_THEIR_KERNEL", HALVES_ROWS_IN_THEIR_KERNEL,
+                              HALVES_ROWS_FORMS),
+                             ("HALVES_ROWS_CENSUS_FORM", HALVES_ROWS_CENSUS_FORM,
+                              HALVES_ROWS_FORMS[1:3])):
+    if value not in known:
+      raise ValueError(f"{name} = {value!r}: expected one of {list(known)}")
   operand = factors.operand_dtype(operands, cd)
   B, Tp, H, Dk = k.shape
   n = Tp // C
@@ -604,7 +701,11 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   halves_here = HALVES_IN_FIRST_PASS and halves_normalize
   rows_later_fits = halves_normalize and not halves_here and not from_gates
 
-  def by_layout(q, k, b, halves_rows_later):
+  def by_layout(q, k, b, rows_form):
+    if rows_form == "halves_first":
+      return _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
+                                num_warps=HALVES_WARPS or num_warps, operand=operand)
+    halves_rows_later = rows_form is True
     raw = q, k
     qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
         q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
@@ -627,11 +728,13 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
                                        ()) + ((b,) if from_gates else ())
 
-  if HALVES_ROWS_IN_THEIR_KERNEL == "by_census" and rows_later_fits:
+  if not rows_later_fits:
+    return by_layout(q, k, b, False)
+  if HALVES_ROWS_IN_THEIR_KERNEL == "by_census":
     many = factors.unfactored_share(b) >= HALVES_ROWS_CENSUS_SHARE
-    return jax.lax.cond(many, functools.partial(by_layout, halves_rows_later=True),
-                        functools.partial(by_layout, halves_rows_later=False), q, k, b)
-  return by_layout(q, k, b, HALVES_ROWS_IN_THEIR_KERNEL is True and rows_later_fits)
+    return jax.lax.cond(many, functools.partial(by_layout, rows_form=HALVES_ROWS_CENSUS_FORM),
+                        functools.partial(by_layout, rows_form=False), q, k, b)
+  return by_layout(q, k, b, HALVES_ROWS_IN_THEIR_KERNEL)
 
 
 def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,

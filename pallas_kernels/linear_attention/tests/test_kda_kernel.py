@@ -216,12 +216,16 @@ def test_halves_scores_in_the_normalising_first_kernel(monkeypatch, decay_sum):
 _HALVES_WITH_ROWS = "kda_chunk_scores_halves_with_rows"
 
 
-def test_halves_rows_in_their_own_kernel(monkeypatch):
+@pytest.mark.parametrize("form", [True, "halves_first"])
+def test_halves_rows_in_their_own_kernel(monkeypatch, form):
   """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL (an option): in the forward alone the HALVES
   kernel writes its chunks' qg, kg and kw too, and the first kernel reads six rows of b for
-  them and writes nothing else. fp32, one chunk of each scores layout: qg, kg, kw, A_kk and
-  A_qk as the default's (the norms summed in blocks: within fp32 rounding); resets and
-  padding: the forward alone exact against the oracle."""
+  them and writes nothing else; or ("halves_first") the layouts from b in XLA, the HALVES
+  kernel first (writing the SUB_CHUNKS chunks' rows too), the WHOLE_CHUNK and SUB_CHUNKS
+  kernels after it. fp32, one chunk of each scores layout: qg, kg, kw, A_kk and A_qk as the
+  default's (the norms summed in blocks: within fp32 rounding); resets and padding: the
+  forward alone exact against the oracle."""
+  kernel = _HALVES_WITH_ROWS if form is True else "kda_chunk_scores_halves_first"
   x = one_chunk_of_each_scores_layout(make_inputs(seed=33, T=192, Dk=32, Dv=32, segment_rate=0.03))
   B, T = x["q"].shape[:2]
   qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
@@ -237,23 +241,44 @@ def test_halves_rows_in_their_own_kernel(monkeypatch):
                                       interpret=True, form="by_layout", normalize=True,
                                       keep_normalized=False)[:5]
 
-    assert (_HALVES_WITH_ROWS in str(jax.make_jaxpr(fn)(qp, kp, b))) == rows_in_halves_kernel
+    assert (kernel in str(jax.make_jaxpr(fn)(qp, kp, b))) == bool(rows_in_halves_kernel)
     return jax.jit(fn)(qp, kp, b)
 
-  for a, ref in zip(scores(True), scores(False)):
+  for a, ref in zip(scores(form), scores(False), strict=True):
     assert rel_rms(ref, a) <= 1e-6
-  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", True)
+  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", form)
   args = [3.0 * x[n][:, :150] if n in "qk" else x[n][:, :150] for n in NAMES[:5]]
   kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"][:, :150],
             output_final_state=True)
   forward = lambda *a: chunked_kda(*a, **kw)
-  assert _HALVES_WITH_ROWS in str(jax.make_jaxpr(forward)(*args))
+  assert kernel in str(jax.make_jaxpr(forward)(*args))
   o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
   o, s = fast_jit(forward)(*args)
   _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
 
 
-def test_halves_rows_in_their_kernel_by_census(monkeypatch):
+def test_layout_flags_from_b_in_xla_are_the_first_kernels():
+  """_chunk_factors.score_layout_flags (plain JAX, the HALVES-first form's layouts): the
+  first scores kernel's flags to the bit, with one chunk of each scores layout and with
+  strong decays (HALVES chunks on one head, SUB_CHUNKS on the other)."""
+  x = one_chunk_of_each_scores_layout(make_inputs(seed=51, T=192, H=2, Dk=32, Dv=32))
+  B, T = x["q"].shape[:2]
+  qp, kp, _, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
+  masks = _chunk_prep.segment_masks(runs)
+  # about -3.1 and -5 a token: HALVES chunks on the first head, SUB_CHUNKS on the second
+  shift = jnp.array([3.0, 5.0])[:, None]
+  g = -jax.nn.softplus(jax.random.normal(jax.random.key(3), b.shape) + shift)
+  strong = jnp.cumsum(g.reshape(B, T // 64, 64, *b.shape[2:]), axis=2).reshape(b.shape)
+  assert factors.score_layout_flags(strong)[0, :, :, 0].tolist() == [[3] * 3, [2] * 3]
+  for decays in (b, strong):
+    first_kernel = _kda_scores._first_pass(qp, kp, decays, x["beta"], runs, *masks, cd=jnp.float32,
+                                           interpret=True, warps=4, normalize=True,
+                                           keys_of_halves=True, operand=jnp.float32)[5]
+    chex.assert_trees_all_equal(factors.score_layout_flags(decays), first_kernel)
+
+
+@pytest.mark.parametrize("census_form", [True, "halves_first"])
+def test_halves_rows_in_their_kernel_by_census(monkeypatch, census_form):
   """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL = "by_census": per call, the HALVES chunks' rows
   in their own kernel where at least HALVES_ROWS_CENSUS_SHARE of the chunks do not factor
   over one anchor, else the first kernel's: the scores to the bit as the form it picks,
@@ -280,11 +305,13 @@ def test_halves_rows_in_their_kernel_by_census(monkeypatch):
     if form == "by_census":
       assert float(factors.unfactored_share(b)) == pytest.approx(2 / 3 if x is each else 0.0)
       jaxpr = str(jax.make_jaxpr(fn)(qp, kp, b))
-      # both forms compiled: the HALVES kernel with rows and the one without
-      assert jaxpr.count("kda_chunk_scores_halves") > jaxpr.count(_HALVES_WITH_ROWS) > 0
+      # both forms compiled: the census's form and the HALVES kernel without rows
+      picked = _HALVES_WITH_ROWS if census_form is True else "kda_chunk_scores_halves_first"
+      assert jaxpr.count("kda_chunk_scores_halves") > jaxpr.count(picked) > 0
     return jax.jit(fn)(qp, kp, b)
 
-  for inputs, picked in ((each, True), (mild, False)):
+  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_CENSUS_FORM", census_form)
+  for inputs, picked in ((each, census_form), (mild, False)):
     chex.assert_trees_all_equal(scores(inputs, "by_census"), scores(inputs, picked))
   monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "by_census")
   args = [3.0 * each[n] if n in "qk" else each[n] for n in NAMES[:5]]
