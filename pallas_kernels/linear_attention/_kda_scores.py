@@ -495,23 +495,27 @@ HALVES_IN_FIRST_PASS = False
 # The channels a HALVES product takes at a time in the first kernel (HALVES_IN_FIRST_PASS):
 # at sixteen warps all 128 fit; HALVES_BLOCK_D is the HALVES kernels' own, the backward's too
 HALVES_IN_FIRST_PASS_BLOCK_D = 128
-# In the forward alone with b given summed, the HALVES chunks' qg, kg and kw from their own
-# kernel, which holds their q, k and b anyway, and the first kernel reading six rows of b for
-# each of them and nothing more: q, k and b read once for those chunks, not twice, with no
-# HALVES code in the first kernel (_halves_rows_and_scores_kernel). Faster with strong gates,
-# slower wherever the chunks are WHOLE_CHUNK: the first kernel waits for the layout's rows
-# before it loads the chunk's (docs/kernel_tuning.md, "KDA in-chunk scores"). "by_census":
-# chosen per call, where at least HALVES_ROWS_CENSUS_SHARE of the chunks do not factor over
-# one anchor by their end rows (_chunk_factors.unfactored_share, a reduction over two rows
-# of b a chunk, then a lax.cond between the two forms)
+# In the forward alone with b given summed (HALVES_ROWS_FORMS):
+#   False         the defaults: the first kernel writes every chunk's qg, kg and kw;
+#   True          the HALVES chunks' from their own kernel, which holds their q, k and b
+#                 anyway, the first kernel reading six rows of b for each of them and nothing
+#                 more: q, k and b read once for those chunks, not twice, with no HALVES code
+#                 in the first kernel (_halves_rows_and_scores_kernel). Faster with strong
+#                 gates, slower wherever the chunks are WHOLE_CHUNK: the first kernel waits
+#                 for the layout's rows before it loads the chunk's (docs/kernel_tuning.md,
+#                 "KDA in-chunk scores");
+#   halves_first  the layouts from six rows of b a chunk in XLA (_chunk_factors.
+#                 score_layout_flags), the HALVES chunks' kernel first, writing the
+#                 SUB_CHUNKS chunks' rows too, then the WHOLE_CHUNK chunks' kernel only where
+#                 a chunk takes that layout: with strong gates no kernel reads b's rows for
+#                 the layout alone (_halves_first_pass);
+#   by_census     per call, HALVES_ROWS_CENSUS_FORM where at least HALVES_ROWS_CENSUS_SHARE
+#                 of the chunks do not factor over one anchor by their end rows
+#                 (_chunk_factors.unfactored_share, two rows of b a chunk), else False, by a
+#                 lax.cond between the two.
 HALVES_ROWS_IN_THEIR_KERNEL = False
-# "halves_first" (the layouts taken from six rows of b a chunk in XLA first,
-# _chunk_factors.score_layout_flags): the HALVES chunks' kernel first, writing the SUB_CHUNKS
-# chunks' rows too, then the WHOLE_CHUNK chunks' kernel only where a chunk takes that layout:
-# with strong gates no kernel reads b's rows for the layout alone.
 HALVES_ROWS_FORMS = (False, True, "halves_first", "by_census")
 HALVES_ROWS_CENSUS_SHARE = 0.6
-# The form "by_census" takes where the share is reached (else False)
 HALVES_ROWS_CENSUS_FORM = True
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
