@@ -517,6 +517,7 @@ HALVES_ROWS_IN_THEIR_KERNEL = False
 HALVES_ROWS_FORMS = (False, True, "halves_first", "by_census")
 HALVES_ROWS_CENSUS_SHARE = 0.6
 HALVES_ROWS_CENSUS_FORM = True
+HALVES_ROWS_CENSUS_FORMS = (True, "halves_first")
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
 HALVES_WARPS = None
@@ -682,7 +683,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   for name, value, known in (("HALVES_ROWS_IN_THEIR_KERNEL", HALVES_ROWS_IN_THEIR_KERNEL,
                               HALVES_ROWS_FORMS),
                              ("HALVES_ROWS_CENSUS_FORM", HALVES_ROWS_CENSUS_FORM,
-                              HALVES_ROWS_FORMS[1:3])):
+                              HALVES_ROWS_CENSUS_FORMS)):
     if value not in known:
       raise ValueError(f"{name} = {value!r}: expected one of {list(known)}")
   operand = factors.operand_dtype(operands, cd)

@@ -284,7 +284,7 @@ def test_halves_rows_in_their_kernel_by_census(monkeypatch, census_form):
   over one anchor, else the first kernel's: the scores to the bit as the form it picks,
   with two chunks of three not factoring (the rows in their kernel) and with none (the first
   kernel's), both forms compiled into one function; the op against the oracle with it; an
-  unknown form refused."""
+  unknown form, or census form, refused."""
   monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
   x = make_inputs(seed=49, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03)
   mild = dict(x, g=-0.05 * jnp.abs(x["g"]))
@@ -323,6 +323,9 @@ def test_halves_rows_in_their_kernel_by_census(monkeypatch, census_form):
   monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "sometimes")
   with pytest.raises(ValueError, match="HALVES_ROWS_IN_THEIR_KERNEL = 'sometimes'"):
     scores(each, "sometimes")
+  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_CENSUS_FORM", False)
+  with pytest.raises(ValueError, match="HALVES_ROWS_CENSUS_FORM = False"):
+    scores(each, "by_census")
 
 
 @pytest.mark.parametrize("layouts", ["each", "whole_chunk_alone"])
