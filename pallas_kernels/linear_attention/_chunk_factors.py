@@ -482,12 +482,18 @@ def record_layout_from_rows(flag_ref, b, write_rows):
   return whole, layout
 
 
+def score_layout(b):
+  """(whether the chunk is WHOLE_CHUNK, its layout's code for the scores: WHOLE_CHUNK, HALVES
+    or SUB_CHUNKS) from its b [C, D] (a ref, or an array: score_layout_flags)."""
+  whole = midpoint(b)[1]
+  return whole, jnp.where(whole, _code(WHOLE_CHUNK),
+                          jnp.where(halves_bounded(b), _code(HALVES), _code(SUB_CHUNKS)))
+
+
 def record_layout(flag_ref, b_ref):
-  """Writes the chunk's flag, its layout for the scores (WHOLE_CHUNK, HALVES, SUB_CHUNKS),
-    and returns (whether it is WHOLE_CHUNK, the layout's code)."""
-  whole = midpoint(b_ref)[1]
-  layout = jnp.where(whole, _code(WHOLE_CHUNK),
-                     jnp.where(halves_bounded(b_ref), _code(HALVES), _code(SUB_CHUNKS)))
+  """Writes the chunk's flag, its score_layout, and returns (whether it is WHOLE_CHUNK, the
+    layout's code)."""
+  whole, layout = score_layout(b_ref)
   flag_ref[...] = jnp.full((C,), layout, jnp.int32)
   return whole, layout
 
@@ -517,34 +523,30 @@ def chunk_layouts(g):
                                                  SUB_CHUNKS)).astype(jnp.int32)
 
 
+def _per_chunk(fn, b):
+  """[B, H, n]: fn of each chunk's rows [C, D] of b [B, Tp, H, D] (Tp a multiple of the
+    chunk), read in place (no copy of b transposed)."""
+  B, Tp, H, D = b.shape
+  over_chunks = jax.vmap(jax.vmap(jax.vmap(fn), in_axes=2))  # [B, n, C, H, D]: B, then H, n
+  return over_chunks(b.reshape(B, Tp // C, C, H, D))
+
+
 def unfactored_share(b):
   """The share (fp32 scalar) of the (row, chunk, head) blocks of b [B, Tp, H, D] (the in-chunk
     cumulative log decay, Tp a multiple of the chunk) whose decays do not factor over one
-    anchor (not WHOLE_CHUNK) in some channel, from each chunk's end rows (midpoint's test):
-    two rows a chunk read, for a choice between kernels made per call."""
-  B, Tp, H, D = b.shape
-  chunks = b.reshape(B, Tp // C, C, H, D)
-  span = jnp.max(chunks[:, :, 0] - chunks[:, :, C - 1], axis=-1)
-  return jnp.mean((span > 2.0 * WHOLE_LIMIT).astype(jnp.float32))
+    anchor (not WHOLE_CHUNK), by midpoint's test of each chunk's end rows: two rows a chunk
+    read, for a choice between kernels made per call."""
+  return jnp.mean(_per_chunk(lambda chunk: ~midpoint(chunk)[1], b).astype(jnp.float32))
 
 
 def score_layout_flags(b):
-  """[B, H, n, C] int32: each chunk's layout for the scores (WHOLE_CHUNK, HALVES, SUB_CHUNKS),
-    repeated over its C entries, as record_layout writes it, from the six rows of b
-    [B, Tp, H, D] (the in-chunk cumulative log decay) that it reads: plain JAX, for the
-    kernels of a call that need every chunk's layout before their first (the same
-    subtractions and comparisons: the same flags)."""
-  B, Tp, H, D = b.shape
-  chunk = b.reshape(B, Tp // C, C, H, D).astype(jnp.float32)
-  row = lambda i: chunk[:, :, i]
-  whole = jnp.max(row(0) - row(C - 1), axis=-1) <= 2.0 * WHOLE_LIMIT
-  gap = jnp.abs(row(HALF - 1) - row(HALF + HALF_ANCHOR))
-  for start in (0, HALF):
-    anchor = row(start + HALF_ANCHOR)
-    gap = jnp.maximum(gap, jnp.maximum(row(start) - anchor, anchor - row(start + HALF - 1)))
-  bounded = jnp.max(gap, axis=-1) <= HALF_LIMIT
-  layout = jnp.where(whole, WHOLE_CHUNK, jnp.where(bounded, HALVES, SUB_CHUNKS)).astype(jnp.int32)
-  return jnp.broadcast_to(layout.transpose(0, 2, 1)[..., None], (B, H, Tp // C, C))
+  """[B, H, n, C] int32: each chunk's score_layout, repeated over its C entries, as
+    record_layout writes it, from b [B, Tp, H, D] (the in-chunk cumulative log decay) in
+    plain JAX: the six rows the kernels read, for the kernels of a call that need every
+    chunk's layout before their first."""
+  B, Tp, H, _ = b.shape
+  layout = _per_chunk(lambda chunk: score_layout(chunk)[1], b.astype(jnp.float32))
+  return jnp.broadcast_to(layout[..., None], (B, H, Tp // C, C))
 
 
 def score_layouts(g):
