@@ -7,7 +7,8 @@ One two-warp program per (chunk, head) scans its [C, D] block in registers, in a
 the time a copy of the same blocks takes (XLA's cumulative sum over an inner axis of
 [B, T, H, D] is slower). Its transpose, the reverse in-chunk sum of the cotangent, is the
 same kernel's other mode: sum(x) - cumsum(x) + x (Triton scans only forwards), with four
-warps (with two it would spill: experiments/kernel_resources.py).
+warps (with two it would spill: experiments/kernel_resources.py). `chunk_cumsum_and_layouts`
+writes each chunk's scores layout beside the sum, from the rows the program holds.
 Chosen by measurement: docs/kernel_tuning.md, "In-chunk cumulative sum".
 """
 import functools
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import decay_gate as gate
 from pallas_kernels.linear_attention._inputs import CHUNK as C
 from pallas_kernels.linear_attention._pallas_common import F32, compiler_params, interpret_mode
@@ -70,6 +72,57 @@ def _bwd(_, db):
 
 
 _chunk_cumsum_f32.defvjp(_fwd, _bwd)
+
+# ---- the same sum with each chunk's scores layout, from the rows it holds ---------------
+
+
+def _scan_and_layout_kernel(x_ref, y_ref, layout_ref):
+  s = jnp.cumsum(x_ref[...].astype(F32), axis=0)
+  y_ref[...] = s
+  factors.record_layout(layout_ref, factors.RowsOfHeld(s))
+
+
+def _scan_and_layouts(x):
+  B, Tp, H, D = x.shape
+  block = pl.BlockSpec((_sq, C, _sq, D), lambda b, c, h: (b, c, h, 0))
+  layout = pl.BlockSpec((_sq, _sq, _sq, C), lambda b, c, h: (b, h, c, 0))
+  return pl.pallas_call(
+      _scan_and_layout_kernel,
+      grid=(B, Tp // C, H),
+      in_specs=[block],
+      out_specs=[block, layout],
+      out_shape=[
+          jax.ShapeDtypeStruct(x.shape, F32),
+          jax.ShapeDtypeStruct((B, H, Tp // C, C), jnp.int32)
+      ],
+      compiler_params=compiler_params(2),
+      interpret=interpret_mode(),
+      name="chunk_cumsum_and_layouts",
+  )(x)
+
+
+def chunk_cumsum_and_layouts(g):
+  """(chunk_cumsum(g), each chunk's scores layout [B, H, n, C] int32 as _chunk_factors.
+    record_layout writes it): the layout from the rows the sum holds, not read again, for
+    the scores' kernels that need every chunk's before their first (_kda_scores.
+    HALVES_ROWS_IN_THEIR_KERNEL)."""
+  return _chunk_cumsum_and_layouts_f32(g.astype(F32))
+
+
+@jax.custom_vjp
+def _chunk_cumsum_and_layouts_f32(g):
+  return _scan_and_layouts(g)
+
+
+def _and_layouts_fwd(g):
+  return _scan_and_layouts(g), None
+
+
+def _and_layouts_bwd(_, cts):
+  return (reverse_chunk_cumsum(cts[0]),)
+
+
+_chunk_cumsum_and_layouts_f32.defvjp(_and_layouts_fwd, _and_layouts_bwd)
 
 # ---- the KDA decay gate in the same pass (decay_gate.DecayGate) -------------------------
 

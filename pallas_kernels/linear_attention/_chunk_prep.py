@@ -2,7 +2,8 @@
 per-chunk state factors and decayed rows."""
 import jax.numpy as jnp
 
-from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum, decay_cumsum
+from pallas_kernels.linear_attention._chunk_cumsum import (chunk_cumsum, chunk_cumsum_and_layouts,
+                                                           decay_cumsum)
 from pallas_kernels.linear_attention._inputs import CHUNK, pad_time, run_ids
 
 
@@ -24,20 +25,28 @@ def segment_masks(runs):
   return carry_in.reshape(B, Tp).astype(jnp.int32), in_last.reshape(B, Tp).astype(jnp.int32)
 
 
-def prepare(q, k, v, g, segment_ids, B, T, decay=None, summed=True):
+def prepare(q, k, v, g, segment_ids, B, T, decay=None, summed=True, layouts=False):
   """(q, k, v, b, runs): padded to a multiple of the chunk (zero tokens: no contribution,
     no decay), b the in-chunk cumulative log decay. With a decay_gate.DecayGate, g is the
     gate projection and the decay its function. summed=False: b is the padded log decays g
-    themselves, for a kernel that sums them (without a decay gate only)."""
+    themselves, for a kernel that sums them (without a decay gate only). layouts: each
+    chunk's scores layout [B, H, n, C] follows (chunk_cumsum_and_layouts'; None with a decay
+    gate, whose kernel sums part of a head's channels a program)."""
   Tp = padded_length(T)
   runs = pad_time(run_ids(segment_ids, B, T), Tp, "edge")
   q, k, v = (pad_time(x, Tp) for x in (q, k, v))
   if not summed:
-    if decay is not None:
-      raise ValueError("prepare(summed=False) takes the log decays g, not a decay gate's input")
+    if decay is not None or layouts:
+      raise ValueError("prepare(summed=False) takes the log decays g, not a decay gate's input, "
+                       "and gives no layouts")
     return q, k, v, pad_time(g, Tp), runs
-  b = chunk_cumsum(pad_time(g, Tp)) if decay is None else decay_cumsum(pad_time(g, Tp), decay, T)
-  return q, k, v, b, runs
+  if decay is not None:
+    b = decay_cumsum(pad_time(g, Tp), decay, T)
+    return (q, k, v, b, runs) + ((None,) if layouts else ())
+  if layouts:
+    b, chunk_layouts = chunk_cumsum_and_layouts(pad_time(g, Tp))
+    return q, k, v, b, runs, chunk_layouts
+  return q, k, v, chunk_cumsum(pad_time(g, Tp)), runs
 
 
 def state_factors(b, carry_in):

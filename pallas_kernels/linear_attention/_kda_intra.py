@@ -46,7 +46,7 @@ INVERSE_PRODUCTS = ("in_solve", "in_walk")
 def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, interpret,
                 scores="one_kernel", solve_warps=SOLVE_WARPS, normalize=False, solve="own_kernel",
                 from_gates=False, operands="compute", inverse="by_halves", summed_rows="all",
-                inverse_products="in_solve"):
+                inverse_products="in_solve", layouts=None):
   """(qg, kg, w [B,Tp,H,Dk], u0 [B,Tp,H,Dv], A_qk [B,H,n,C,C], and T [B,H,n,C,C] when
     emit_inverse), all in the compute dtype cd; with `normalize`, of q and k L2-normalised
     per token by the first scores kernel (chunk_scores), and with emit_inverse too (what the
@@ -57,7 +57,7 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
     factored score products' operand dtype (_chunk_factors.SCORE_OPERANDS); inverse: how the solve's own kernel forms T
     (_kda_solve.INVERSES). inverse_products: one of INVERSE_PRODUCTS; "in_walk" (with
     solve="own_kernel", not emit_inverse) gives the write keys kw and T [B,H,n,C,C] in w's
-    and u0's places."""
+    and u0's places. layouts: chunk_scores' (every chunk's scores layout, or None)."""
   for name, choice, known in (("solve", solve, SOLVES), ("inverse", inverse, INVERSES),
                               ("inverse_products", inverse_products, INVERSE_PRODUCTS)):
     if choice not in known:
@@ -79,7 +79,7 @@ def chunk_intra(q, k, v, b, beta, runs, carry_in, in_last, *, cd, emit_inverse, 
                                                 interpret=interpret, form=scores,
                                                 normalize=normalize, keep_normalized=emit_inverse,
                                                 from_gates=from_gates, operands=operands,
-                                                summed_rows=summed_rows)
+                                                summed_rows=summed_rows, layouts=layouts)
   keys, values, square = L.chunk_rows(Dk), L.chunk_rows(Dv), L.chunk_square()
   if in_walk:
     t_inv = L.call(functools.partial(inverse_kernel, interpret=interpret, inverse=inverse),

@@ -508,16 +508,32 @@ HALVES_IN_FIRST_PASS_BLOCK_D = 128
 #                 score_layout_flags), the HALVES chunks' kernel first, writing the
 #                 SUB_CHUNKS chunks' rows too, then the WHOLE_CHUNK chunks' kernel only where
 #                 a chunk takes that layout: with strong gates no kernel reads b's rows for
-#                 the layout alone (_halves_first_pass);
+#                 the layout alone (_halves_first_pass). The default: 8-10% faster with
+#                 strong gates, 1-2% slower with mild or KDA-initialisation ones, where every
+#                 chunk is WHOLE_CHUNK (docs/kernel_tuning.md, "KDA in-chunk scores");
 #   by_census     per call, HALVES_ROWS_CENSUS_FORM where at least HALVES_ROWS_CENSUS_SHARE
 #                 of the chunks do not factor over one anchor by their end rows
 #                 (_chunk_factors.unfactored_share, two rows of b a chunk), else False, by a
-#                 lax.cond between the two.
-HALVES_ROWS_IN_THEIR_KERNEL = False
+#                 lax.cond between the two. It cost as much as halves_first's kernels where
+#                 every chunk is WHOLE_CHUNK, with the share from b's rows in XLA.
+HALVES_ROWS_IN_THEIR_KERNEL = "halves_first"
 HALVES_ROWS_FORMS = (False, True, "halves_first", "by_census")
 HALVES_ROWS_CENSUS_SHARE = 0.6
-HALVES_ROWS_CENSUS_FORM = True
+HALVES_ROWS_CENSUS_FORM = "halves_first"
 HALVES_ROWS_CENSUS_FORMS = (True, "halves_first")
+# For those two forms, every chunk's layout from the in-chunk sum, from the rows it holds
+# (_chunk_cumsum.chunk_cumsum_and_layouts), not from b's rows read again in XLA; the census's
+# share then from the layouts. An option: untimed.
+LAYOUTS_FROM_SUM = False
+
+
+def layouts_before_scores():
+  """Whether the in-chunk sum gives every chunk's layout to the forward alone's scores
+    (LAYOUTS_FROM_SUM, with a HALVES_ROWS_IN_THEIR_KERNEL form that takes them before its
+    first kernel: chunk_scores' `layouts`)."""
+  return LAYOUTS_FROM_SUM and HALVES_ROWS_IN_THEIR_KERNEL in ("halves_first", "by_census")
+
+
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
 HALVES_WARPS = None
@@ -619,16 +635,16 @@ def _halves_pass_with_rows(q, k, b, beta, runs, carry_in, in_last, layouts, writ
                       *written)
 
 
-def _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps,
+def _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, layouts, *, cd, interpret, num_warps,
                        operand):
   """(qg, kg, kw, A_kk, A_qk) of q and k normalised, by the HALVES-first form
-    (HALVES_ROWS_IN_THEIR_KERNEL): the layouts from b in XLA, then _halves_first_kernel
-    (num_warps), _whole_chunks_kernel where a chunk is WHOLE_CHUNK and the SUB_CHUNKS kernel
-    where one is SUB_CHUNKS, each into the first one's outputs."""
+    (HALVES_ROWS_IN_THEIR_KERNEL): the layouts as given (None: from b in XLA), then
+    _halves_first_kernel (num_warps), _whole_chunks_kernel where a chunk is WHOLE_CHUNK and
+    the SUB_CHUNKS kernel where one is SUB_CHUNKS, each into the first one's outputs."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
-  layouts = factors.score_layout_flags(b)
+  layouts = factors.score_layout_flags(b) if layouts is None else layouts
   inputs = [keys, keys, keys, L.chunk_beta(), flag, flag, flag, L.chunk_layout_flag()]
   specs = (keys,) * 3 + (square,) * 2
   shapes = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(F32, B, H, n, C,
@@ -653,7 +669,7 @@ def _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret,
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
                  form="one_kernel", factored_warps=None, normalize=False, keep_normalized=True,
-                 from_gates=False, operands="compute", summed_rows="all"):
+                 from_gates=False, operands="compute", summed_rows="all", layouts=None):
   """(qg, kg, kw = beta k exp(b) carry_in [B, Tp, H, Dk] in cd, A_kk [B, H, n, C, C] fp32,
     A_qk [B, H, n, C, C] in cd), all of it, with `normalize`, of q and k L2-normalised per
     token: the first kernel scales its products and rows by the inverse norms and writes the
@@ -671,7 +687,8 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     first taking the HALVES chunks too; with HALVES_ROWS_IN_THEIR_KERNEL there (b given
     summed), the HALVES kernel writes its chunks' qg, kg and kw too, and the first kernel
     nothing of theirs but their flag ("by_census": in the calls where most chunks do not
-    factor over one anchor).
+    factor over one anchor). layouts: every chunk's layout [B, H, n, C] for those forms
+    (_chunk_cumsum.chunk_cumsum_and_layouts'; None: from b in XLA).
     operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
@@ -706,10 +723,13 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   halves_here = HALVES_IN_FIRST_PASS and halves_normalize
   rows_later_fits = halves_normalize and not halves_here and not from_gates
 
+  given_layouts = layouts  # by_layout's first kernel records its own as `layouts`
+
   def by_layout(q, k, b, rows_form):
     if rows_form == "halves_first":
-      return _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
-                                num_warps=HALVES_WARPS or num_warps, operand=operand)
+      return _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, given_layouts, cd=cd,
+                                interpret=interpret, num_warps=HALVES_WARPS or num_warps,
+                                operand=operand)
     halves_rows_later = rows_form is True
     raw = q, k
     qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
@@ -736,7 +756,9 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   if not rows_later_fits:
     return by_layout(q, k, b, False)
   if HALVES_ROWS_IN_THEIR_KERNEL == "by_census":
-    many = factors.unfactored_share(b) >= HALVES_ROWS_CENSUS_SHARE
+    share = (factors.unfactored_share(b)
+             if given_layouts is None else factors.unfactored_share_of_layouts(given_layouts))
+    many = share >= HALVES_ROWS_CENSUS_SHARE
     return jax.lax.cond(many, functools.partial(by_layout, rows_form=HALVES_ROWS_CENSUS_FORM),
                         functools.partial(by_layout, rows_form=False), q, k, b)
   return by_layout(q, k, b, HALVES_ROWS_IN_THEIR_KERNEL)

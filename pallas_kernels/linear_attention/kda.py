@@ -43,7 +43,7 @@ from pallas_kernels.linear_attention._kda_intra import INVERSE_PRODUCTS, SOLVES,
 from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention._kda_key_grads import chunk_key_grads
 from pallas_kernels.linear_attention._chunk_cumsum import reverse_chunk_cumsum
-from pallas_kernels.linear_attention._kda_scores import FIRST_KERNEL_FORMS
+from pallas_kernels.linear_attention._kda_scores import FIRST_KERNEL_FORMS, layouts_before_scores
 from pallas_kernels.linear_attention._kda_value_side import (chunk_dv_local, chunk_output,
                                                              chunk_wy_grads)
 from pallas_kernels.linear_attention._mosaic_common import (choose_mosaic_or, choose_walk,
@@ -178,18 +178,19 @@ def _inverse_products(t, for_backward):
   return t.inverse_products if alone else "in_solve"
 
 
-def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward):
+def _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, for_backward, layouts=None):
   """(q and k as the backward reads them, normalised where t.normalize; b, the in-chunk
     cumulative decay (summed from the log decays given as b where t.sums_decays); the
     in-chunk quantities; (o, final state); per-chunk states; v_new): the last two None where
     the fused forward is not asked for them (not for_backward), q and k too where
-    normalised."""
+    normalised. layouts: every chunk's scores layout where the in-chunk sum gave them
+    (chunk_intra's), else None."""
   intra = chunk_intra(q, k, v, b, beta, runs, *masks, cd=compute_dtype(q.dtype),
                       emit_inverse=for_backward, interpret=t.interpret, scores=t.scores,
                       normalize=t.normalize, solve=t.solve, from_gates=t.sums_decays,
                       operands=t.score_operands, inverse=t.inverse,
                       summed_rows=_summed_rows(t, for_backward),
-                      inverse_products=_inverse_products(t, for_backward))
+                      inverse_products=_inverse_products(t, for_backward), layouts=layouts)
   if t.sums_decays:
     *intra, b = intra
   if t.normalize:
@@ -202,12 +203,12 @@ def _normalize_vjp(x, dy):
   return jax.vjp(l2_normalize, x)[1](dy.astype(jnp.float32))[0].astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _kda_core(q, k, v, b, beta, h0, runs, masks, scale, t):
-  return _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, False)[4]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _kda_core(q, k, v, b, beta, h0, runs, masks, layouts, scale, t):
+  return _chunk_forward(q, k, v, b, beta, h0, runs, masks, scale, t, False, layouts)[4]
 
 
-def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, scale, t):
+def _kda_core_fwd(q, k, v, b, beta, h0, runs, masks, layouts, scale, t):
   # The in-chunk kernel is the costliest of the forward (docs/kernel_tuning.md, "KDA
   # in-chunk results as residuals"), so its results are kept for the backward
   # (bf16, 1.8 KB per token and head at D = 128 with the chunk states) instead of
@@ -238,7 +239,7 @@ def _kda_core_bwd(scale, t, res, cts):
     dq, dk = _normalize_vjp(raw[0], dq), _normalize_vjp(raw[1], dk)
   if t.sums_decays:  # the gradient of the log decays, through the first kernel's sum
     db = reverse_chunk_cumsum(db).astype(decays.dtype)
-  return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None
+  return dq, dk, dv, db, dbeta_v + dbeta_k, dh0, None, None, None
 
 
 _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
@@ -325,8 +326,12 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
   if normalize_qk and not in_kernel:  # plain JAX (autodiff), back to the input dtype
     q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
   # pad with tokens that change nothing: k = v = 0, g = 0, beta = 0 (run ids repeat)
-  qp, kp, vp, b, runs = _chunk_prep.prepare(q, k, v, g, segment_ids, B, T, decay,
-                                            summed=not sums_decays)
+  # every chunk's scores layout from the in-chunk sum, where the forward alone's scores
+  # take them before their first kernel (else None: the kernels record their own)
+  qp, kp, vp, b, runs, *layouts = _chunk_prep.prepare(
+      q, k, v, g, segment_ids, B, T, decay, summed=not sums_decays,
+      layouts=layouts_before_scores() and not sums_decays)
+  layouts = layouts[0] if layouts else None
   beta = pad_time(beta.astype(jnp.float32), qp.shape[1])
   masks = _chunk_prep.segment_masks(runs)
   h0 = (jnp.zeros(
@@ -349,5 +354,5 @@ def chunked_kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids
              sums_decays=sums_decays, summed_rows=summed_rows, score_operands=score_operands,
              inverse=inverse, forward_block_v=fbv,
              inverse_products=_products_for_tile(inverse_products, fbv, Dv))
-  o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, float(scale), t)
+  o, ht = _kda_core(qp, kp, vp, b, beta, h0, runs, masks, layouts, float(scale), t)
   return o[:, :T], (ht if output_final_state else None)

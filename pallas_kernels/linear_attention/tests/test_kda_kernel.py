@@ -6,6 +6,7 @@ import pytest
 
 from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _chunk_prep, _kda_scores
+from pallas_kernels.linear_attention._chunk_cumsum import chunk_cumsum, chunk_cumsum_and_layouts
 from pallas_kernels.linear_attention._kda_solve import INVERSES
 from pallas_kernels.linear_attention import chunked_kda, kda_recurrent
 from pallas_kernels.linear_attention.tests._data import (at_the_whole_chunk_limit, fast_jit,
@@ -218,13 +219,14 @@ _HALVES_WITH_ROWS = "kda_chunk_scores_halves_with_rows"
 
 @pytest.mark.parametrize("form", [True, "halves_first"])
 def test_halves_rows_in_their_own_kernel(monkeypatch, form):
-  """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL (an option): in the forward alone the HALVES
-  kernel writes its chunks' qg, kg and kw too, and the first kernel reads six rows of b for
-  them and writes nothing else; or ("halves_first") the layouts from b in XLA, the HALVES
-  kernel first (writing the SUB_CHUNKS chunks' rows too), the WHOLE_CHUNK and SUB_CHUNKS
-  kernels after it. fp32, one chunk of each scores layout: qg, kg, kw, A_kk and A_qk as the
-  default's (the norms summed in blocks: within fp32 rounding); resets and padding: the
-  forward alone exact against the oracle."""
+  """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL: in the forward alone the HALVES kernel writes
+  its chunks' qg, kg and kw too, and the first kernel reads six rows of b for them and
+  writes nothing else; or ("halves_first", the default) the layouts from b in XLA (in the
+  op: from the in-chunk sum, LAYOUTS_FROM_SUM), the HALVES kernel first (writing the
+  SUB_CHUNKS chunks' rows too), the WHOLE_CHUNK and SUB_CHUNKS kernels after it. fp32, one
+  chunk of each scores layout: qg, kg, kw, A_kk and A_qk as the first kernel's form's (the
+  norms summed in blocks: within fp32 rounding); resets and padding: the forward alone
+  exact against the oracle."""
   kernel = _HALVES_WITH_ROWS if form is True else "kda_chunk_scores_halves_first"
   x = one_chunk_of_each_scores_layout(make_inputs(seed=33, T=192, Dk=32, Dv=32, segment_rate=0.03))
   B, T = x["q"].shape[:2]
@@ -247,34 +249,41 @@ def test_halves_rows_in_their_own_kernel(monkeypatch, form):
   for a, ref in zip(scores(form), scores(False), strict=True):
     assert rel_rms(ref, a) <= 1e-6
   monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", form)
+  # the HALVES-first form's layouts from the in-chunk sum (its scores above: from XLA)
+  from_sum = form == "halves_first"
+  monkeypatch.setattr(_kda_scores, "LAYOUTS_FROM_SUM", from_sum)
   args = [3.0 * x[n][:, :150] if n in "qk" else x[n][:, :150] for n in NAMES[:5]]
   kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"][:, :150],
             output_final_state=True)
   forward = lambda *a: chunked_kda(*a, **kw)
-  assert kernel in str(jax.make_jaxpr(forward)(*args))
+  jaxpr = str(jax.make_jaxpr(forward)(*args))
+  assert kernel in jaxpr and ("chunk_cumsum_and_layouts" in jaxpr) == from_sum
   o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
   o, s = fast_jit(forward)(*args)
   _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
 
 
-def test_layout_flags_from_b_in_xla_are_the_first_kernels():
-  """_chunk_factors.score_layout_flags (plain JAX, the HALVES-first form's layouts): the
-  first scores kernel's flags to the bit, with one chunk of each scores layout and with
-  strong decays (HALVES chunks on one head, SUB_CHUNKS on the other)."""
+def test_layout_flags_from_b_in_xla_and_the_sum_are_the_first_kernels():
+  """_chunk_factors.score_layout_flags (plain JAX) and _chunk_cumsum.chunk_cumsum_and_layouts
+  (from the rows the in-chunk sum holds), the HALVES-first form's layouts: the first scores
+  kernel's flags to the bit, with one chunk of each scores layout and with strong decays
+  (HALVES chunks on one head, SUB_CHUNKS on the other); the sum is chunk_cumsum's."""
   x = one_chunk_of_each_scores_layout(make_inputs(seed=51, T=192, H=2, Dk=32, Dv=32))
   B, T = x["q"].shape[:2]
   qp, kp, _, b, runs = _chunk_prep.prepare(x["q"], x["k"], x["v"], x["g"], x["segment_ids"], B, T)
   masks = _chunk_prep.segment_masks(runs)
   # about -3.1 and -5 a token: HALVES chunks on the first head, SUB_CHUNKS on the second
   shift = jnp.array([3.0, 5.0])[:, None]
-  g = -jax.nn.softplus(jax.random.normal(jax.random.key(3), b.shape) + shift)
-  strong = jnp.cumsum(g.reshape(B, T // 64, 64, *b.shape[2:]), axis=2).reshape(b.shape)
-  assert factors.score_layout_flags(strong)[0, :, :, 0].tolist() == [[3] * 3, [2] * 3]
-  for decays in (b, strong):
+  strong = -jax.nn.softplus(jax.random.normal(jax.random.key(3), b.shape) + shift)
+  assert factors.score_layout_flags(chunk_cumsum(strong))[0, :, :, 0].tolist() == [[3] * 3, [2] * 3]
+  for gates in (x["g"], strong):
+    decays, layouts = chunk_cumsum_and_layouts(gates)
+    chex.assert_trees_all_equal(decays, chunk_cumsum(gates))
     first_kernel = _kda_scores._first_pass(qp, kp, decays, x["beta"], runs, *masks, cd=jnp.float32,
                                            interpret=True, warps=4, normalize=True,
                                            keys_of_halves=True, operand=jnp.float32)[5]
     chex.assert_trees_all_equal(factors.score_layout_flags(decays), first_kernel)
+    chex.assert_trees_all_equal(layouts, first_kernel)
 
 
 @pytest.mark.parametrize("census_form", [True, "halves_first"])
@@ -283,8 +292,9 @@ def test_halves_rows_in_their_kernel_by_census(monkeypatch, census_form):
   in their own kernel where at least HALVES_ROWS_CENSUS_SHARE of the chunks do not factor
   over one anchor, else the first kernel's: the scores to the bit as the form it picks,
   with two chunks of three not factoring (the rows in their kernel) and with none (the first
-  kernel's), both forms compiled into one function; the op against the oracle with it; an
-  unknown form, or census form, refused."""
+  kernel's), both forms compiled into one function; the share from the in-chunk sum's
+  layouts (LAYOUTS_FROM_SUM) as from b's rows; the op against the oracle with it, its share
+  from the sum's layouts; an unknown form, or census form, refused."""
   monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
   x = make_inputs(seed=49, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03)
   mild = dict(x, g=-0.05 * jnp.abs(x["g"]))
@@ -303,7 +313,10 @@ def test_halves_rows_in_their_kernel_by_census(monkeypatch, census_form):
                                       keep_normalized=False)[:5]
 
     if form == "by_census":
-      assert float(factors.unfactored_share(b)) == pytest.approx(2 / 3 if x is each else 0.0)
+      share = 2 / 3 if x is each else 0.0
+      assert float(factors.unfactored_share(b)) == pytest.approx(share)
+      layouts = chunk_cumsum_and_layouts(_chunk_prep.pad_time(x["g"], b.shape[1]))[1]
+      assert float(factors.unfactored_share_of_layouts(layouts)) == pytest.approx(share)
       jaxpr = str(jax.make_jaxpr(fn)(qp, kp, b))
       # both forms compiled: the census's form and the HALVES kernel without rows
       picked = _HALVES_WITH_ROWS if census_form is True else "kda_chunk_scores_halves_first"
@@ -314,11 +327,14 @@ def test_halves_rows_in_their_kernel_by_census(monkeypatch, census_form):
   for inputs, picked in ((each, census_form), (mild, False)):
     chex.assert_trees_all_equal(scores(inputs, "by_census"), scores(inputs, picked))
   monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "by_census")
+  monkeypatch.setattr(_kda_scores, "LAYOUTS_FROM_SUM", True)  # the share from the sum's layouts
   args = [3.0 * each[n] if n in "qk" else each[n] for n in NAMES[:5]]
   kw = dict(initial_state=each["initial_state"], segment_ids=each["segment_ids"],
             output_final_state=True)
+  forward = lambda *a: chunked_kda(*a, **kw)
+  assert "chunk_cumsum_and_layouts" in str(jax.make_jaxpr(forward)(*args))
   o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
-  o, s = fast_jit(lambda *a: chunked_kda(*a, **kw))(*args)
+  o, s = fast_jit(forward)(*args)
   _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
   monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "sometimes")
   with pytest.raises(ValueError, match="HALVES_ROWS_IN_THEIR_KERNEL = 'sometimes'"):
