@@ -79,7 +79,7 @@ _chunk_cumsum_f32.defvjp(_fwd, _bwd)
 def _scan_and_layout_kernel(x_ref, y_ref, layout_ref):
   s = jnp.cumsum(x_ref[...].astype(F32), axis=0)
   y_ref[...] = s
-  factors.record_layout(layout_ref, factors.RowsOfHeld(s))
+  factors.record_layout_from_rows(layout_ref, s, write_rows=lambda: None)
 
 
 def _scan_and_layouts(x):
@@ -102,8 +102,8 @@ def _scan_and_layouts(x):
 
 
 def chunk_cumsum_and_layouts(g):
-  """(chunk_cumsum(g), each chunk's scores layout [B, H, n, C] int32 as _chunk_factors.
-    record_layout writes it): the layout from the rows the sum holds, not read again, for
+  """(chunk_cumsum(g), each chunk's scores layout [B, H, n, C] int32 as the first scores
+    kernel records it, _chunk_factors.record_layout_from_rows): from the rows the sum holds, for
     the scores' kernels that need every chunk's before their first (_kda_scores.
     HALVES_ROWS_IN_THEIR_KERNEL)."""
   return _chunk_cumsum_and_layouts_f32(g.astype(F32))

@@ -498,20 +498,6 @@ def record_layout(flag_ref, b_ref):
   return whole, layout
 
 
-class RowsOfHeld(NamedTuple):
-  """A chunk's rows [C, D] held in registers, read as score_layout reads a ref's: one row a
-    slice (row_of, exact), so that a kernel that holds them (the in-chunk sum's:
-    _chunk_cumsum.chunk_cumsum_and_layouts) applies the scores' own layout test."""
-  b: jax.Array
-
-  def __getitem__(self, index):
-    span = index[0] if isinstance(index, tuple) else index
-    size = span.stop - span.start if isinstance(span, slice) else span.size
-    if size != 1:
-      raise ValueError(f"RowsOfHeld reads one row at a time, not {size}")
-    return row_of(self.b, span.start)
-
-
 def _code(layout):
   """A layout code as an int32 scalar, not a Python int: the Triton lowering of a select
     between two Python-int literals (weakly typed) gives them the predicate's type, i1, so

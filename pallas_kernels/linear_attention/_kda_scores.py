@@ -723,32 +723,30 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   halves_here = HALVES_IN_FIRST_PASS and halves_normalize
   rows_later_fits = halves_normalize and not halves_here and not from_gates
 
-  given_layouts = layouts  # by_layout's first kernel records its own as `layouts`
-
   def by_layout(q, k, b, rows_form):
     if rows_form == "halves_first":
-      return _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, given_layouts, cd=cd,
+      return _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, layouts, cd=cd,
                                 interpret=interpret, num_warps=HALVES_WARPS or num_warps,
                                 operand=operand)
     halves_rows_later = rows_form is True
     raw = q, k
-    qg, kg, kw, a_kk, a_qk, layouts, q, k, b = _first_pass(
+    qg, kg, kw, a_kk, a_qk, flags, q, k, b = _first_pass(
         q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
         warps=_first_pass_warps(factored_warps, normalize), normalize=normalize,
         keys_of_halves=True, keep_normalized=keep_normalized, from_gates=from_gates,
         operand=operand, halves_normalize=halves_normalize, summed_rows=summed_rows,
         halves_here=halves_here, halves_rows_later=halves_rows_later)
     if halves_rows_later:
-      qg, kg, kw, a_kk, a_qk = _halves_pass_with_rows(*raw, b, beta, runs, carry_in, in_last,
-                                                      layouts, (qg, kg, kw, a_kk, a_qk),
-                                                      interpret=interpret, num_warps=HALVES_WARPS or
-                                                      num_warps, operand=operand)
+      qg, kg, kw, a_kk, a_qk = _halves_pass_with_rows(*raw, b, beta, runs, carry_in, in_last, flags,
+                                                      (qg, kg, kw, a_kk, a_qk), interpret=interpret,
+                                                      num_warps=HALVES_WARPS or num_warps,
+                                                      operand=operand)
     elif not halves_here:
       halves_rows = raw if halves_normalize else (q, k)
-      a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, layouts, a_kk, a_qk,
+      a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, flags, a_kk, a_qk,
                                cd=cd, interpret=interpret, num_warps=HALVES_WARPS or num_warps,
                                operand=operand, normalize=halves_normalize)
-    a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
+    a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, flags, a_kk, a_qk, cd=cd,
                              interpret=interpret, num_warps=num_warps, operand=operand)
     return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
                                        ()) + ((b,) if from_gates else ())
@@ -757,7 +755,7 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     return by_layout(q, k, b, False)
   if HALVES_ROWS_IN_THEIR_KERNEL == "by_census":
     share = (factors.unfactored_share(b)
-             if given_layouts is None else factors.unfactored_share_of_layouts(given_layouts))
+             if layouts is None else factors.unfactored_share_of_layouts(layouts))
     many = share >= HALVES_ROWS_CENSUS_SHARE
     return jax.lax.cond(many, functools.partial(by_layout, rows_form=HALVES_ROWS_CENSUS_FORM),
                         functools.partial(by_layout, rows_form=False), q, k, b)
