@@ -292,55 +292,6 @@ def halves_products(k_ref, b_ref, query_refs, store, block_d=None, dtypes=None, 
     store(0, region, *sums)
 
 
-def halves_block_products(k_ref, b_ref, query_refs, store_block, block_d=None, dtypes=None):
-  """HALVES by [HALF, HALF] blocks: per query the pairs inside each half as one [HALF, D] x
-    [D, HALF] product through the half's anchor, and the pairs across (queries of the second
-    half, keys of the first) as one more through the first half's last token, where both
-    factors are <= 1 whatever the decay: three quarter-size products where halves_products
-    takes two [C, C] ones and masks half of each. k_ref, query_refs: loadable by rows
-    [start, start + HALF) of block_d channels at a time (None: all D); b_ref: b's ref.
-    store_block(row, col, *products), each [HALF, HALF], over rows [row, row + HALF) and
-    columns [col, col + HALF); the block above the diagonal is the caller's."""
-  D = k_ref.shape[-1]
-  block_d = min(block_d or D, D)
-  dtypes = dtypes or (F32,) * len(query_refs)
-
-  def load(ref, start, n, d):
-    return ref[pl.ds(start, n), pl.ds(d, block_d)].astype(jnp.float32)
-
-  def block(queries_at, keys_at, operand_factors):
-    """Per query, the sum over channel blocks of (its rows from queries_at times down) (k's
-      rows from keys_at times up)^T, (down, up) = operand_factors(d)."""
-    sums = None
-    for d in range(0, D, block_d):
-      down, up = operand_factors(d)
-      keys = load(k_ref, keys_at, HALF, d) * up
-      parts = [
-          mm(load(x, queries_at, HALF, d) * down, keys, dtype, trans_b=True)
-          for x, dtype in zip(query_refs, dtypes)
-      ]
-      sums = parts if sums is None else [a + p for a, p in zip(sums, parts)]
-    return sums
-
-  def through_anchor(start):
-    """The operand factors of the half starting at `start`, through its anchor."""
-
-    def operand_factors(d):
-      rel = load(b_ref, start, HALF, d) - load(b_ref, start + HALF_ANCHOR, 1, d)
-      return jnp.exp(rel), jnp.exp(-rel)
-
-    return operand_factors
-
-  for start in (0, HALF):
-    store_block(start, start, *block(start, start, through_anchor(start)))
-
-  def across(d):
-    edge = load(b_ref, HALF - 1, 1, d)
-    return jnp.exp(load(b_ref, HALF, HALF, d) - edge), jnp.exp(edge - load(b_ref, 0, HALF, d))
-
-  store_block(HALF, 0, *block(HALF, 0, across))
-
-
 def anchors(b_ref):
   """(Anchors, factors): the anchors of the chunk's layout, from its b_ref [C, D], and
     whether it factors at all (WHOLE_CHUNK or PER_SUB_CHUNK)."""
@@ -529,19 +480,6 @@ def _per_chunk(fn, b):
   B, Tp, H, D = b.shape
   over_chunks = jax.vmap(jax.vmap(jax.vmap(fn), in_axes=2))  # [B, n, C, H, D]: B, then H, n
   return over_chunks(b.reshape(B, Tp // C, C, H, D))
-
-
-def unfactored_share(b):
-  """The share (fp32 scalar) of the (row, chunk, head) blocks of b [B, Tp, H, D] (the in-chunk
-    cumulative log decay, Tp a multiple of the chunk) whose decays do not factor over one
-    anchor (not WHOLE_CHUNK), by midpoint's test of each chunk's end rows: two rows a chunk
-    read, for a choice between kernels made per call."""
-  return jnp.mean(_per_chunk(lambda chunk: ~midpoint(chunk)[1], b).astype(jnp.float32))
-
-
-def unfactored_share_of_layouts(layouts):
-  """unfactored_share from the chunks' score layouts [B, H, n, C] (record_layout's flags)."""
-  return jnp.mean((layouts[..., 0] != WHOLE_CHUNK).astype(jnp.float32))
 
 
 def score_layout_flags(b):

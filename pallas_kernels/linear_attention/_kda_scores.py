@@ -31,7 +31,6 @@ from pallas_kernels.linear_attention import _chunk_factors as factors
 from pallas_kernels.linear_attention import _diagonal_blocks as diag
 from pallas_kernels.linear_attention import _kda_layout as L
 from pallas_kernels.linear_attention._inputs import inverse_l2_norms, inverse_root
-from pallas_kernels.linear_attention._chunk_factors import HALF
 from pallas_kernels.linear_attention._kda_layout import C
 from pallas_kernels.linear_attention._kda_solve import (solve_unless_kernel, store_solved,
                                                         write_keys)
@@ -122,41 +121,18 @@ HALVES_BLOCK_D = 64
 # queries and spills, and ran slower (docs/performance.md, "The pairs across the halves from
 # the inside's operands")
 HALVES_ACROSS = "own_exp"
-# How the HALVES kernels form their products: "full_width", [C, C] products masked to the
-# pairs inside the halves and to those across (_chunk_factors.halves_products, by
-# HALVES_ACROSS); "blocks", [HALF, HALF] ones, the two halves and the block across
-# (_chunk_factors.halves_block_products): three quarters of a [C, C] product's work where
-# the other takes two whole ones; in the forward alone (_halves; untimed)
-HALVES_PRODUCTS_FORMS = ("full_width", "blocks")
-HALVES_PRODUCTS = "full_width"
 
 
 def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=False,
             block_d=None):
-  """A_kk and A_qk of a HALVES chunk: two [C, C] matmuls each, or three [HALF, HALF] ones
-    (HALVES_PRODUCTS), of `operand` dtype operands, block_d channels at a time (None:
-    HALVES_BLOCK_D); with `normalize`, of q and k as given, their rows scaled by their
-    inverse norms (_NormalisedRows)."""
-  if HALVES_PRODUCTS not in HALVES_PRODUCTS_FORMS:
-    raise ValueError(f"HALVES_PRODUCTS = {HALVES_PRODUCTS!r}: expected one of "
-                     f"{list(HALVES_PRODUCTS_FORMS)}")
+  """A_kk and A_qk of a HALVES chunk: two [C, C] matmuls each, masked to the pairs inside
+    the halves and to those across (_chunk_factors.halves_products, by HALVES_ACROSS), of
+    `operand` dtype operands, block_d channels at a time (None: HALVES_BLOCK_D); with
+    `normalize`, of q and k as given, their rows scaled by their inverse norms
+    (_NormalisedRows)."""
   block_d = block_d or HALVES_BLOCK_D
-  # by blocks where this normalises q and k (the forward alone's HALVES kernels), not on the
-  # kept normalised rows (the training forward's HALVES kernel, which spills with them and
-  # outgrows the instruction cache: experiments/kernel_resources.py) nor on the first
-  # kernel's rows held in registers (given normalised)
-  by_blocks = HALVES_PRODUCTS == "blocks" and normalize
   if normalize:
-    q_ref, k_ref = (_NormalisedRows.of(ref, block_d, by_halves=by_blocks) for ref in (q_ref, k_ref))
-  if by_blocks:
-    above = (pl.ds(0, HALF), pl.ds(HALF, HALF))  # no pairs: s > t
-    for ref in (akk_ref, aqk_ref):
-      ref[above] = jnp.zeros((HALF, HALF), ref.dtype)
-    factors.halves_block_products(
-        k_ref, b_ref, (k_ref, q_ref), lambda row, col, a_kk, a_qk: _store_columns(
-            r_ref, beta_ref, akk_ref, aqk_ref, col, None, a_kk, a_qk, row=row), block_d=block_d,
-        dtypes=(operand,) * 2)
-    return
+    q_ref, k_ref = (_NormalisedRows.of(ref, block_d) for ref in (q_ref, k_ref))
   factors.halves_products(
       k_ref, b_ref, (k_ref, q_ref), lambda start, region, a_kk, a_qk: _store_columns(
           r_ref, beta_ref, akk_ref, aqk_ref, start, region, a_kk, a_qk), block_d=block_d,
@@ -164,8 +140,8 @@ def _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, nor
 
 
 class _NormalisedRows:
-  """A chunk's [C, D] ref read as its L2-normalised rows: each load (all C rows, or a
-    half's rows where made by_halves; any channels) times the rows' inverse norms, in fp32. The HALVES products take their
+  """A chunk's [C, D] ref read as its L2-normalised rows: each load (all C rows, any
+    channels) times the rows' inverse norms, in fp32. The HALVES products take their
     operands so: scaling the products instead holds the keys' norms as a row too, and
     spills (experiments/kernel_resources.py)."""
 
@@ -173,27 +149,18 @@ class _NormalisedRows:
     self.ref, self.scale, self.shape = ref, scale, ref.shape
 
   @classmethod
-  def of(cls, ref, block_d, by_halves=False):
+  def of(cls, ref, block_d):
     """The rows of ref, their squares summed block_d channels at a time (no [C, D] fp32
-      row block held: a kernel short of registers); by_halves: each half's rows' norms
-      apart, for loads of a half's rows (halves_block_products), not the whole chunk's."""
+      row block held: a kernel short of registers)."""
     block = min(block_d, ref.shape[-1])
-
-    def scale(start, n):
-      squares = [
-          jnp.sum(jnp.square(ref[pl.ds(start, n), pl.ds(d, block)].astype(F32)), axis=1)
-          for d in range(0, ref.shape[-1], block)
-      ]
-      return inverse_root(functools.reduce(jnp.add, squares))[:, None]
-
-    return cls(ref, (scale(0, HALF), scale(HALF, HALF)) if by_halves else scale(0, C))
+    squares = [
+        jnp.sum(jnp.square(ref[pl.ds(0, C), pl.ds(d, block)].astype(F32)), axis=1)
+        for d in range(0, ref.shape[-1], block)
+    ]
+    return cls(ref, inverse_root(functools.reduce(jnp.add, squares))[:, None])
 
   def __getitem__(self, index):
-    rows_at = (index[0].start, index[0].size)
-    if isinstance(self.scale, tuple):
-      assert rows_at in ((0, HALF), (HALF, HALF)), "a half's row loads only"
-      return self.ref[index].astype(F32) * self.scale[rows_at[0] // HALF]
-    assert rows_at == (0, C), "whole-chunk row loads only"
+    assert (index[0].start, index[0].size) == (0, C), "whole-chunk row loads only"
     return self.ref[index].astype(F32) * self.scale
 
 
@@ -276,30 +243,15 @@ def _scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref,
 def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                        akk_ref, aqk_ref, flag_ref, *extra_refs, keys_of_halves, keep_normalized,
                        normalize, from_gates, interpret, operand, halves_normalize=False,
-                       chunk_ends=False, halves_here=False, halves_rows_later=False):
+                       chunk_ends=False):
   """The first pass: qg, kg and kw of every chunk (keys_of_halves=False: but the HALVES
-    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks (halves_here, with `normalize`: and of
-    the HALVES ones, from their rows normalised), and every chunk's layout for the later
-    passes; with `normalize` (extra_refs: the
-    normalised q, k), all of it from q and k L2-normalised (_RowScales), and the normalised
+    ones'), A_kk and A_qk of the WHOLE_CHUNK chunks, and every chunk's layout for the later
+    passes; with `normalize` (extra_refs: the normalised q, k), all of it from q and k L2-normalised (_RowScales), and the normalised
     rows written for the later passes' chunks (keep_normalized: for every chunk;
     halves_normalize: for the SUB_CHUNKS ones alone, the HALVES kernel normalising its
     own); with from_gates, b_ref holds the log decays g and b is summed here into the last of
     extra_refs (sum_decays), or with chunk_ends in registers, its rows written as
-    _pallas_common.SUMMED_ROWS' chunk_ends says. With halves_rows_later (b given summed),
-    nothing of the HALVES chunks but their flag: their own kernel writes their rows too
-    (_halves_rows_and_scores_kernel)."""
-  if halves_rows_later:
-    # six rows of b give the layout; the other chunks as without halves_rows_later
-    _, layout = factors.record_layout(flag_ref, b_ref)
-    rest = functools.partial(_first_pass_kernel, q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref,
-                             il_ref, qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref, flag_ref,
-                             *extra_refs, keys_of_halves=keys_of_halves,
-                             keep_normalized=keep_normalized, normalize=normalize,
-                             from_gates=from_gates, interpret=interpret, operand=operand,
-                             halves_normalize=halves_normalize)
-    jax.lax.cond(layout == factors.HALVES, lambda: None, rest)
-    return
+    _pallas_common.SUMMED_ROWS' chunk_ends says."""
   normed_refs = extra_refs[:2] if normalize else ()
   # with from_gates b_ref holds g; from here on, the b it sums to
   b_ref, b, b_last = chunk_decays(b_ref, extra_refs[-1] if from_gates else None,
@@ -325,19 +277,7 @@ def _first_pass_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, qg_
                  lambda: _store_write_keys(k(), b, beta_ref, ci_ref, kw_ref))
   whole_chunk = lambda: _whole_chunk(_loader(q_ref), _loader(k_ref), b, beta_ref, r_ref, akk_ref,
                                      aqk_ref, operand, scales)
-  if not halves_here:
-    jax.lax.cond(whole, whole_chunk, lambda: None)
-    return
-
-  def halves():
-    q, k = _NormalisedRows(q_ref, scales.q), _NormalisedRows(k_ref, scales.k)
-    # b's rows as held where summed here (its ref is this kernel's output)
-    b_rows = factors.HeldRows(b) if from_gates else b_ref
-    _halves(q, k, b_rows, beta_ref, r_ref, akk_ref, aqk_ref, operand,
-            block_d=HALVES_IN_FIRST_PASS_BLOCK_D)
-
-  jax.lax.cond(whole, whole_chunk,
-               lambda: jax.lax.cond(layout == factors.HALVES, halves, lambda: None))
+  jax.lax.cond(whole, whole_chunk, lambda: None)
 
 
 def _rows_by_blocks(q, k, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref, normed=None):
@@ -356,36 +296,11 @@ def _rows_by_blocks(q, k, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_re
       normed(cols, q_d, k_d)
 
 
-def _halves_scores_of_raw_rows(q_ref, k_ref, q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref,
-                               operand):
-  """A HALVES chunk's A_kk, A_qk from q and k as given (refs), their rows normalised (q, k:
-    as _NormalisedRows over the whole chunk, what the [C, C] products load)."""
-  if HALVES_PRODUCTS == "blocks":  # its operands by halves: their norms by halves
-    _halves(q_ref, k_ref, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand, normalize=True)
-  else:
-    _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand)
-
-
-def _halves_rows_and_scores_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, flag_ref,
-                                   *refs, operand):
-  """A HALVES chunk whole, from q and k as given, normalised here (_NormalisedRows): its qg,
-    kg and kw, HALVES_BLOCK_D channels at a time, and A_kk, A_qk; their memory is the first
-    kernel's outputs (halves_rows_later), the other chunks' stay as written."""
-  qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref = refs[len(refs) // 2:]
-
-  def compute():
-    q, k = (_NormalisedRows.of(ref, HALVES_BLOCK_D) for ref in (q_ref, k_ref))
-    _rows_by_blocks(q, k, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref)
-    _halves_scores_of_raw_rows(q_ref, k_ref, q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref,
-                               operand)
-
-  factors.if_layout(flag_ref, factors.HALVES, compute)
-
-
 def _halves_first_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, flag_ref, qg_ref,
                          kg_ref, kw_ref, akk_ref, aqk_ref, nq_ref, nk_ref, *, operand):
   """The first kernel of the HALVES-first form, the layouts given (flag_ref): a HALVES chunk
-    whole, as _halves_rows_and_scores_kernel forms it; a SUB_CHUNKS chunk's qg, kg, kw and
+    whole, from q and k as given, normalised here (_NormalisedRows): its qg, kg and kw,
+    HALVES_BLOCK_D channels at a time, and A_kk, A_qk; a SUB_CHUNKS chunk's qg, kg, kw and
     its normalised q, k rows (nq_ref, nk_ref, what the SUB_CHUNKS kernel reads); nothing of a
     WHOLE_CHUNK chunk (_whole_chunks_kernel's)."""
   layout = jnp.max(flag_ref[...])
@@ -399,9 +314,8 @@ def _halves_first_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, f
     q, k = (_NormalisedRows.of(ref, HALVES_BLOCK_D) for ref in (q_ref, k_ref))
     _rows_by_blocks(q, k, b_ref, beta_ref, ci_ref, il_ref, qg_ref, kg_ref, kw_ref,
                     lambda *a: jax.lax.cond(sub_chunks, lambda: store_normalised(*a), lambda: None))
-    jax.lax.cond(
-        sub_chunks, lambda: None, lambda: _halves_scores_of_raw_rows(
-            q_ref, k_ref, q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand))
+    jax.lax.cond(sub_chunks, lambda: None,
+                 lambda: _halves(q, k, b_ref, beta_ref, r_ref, akk_ref, aqk_ref, operand))
 
   jax.lax.cond(layout == factors.WHOLE_CHUNK, lambda: None, compute)
 
@@ -409,8 +323,10 @@ def _halves_first_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, f
 def _whole_chunks_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, il_ref, flag_ref, *refs,
                          operand):
   """A WHOLE_CHUNK chunk (its layout given) whole, as the first kernel forms it from q and k
-    normalised (its rows scaled: _RowScales), into the HALVES-first kernel's outputs."""
-  qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref = refs[len(refs) // 2:]
+    normalised (its rows scaled: _RowScales), into the HALVES-first kernel's outputs (refs:
+    those outputs given, then the same aliased), or, every chunk WHOLE_CHUNK, into its own
+    (refs: those alone)."""
+  qg_ref, kg_ref, kw_ref, akk_ref, aqk_ref = refs[-5:]
 
   def compute():
     b = rows(b_ref, 0, C)
@@ -485,45 +401,32 @@ def _halves_solving_kernel(q_ref, k_ref, b_ref, beta_ref, r_ref, ci_ref, v_ref, 
 # chunks have a kernel of their own (docs/kernel_tuning.md, "KDA in-chunk scores").
 FACTORED_WARPS = 4
 NORMALIZING_WARPS = 16
-# In the forward alone, the HALVES chunks' scores in the first kernel where it normalises q
-# and k, from the norms it has formed, where a kernel of their own reads q, k and b again:
-# faster with strong gates at eight warps; at sixteen, slower than their own kernel at 64
-# channels a product, and at 128 channels their code slows the WHOLE_CHUNK chunks, which
-# never run it (docs/performance.md, "The first scores kernel at sixteen warps"). Not at
-# four warps: the code outgrows the instruction cache (experiments/kernel_resources.py).
-HALVES_IN_FIRST_PASS = False
-# The channels a HALVES product takes at a time in the first kernel (HALVES_IN_FIRST_PASS):
-# at sixteen warps all 128 fit; HALVES_BLOCK_D is the HALVES kernels' own, the backward's too
-HALVES_IN_FIRST_PASS_BLOCK_D = 128
+# (The HALVES chunks' scores in the first kernel, from the norms it has formed, lost to
+# their own kernel at sixteen warps, and their code slowed the WHOLE_CHUNK chunks, which
+# never run it: docs/performance.md, "The first scores kernel at sixteen warps".)
 # In the forward alone with b given summed (HALVES_ROWS_FORMS):
-#   False         the defaults: the first kernel writes every chunk's qg, kg and kw;
-#   True          the HALVES chunks' from their own kernel, which holds their q, k and b
-#                 anyway, the first kernel reading six rows of b for each of them and nothing
-#                 more: q, k and b read once for those chunks, not twice, with no HALVES code
-#                 in the first kernel (_halves_rows_and_scores_kernel). Faster with strong
-#                 gates, slower wherever the chunks are WHOLE_CHUNK: the first kernel waits
-#                 for the layout's rows before it loads the chunk's (docs/kernel_tuning.md,
-#                 "KDA in-chunk scores");
-#   halves_first  the layouts from six rows of b a chunk in XLA (_chunk_factors.
-#                 score_layout_flags), the HALVES chunks' kernel first, writing the
-#                 SUB_CHUNKS chunks' rows too, then the WHOLE_CHUNK chunks' kernel only where
-#                 a chunk takes that layout: with strong gates no kernel reads b's rows for
-#                 the layout alone (_halves_first_pass). The default: 8-10% faster with
-#                 strong gates, 1-2% slower with mild or KDA-initialisation ones, where every
-#                 chunk is WHOLE_CHUNK (docs/kernel_tuning.md, "KDA in-chunk scores");
-#   by_census     per call, HALVES_ROWS_CENSUS_FORM where at least HALVES_ROWS_CENSUS_SHARE
-#                 of the chunks do not factor over one anchor by their end rows
-#                 (_chunk_factors.unfactored_share, two rows of b a chunk), else False, by a
-#                 lax.cond between the two. It cost as much as halves_first's kernels where
-#                 every chunk is WHOLE_CHUNK, with the share from b's rows in XLA.
+#   False         the first kernel over every chunk writes every chunk's qg, kg and kw, the
+#                 HALVES and SUB_CHUNKS kernels after it;
+#   halves_first  the layouts first (six rows of b a chunk in XLA, _chunk_factors.
+#                 score_layout_flags, or from the in-chunk sum: LAYOUTS_FROM_SUM), then the
+#                 HALVES chunks' kernel, which writes their qg, kg and kw from the q, k and b
+#                 it holds anyway, and the SUB_CHUNKS chunks' rows too, then the WHOLE_CHUNK
+#                 chunks' kernel only where a chunk takes that layout: with strong gates no
+#                 kernel reads a chunk's rows twice (_halves_first_pass). The default: 8-10%
+#                 faster with strong gates, 1-2% slower with mild or KDA-initialisation ones,
+#                 where every chunk is WHOLE_CHUNK (docs/kernel_tuning.md, "KDA in-chunk
+#                 scores"). (The HALVES chunks' rows in their own kernel after the first
+#                 one, which read six rows of b for each of them, lost to it with strong
+#                 gates and to False with mild ones: docs/performance.md, "The HALVES-first
+#                 forward". Nor did a census, halves_first or False per call by the share
+#                 of chunks not WHOLE_CHUNK: docs/performance.md, "Every chunk WHOLE_CHUNK:
+#                 one kernel")
 HALVES_ROWS_IN_THEIR_KERNEL = "halves_first"
-HALVES_ROWS_FORMS = (False, True, "halves_first", "by_census")
-HALVES_ROWS_CENSUS_SHARE = 0.6
-HALVES_ROWS_CENSUS_FORM = "halves_first"
-HALVES_ROWS_CENSUS_FORMS = (True, "halves_first")
-# For those two forms, every chunk's layout from the in-chunk sum, from the rows it holds
-# (_chunk_cumsum.chunk_cumsum_and_layouts), not from b's rows read again in XLA; the census's
-# share then from the layouts. An option: untimed.
+HALVES_ROWS_FORMS = (False, "halves_first")
+# For the HALVES-first form, every chunk's layout from the in-chunk sum, from the rows it
+# holds (_chunk_cumsum.chunk_cumsum_and_layouts), not from b's rows read again in XLA. An
+# option: 0.6% faster with strong gates, 0.6% slower with KDA-initialisation ones
+# (docs/performance.md, "Every chunk WHOLE_CHUNK: one kernel")
 LAYOUTS_FROM_SUM = False
 
 
@@ -531,8 +434,14 @@ def layouts_before_scores():
   """Whether the in-chunk sum gives every chunk's layout to the forward alone's scores
     (LAYOUTS_FROM_SUM, with a HALVES_ROWS_IN_THEIR_KERNEL form that takes them before its
     first kernel: chunk_scores' `layouts`)."""
-  return LAYOUTS_FROM_SUM and HALVES_ROWS_IN_THEIR_KERNEL in ("halves_first", "by_census")
+  return LAYOUTS_FROM_SUM and HALVES_ROWS_IN_THEIR_KERNEL == "halves_first"
 
+
+# In the HALVES-first form, where every chunk is WHOLE_CHUNK, the WHOLE_CHUNK chunks' kernel
+# alone, writing every output, by a lax.cond on the layouts: no HALVES-first kernel launched
+# over chunks it has nothing to do in (31 us at (1,8192,96,128) with KDA-initialisation
+# gates, docs/performance.md, "Every chunk WHOLE_CHUNK: one kernel"). An option: untimed
+WHOLE_CHUNKS_ALONE = False
 
 # The HALVES chunks' own kernel's warps (None: chunk_scores' num_warps, as the SUB_CHUNKS
 # kernel's); with HALVES_BLOCK_D, its launch to tune (experiments/bench_kernel_constants.py)
@@ -549,8 +458,7 @@ def _first_pass_warps(factored_warps, normalize):
 
 def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps, normalize,
                 keys_of_halves, operand, keep_normalized=True, from_gates=False,
-                halves_normalize=False, summed_rows="all", halves_here=False,
-                halves_rows_later=False):
+                halves_normalize=False, summed_rows="all"):
   """The first kernel of the scores by layout (_first_pass_kernel): (qg, kg, kw, A_kk, A_qk,
     layout flags, q, k as the later kernels read
     them: normalised where asked, for every chunk where keep_normalized, else for the later
@@ -567,9 +475,8 @@ def _first_pass(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, warps,
   kernel = functools.partial(_first_pass_kernel, keys_of_halves=keys_of_halves,
                              keep_normalized=keep_normalized, normalize=normalize,
                              from_gates=from_gates, interpret=interpret, operand=operand,
-                             halves_normalize=halves_normalize, halves_here=halves_here,
-                             chunk_ends=chunk_ends_asked(summed_rows, from_gates),
-                             halves_rows_later=halves_rows_later)
+                             halves_normalize=halves_normalize,
+                             chunk_ends=chunk_ends_asked(summed_rows, from_gates))
   extra = normed + summed
   qg, kg, kw, a_kk, a_qk, layouts, *extra = L.call(
       kernel, (B, H, n), [keys, keys, keys, L.chunk_beta(), flag, flag, flag],
@@ -617,30 +524,13 @@ def if_any_chunk(layouts, layout, run, *outputs):
   return jax.lax.cond(present, run, lambda *a: a, *outputs)
 
 
-def _halves_pass_with_rows(q, k, b, beta, runs, carry_in, in_last, layouts, written, *, interpret,
-                           num_warps, operand):
-  """(qg, kg, kw, A_kk, A_qk) = written (the first kernel's, with halves_rows_later) with the
-    HALVES chunks' formed in place from q and k as given (_halves_rows_and_scores_kernel)."""
-  B, Tp, H, Dk = k.shape
-  keys, square = L.chunk_rows(Dk), L.chunk_square()
-  inputs = [keys, keys, keys, L.chunk_beta()] + [L.chunk_flags()] * 3 + [L.chunk_layout_flag()]
-  call = L.call(functools.partial(_halves_rows_and_scores_kernel, operand=operand), (B, H, Tp // C),
-                inputs + [keys] * 3 + [square] * 2, (keys,) * 3 + (square,) * 2,
-                tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in written),
-                name="kda_chunk_scores_halves_with_rows",
-                input_output_aliases={len(inputs) + i: i for i in range(len(written))},
-                interpret=interpret, num_warps=num_warps, num_stages=2)
-  return if_any_chunk(layouts, factors.HALVES,
-                      lambda *w: call(q, k, b, beta, runs, carry_in, in_last, layouts, *w),
-                      *written)
-
-
 def _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, layouts, *, cd, interpret, num_warps,
                        operand):
   """(qg, kg, kw, A_kk, A_qk) of q and k normalised, by the HALVES-first form
     (HALVES_ROWS_IN_THEIR_KERNEL): the layouts as given (None: from b in XLA), then
     _halves_first_kernel (num_warps), _whole_chunks_kernel where a chunk is WHOLE_CHUNK and
-    the SUB_CHUNKS kernel where one is SUB_CHUNKS, each into the first one's outputs."""
+    the SUB_CHUNKS kernel where one is SUB_CHUNKS, each into the first one's outputs; with
+    WHOLE_CHUNKS_ALONE, where every chunk is WHOLE_CHUNK, _whole_chunks_kernel alone."""
   B, Tp, H, Dk = k.shape
   n = Tp // C
   keys, flag, square = L.chunk_rows(Dk), L.chunk_flags(), L.chunk_square()
@@ -650,21 +540,30 @@ def _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, layouts, *, cd, i
   shapes = (L.shape(cd, B, Tp, H, Dk),) * 3 + (L.shape(F32, B, H, n, C,
                                                        C), L.shape(cd, B, H, n, C, C))
   args = (q, k, b, beta, runs, carry_in, in_last, layouts)
-  *written, nq, nk = L.call(
-      functools.partial(_halves_first_kernel,
-                        operand=operand), (B, H, n), inputs, specs + (keys, keys),
-      shapes + (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)),
-      name="kda_chunk_scores_halves_first", interpret=interpret, num_warps=num_warps,
-      num_stages=2)(*args)
-  whole = L.call(functools.partial(_whole_chunks_kernel, operand=operand), (B, H, n),
-                 inputs + list(specs), specs, shapes, name="kda_chunk_scores_whole_chunk_given",
-                 input_output_aliases={len(inputs) + i: i for i in range(len(specs))},
-                 interpret=interpret, num_warps=NORMALIZING_WARPS, num_stages=2)
-  qg, kg, kw, a_kk, a_qk = if_any_chunk(layouts, factors.WHOLE_CHUNK, lambda *w: whole(*args, *w),
-                                        *written)
-  a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, nq, nk, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
-                           interpret=interpret, num_warps=num_warps, operand=operand)
-  return qg, kg, kw, a_kk, a_qk
+  whole_kernel = functools.partial(_whole_chunks_kernel, operand=operand)
+  launch = dict(name="kda_chunk_scores_whole_chunk_given", interpret=interpret,
+                num_warps=NORMALIZING_WARPS, num_stages=2)
+  whole = L.call(whole_kernel, (B, H, n), inputs + list(specs), specs, shapes,
+                 input_output_aliases={len(inputs) + i: i for i in range(len(specs))}, **launch)
+
+  def halves_first():
+    *written, nq, nk = L.call(
+        functools.partial(_halves_first_kernel,
+                          operand=operand), (B, H, n), inputs, specs + (keys, keys),
+        shapes + (L.shape(q.dtype, B, Tp, H, Dk), L.shape(k.dtype, B, Tp, H, Dk)),
+        name="kda_chunk_scores_halves_first", interpret=interpret, num_warps=num_warps,
+        num_stages=2)(*args)
+    qg, kg, kw, a_kk, a_qk = if_any_chunk(layouts, factors.WHOLE_CHUNK, lambda *w: whole(*args, *w),
+                                          *written)
+    a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, nq, nk, b, beta, runs, layouts, a_kk, a_qk, cd=cd,
+                             interpret=interpret, num_warps=num_warps, operand=operand)
+    return qg, kg, kw, a_kk, a_qk
+
+  if not WHOLE_CHUNKS_ALONE:
+    return halves_first()
+  whole_alone = L.call(whole_kernel, (B, H, n), inputs, specs, shapes, **launch)
+  every_chunk_whole = jnp.all(layouts[..., 0] == factors.WHOLE_CHUNK)
+  return jax.lax.cond(every_chunk_whole, lambda: tuple(whole_alone(*args)), halves_first)
 
 
 def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_warps=4,
@@ -683,12 +582,10 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     form (_chunk_factors.SCORE_KERNELS): one kernel that branches per chunk (num_warps);
     by_layout, three kernels, the WHOLE_CHUNK chunks' (factored_warps; None:
     _first_pass_warps), then the HALVES ones' and the SUB_CHUNKS ones' (num_warps); with
-    HALVES_IN_FIRST_PASS, `normalize` and not keep_normalized (the forward alone), two, the
-    first taking the HALVES chunks too; with HALVES_ROWS_IN_THEIR_KERNEL there (b given
-    summed), the HALVES kernel writes its chunks' qg, kg and kw too, and the first kernel
-    nothing of theirs but their flag ("by_census": in the calls where most chunks do not
-    factor over one anchor). layouts: every chunk's layout [B, H, n, C] for those forms
-    (_chunk_cumsum.chunk_cumsum_and_layouts'; None: from b in XLA).
+    `normalize` and not keep_normalized (the forward alone) and b given summed, by
+    HALVES_ROWS_IN_THEIR_KERNEL, the HALVES-first form: the HALVES chunks' kernel first,
+    writing their qg, kg and kw too, the WHOLE_CHUNK chunks' after it. layouts: every
+    chunk's layout [B, H, n, C] for that form (_chunk_cumsum.chunk_cumsum_and_layouts'; None: from b in XLA).
     operands: the factored products' operand dtype, one of _chunk_factors.SCORE_OPERANDS."""
   if form not in factors.SCORE_KERNELS:
     raise ValueError(f"form = {form!r}: expected one of {list(factors.SCORE_KERNELS)}")
@@ -697,12 +594,9 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
     if asked and form not in FIRST_KERNEL_FORMS:
       raise ValueError(
           f"chunk_scores({name}=True) needs a form of {list(FIRST_KERNEL_FORMS)}, not {form!r}")
-  for name, value, known in (("HALVES_ROWS_IN_THEIR_KERNEL", HALVES_ROWS_IN_THEIR_KERNEL,
-                              HALVES_ROWS_FORMS),
-                             ("HALVES_ROWS_CENSUS_FORM", HALVES_ROWS_CENSUS_FORM,
-                              HALVES_ROWS_CENSUS_FORMS)):
-    if value not in known:
-      raise ValueError(f"{name} = {value!r}: expected one of {list(known)}")
+  if HALVES_ROWS_IN_THEIR_KERNEL not in HALVES_ROWS_FORMS:
+    raise ValueError(f"HALVES_ROWS_IN_THEIR_KERNEL = {HALVES_ROWS_IN_THEIR_KERNEL!r}: expected "
+                     f"one of {list(HALVES_ROWS_FORMS)}")
   operand = factors.operand_dtype(operands, cd)
   B, Tp, H, Dk = k.shape
   n = Tp // C
@@ -720,46 +614,24 @@ def chunk_scores(q, k, b, beta, runs, carry_in, in_last, *, cd, interpret, num_w
   # given: no normalised rows written for its chunks (docs/performance.md, "The HALVES
   # kernel normalising its own rows")
   halves_normalize = normalize and not keep_normalized
-  halves_here = HALVES_IN_FIRST_PASS and halves_normalize
-  rows_later_fits = halves_normalize and not halves_here and not from_gates
-
-  def by_layout(q, k, b, rows_form):
-    if rows_form == "halves_first":
-      return _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, layouts, cd=cd,
-                                interpret=interpret, num_warps=HALVES_WARPS or num_warps,
-                                operand=operand)
-    halves_rows_later = rows_form is True
-    raw = q, k
-    qg, kg, kw, a_kk, a_qk, flags, q, k, b = _first_pass(
-        q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
-        warps=_first_pass_warps(factored_warps, normalize), normalize=normalize,
-        keys_of_halves=True, keep_normalized=keep_normalized, from_gates=from_gates,
-        operand=operand, halves_normalize=halves_normalize, summed_rows=summed_rows,
-        halves_here=halves_here, halves_rows_later=halves_rows_later)
-    if halves_rows_later:
-      qg, kg, kw, a_kk, a_qk = _halves_pass_with_rows(*raw, b, beta, runs, carry_in, in_last, flags,
-                                                      (qg, kg, kw, a_kk, a_qk), interpret=interpret,
-                                                      num_warps=HALVES_WARPS or num_warps,
-                                                      operand=operand)
-    elif not halves_here:
-      halves_rows = raw if halves_normalize else (q, k)
-      a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, flags, a_kk, a_qk,
-                               cd=cd, interpret=interpret, num_warps=HALVES_WARPS or num_warps,
-                               operand=operand, normalize=halves_normalize)
-    a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, flags, a_kk, a_qk, cd=cd,
-                             interpret=interpret, num_warps=num_warps, operand=operand)
-    return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
-                                       ()) + ((b,) if from_gates else ())
-
-  if not rows_later_fits:
-    return by_layout(q, k, b, False)
-  if HALVES_ROWS_IN_THEIR_KERNEL == "by_census":
-    share = (factors.unfactored_share(b)
-             if layouts is None else factors.unfactored_share_of_layouts(layouts))
-    many = share >= HALVES_ROWS_CENSUS_SHARE
-    return jax.lax.cond(many, functools.partial(by_layout, rows_form=HALVES_ROWS_CENSUS_FORM),
-                        functools.partial(by_layout, rows_form=False), q, k, b)
-  return by_layout(q, k, b, HALVES_ROWS_IN_THEIR_KERNEL)
+  if halves_normalize and not from_gates and HALVES_ROWS_IN_THEIR_KERNEL == "halves_first":
+    return _halves_first_pass(q, k, b, beta, runs, carry_in, in_last, layouts, cd=cd,
+                              interpret=interpret, num_warps=HALVES_WARPS or num_warps,
+                              operand=operand)
+  raw = q, k
+  qg, kg, kw, a_kk, a_qk, flags, q, k, b = _first_pass(
+      q, k, b, beta, runs, carry_in, in_last, cd=cd, interpret=interpret,
+      warps=_first_pass_warps(factored_warps, normalize), normalize=normalize, keys_of_halves=True,
+      keep_normalized=keep_normalized, from_gates=from_gates, operand=operand,
+      halves_normalize=halves_normalize, summed_rows=summed_rows)
+  halves_rows = raw if halves_normalize else (q, k)
+  a_kk, a_qk = _later_pass(factors.HALVES, *halves_rows, b, beta, runs, flags, a_kk, a_qk, cd=cd,
+                           interpret=interpret, num_warps=HALVES_WARPS or num_warps,
+                           operand=operand, normalize=halves_normalize)
+  a_kk, a_qk = _later_pass(factors.SUB_CHUNKS, q, k, b, beta, runs, flags, a_kk, a_qk, cd=cd,
+                           interpret=interpret, num_warps=num_warps, operand=operand)
+  return (qg, kg, kw, a_kk, a_qk) + ((q, k) if normalize and keep_normalized else
+                                     ()) + ((b,) if from_gates else ())
 
 
 def chunk_scores_and_solve(q, k, v, b, beta, runs, carry_in, in_last, *, cd, interpret,

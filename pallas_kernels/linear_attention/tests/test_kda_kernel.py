@@ -179,55 +179,17 @@ def test_factored_score_products_in_the_compute_dtype(form):
   _assert_within(_errors(x, scores=form, score_operands="compute"), 6e-3, 1.2e-2)
 
 
-@pytest.mark.parametrize("decay_sum", ["own_kernel", "in_scores"])
-def test_halves_scores_in_the_normalising_first_kernel(monkeypatch, decay_sum):
-  """_kda_scores.HALVES_IN_FIRST_PASS (an option): in the forward alone the first scores
-  kernel, normalising q and k, forms the HALVES chunks' scores itself and no HALVES kernel
-  runs. bf16, one chunk of each scores layout: A_kk and A_qk within fp32 rounding of the
-  HALVES kernel's (the norms summed in another order), and bit for bit the same where the
-  normalised rows are kept for the backward, which keeps the HALVES kernel; fp32, resets and
-  padding, the decays summed before or in that kernel (b's rows held there): the forward
-  alone exact against the oracle."""
-  x = one_chunk_of_each_scores_layout(
-      make_inputs(seed=31, T=192, Dk=32, Dv=32, dtype=jnp.bfloat16, segment_rate=0.03))
-  B, T = x["q"].shape[:2]
-  qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
-                                           x["segment_ids"], B, T)
-  masks = _chunk_prep.segment_masks(runs)
-
-  def scores(halves_here, keep_normalized):
-    monkeypatch.setattr(_kda_scores, "HALVES_IN_FIRST_PASS", halves_here)
-    return jax.jit(lambda q, k, b: _kda_scores.chunk_scores(
-        q, k, b, x["beta"], runs, *masks, cd=jnp.bfloat16, interpret=True, form="by_layout",
-        normalize=True, keep_normalized=keep_normalized)[3:5])(qp, kp, b)
-
-  for keep_normalized, within in ((False, 1e-6), (True, 0.0)):
-    own_kernel, first = scores(False, keep_normalized), scores(True, keep_normalized)
-    for a, ref in zip(first, own_kernel):
-      assert rel_rms(ref.astype(jnp.float32), a.astype(jnp.float32)) <= within, keep_normalized
-  x = one_chunk_of_each_scores_layout(make_inputs(seed=32, T=192, Dk=32, Dv=32, segment_rate=0.03))
-  args = [3.0 * x[n][:, :150] if n in "qk" else x[n][:, :150] for n in NAMES[:5]]
-  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"][:, :150],
-            output_final_state=True)
-  o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
-  o, s = fast_jit(lambda *a: chunked_kda(*a, decay_sum=decay_sum, **kw))(*args)
-  _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
+_HALVES_FIRST = "kda_chunk_scores_halves_first"
 
 
-_HALVES_WITH_ROWS = "kda_chunk_scores_halves_with_rows"
-
-
-@pytest.mark.parametrize("form", [True, "halves_first"])
-def test_halves_rows_in_their_own_kernel(monkeypatch, form):
-  """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL: in the forward alone the HALVES kernel writes
-  its chunks' qg, kg and kw too, and the first kernel reads six rows of b for them and
-  writes nothing else; or ("halves_first", the default) the layouts from b in XLA (in the
-  op: from the in-chunk sum, LAYOUTS_FROM_SUM), the HALVES kernel first (writing the
-  SUB_CHUNKS chunks' rows too), the WHOLE_CHUNK and SUB_CHUNKS kernels after it. fp32, one
-  chunk of each scores layout: qg, kg, kw, A_kk and A_qk as the first kernel's form's (the
-  norms summed in blocks: within fp32 rounding); resets and padding: the forward alone
-  exact against the oracle."""
-  kernel = _HALVES_WITH_ROWS if form is True else "kda_chunk_scores_halves_first"
+def test_halves_first_form(monkeypatch):
+  """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL = "halves_first" (the default): in the forward
+  alone the layouts from b in XLA (in the op: from the in-chunk sum, LAYOUTS_FROM_SUM), the
+  HALVES kernel first, writing its chunks' qg, kg and kw and the SUB_CHUNKS chunks' rows
+  too, the WHOLE_CHUNK and SUB_CHUNKS kernels after it. fp32, one chunk of each scores
+  layout: qg, kg, kw, A_kk and A_qk as the first kernel's form's (the norms summed in
+  blocks: within fp32 rounding); resets and padding: the forward alone exact against the
+  oracle; an unknown form refused."""
   x = one_chunk_of_each_scores_layout(make_inputs(seed=33, T=192, Dk=32, Dv=32, segment_rate=0.03))
   B, T = x["q"].shape[:2]
   qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
@@ -235,32 +197,33 @@ def test_halves_rows_in_their_own_kernel(monkeypatch, form):
   masks = _chunk_prep.segment_masks(runs)
   monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)  # two channel blocks
 
-  def scores(rows_in_halves_kernel):
-    monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", rows_in_halves_kernel)
+  def scores(form):
+    monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", form)
 
     def fn(q, k, b):
       return _kda_scores.chunk_scores(q, k, b, x["beta"], runs, *masks, cd=jnp.float32,
                                       interpret=True, form="by_layout", normalize=True,
                                       keep_normalized=False)[:5]
 
-    assert (kernel in str(jax.make_jaxpr(fn)(qp, kp, b))) == bool(rows_in_halves_kernel)
+    assert (_HALVES_FIRST in str(jax.make_jaxpr(fn)(qp, kp, b))) == bool(form)
     return jax.jit(fn)(qp, kp, b)
 
-  for a, ref in zip(scores(form), scores(False), strict=True):
+  for a, ref in zip(scores("halves_first"), scores(False), strict=True):
     assert rel_rms(ref, a) <= 1e-6
-  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", form)
-  # the HALVES-first form's layouts from the in-chunk sum (its scores above: from XLA)
-  from_sum = form == "halves_first"
-  monkeypatch.setattr(_kda_scores, "LAYOUTS_FROM_SUM", from_sum)
+  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "halves_first")
+  # the layouts from the in-chunk sum (the scores above: from XLA)
+  monkeypatch.setattr(_kda_scores, "LAYOUTS_FROM_SUM", True)
   args = [3.0 * x[n][:, :150] if n in "qk" else x[n][:, :150] for n in NAMES[:5]]
   kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"][:, :150],
             output_final_state=True)
   forward = lambda *a: chunked_kda(*a, **kw)
   jaxpr = str(jax.make_jaxpr(forward)(*args))
-  assert kernel in jaxpr and ("chunk_cumsum_and_layouts" in jaxpr) == from_sum
+  assert _HALVES_FIRST in jaxpr and "chunk_cumsum_and_layouts" in jaxpr
   o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
   o, s = fast_jit(forward)(*args)
   _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
+  with pytest.raises(ValueError, match="HALVES_ROWS_IN_THEIR_KERNEL = 'sometimes'"):
+    scores("sometimes")
 
 
 def test_layout_flags_from_b_in_xla_and_the_sum_are_the_first_kernels():
@@ -286,62 +249,46 @@ def test_layout_flags_from_b_in_xla_and_the_sum_are_the_first_kernels():
     chex.assert_trees_all_equal(layouts, first_kernel)
 
 
-@pytest.mark.parametrize("census_form", [True, "halves_first"])
-def test_halves_rows_in_their_kernel_by_census(monkeypatch, census_form):
-  """_kda_scores.HALVES_ROWS_IN_THEIR_KERNEL = "by_census": per call, the HALVES chunks' rows
-  in their own kernel where at least HALVES_ROWS_CENSUS_SHARE of the chunks do not factor
-  over one anchor, else the first kernel's: the scores to the bit as the form it picks,
-  with two chunks of three not factoring (the rows in their kernel) and with none (the first
-  kernel's), both forms compiled into one function; the share from the in-chunk sum's
-  layouts (LAYOUTS_FROM_SUM) as from b's rows; the op against the oracle with it, its share
-  from the sum's layouts; an unknown form, or census form, refused."""
+@pytest.mark.parametrize("layouts", ["each", "whole_chunk"])
+def test_whole_chunks_alone_where_every_chunk_is_whole_chunk(monkeypatch, layouts):
+  """_kda_scores.WHOLE_CHUNKS_ALONE: in the HALVES-first form, where every chunk is
+  WHOLE_CHUNK, the WHOLE_CHUNK chunks' kernel alone writes every output (no HALVES-first
+  kernel launched), by a condition on the layouts: the forward alone's scores the same to
+  the bit as without it, with every chunk WHOLE_CHUNK (that kernel alone) and with one
+  chunk of each layout on each of two heads (the HALVES-first kernels); the op's forward
+  alone against the oracle with it."""
+  x = make_inputs(seed=53, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03)
+  if layouts == "each":
+    x = one_chunk_of_each_scores_layout(x)
+  else:
+    x["g"] = -0.05 * jnp.abs(x["g"])
+  B, T = x["q"].shape[:2]
+  qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
+                                           x["segment_ids"], B, T)
+  masks = _chunk_prep.segment_masks(runs)
+  every_whole = bool(jnp.all(factors.score_layout_flags(b) == factors.WHOLE_CHUNK))
+  assert every_whole == (layouts == "whole_chunk")
   monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
-  x = make_inputs(seed=49, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03)
-  mild = dict(x, g=-0.05 * jnp.abs(x["g"]))
-  each = one_chunk_of_each_scores_layout(x)
 
-  def scores(x, form):
-    monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", form)
-    B, T = x["q"].shape[:2]
-    qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
-                                             x["segment_ids"], B, T)
-    masks = _chunk_prep.segment_masks(runs)
+  def scores(alone):
+    monkeypatch.setattr(_kda_scores, "WHOLE_CHUNKS_ALONE", alone)
 
     def fn(q, k, b):
       return _kda_scores.chunk_scores(q, k, b, x["beta"], runs, *masks, cd=jnp.float32,
                                       interpret=True, form="by_layout", normalize=True,
                                       keep_normalized=False)[:5]
 
-    if form == "by_census":
-      share = 2 / 3 if x is each else 0.0
-      assert float(factors.unfactored_share(b)) == pytest.approx(share)
-      layouts = chunk_cumsum_and_layouts(x["g"])[1]  # T a multiple of the chunk: no padding
-      assert float(factors.unfactored_share_of_layouts(layouts)) == pytest.approx(share)
-      jaxpr = str(jax.make_jaxpr(fn)(qp, kp, b))
-      # both forms compiled: the census's form and the HALVES kernel without rows
-      picked = _HALVES_WITH_ROWS if census_form is True else "kda_chunk_scores_halves_first"
-      assert jaxpr.count("kda_chunk_scores_halves") > jaxpr.count(picked) > 0
+    conds = [e for e in jax.make_jaxpr(fn)(qp, kp, b).eqns if e.primitive.name == "cond"]
+    assert len(conds) == (1 if alone else 2)  # alone: the other two inside its second branch
     return jax.jit(fn)(qp, kp, b)
 
-  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_CENSUS_FORM", census_form)
-  for inputs, picked in ((each, census_form), (mild, False)):
-    chex.assert_trees_all_equal(scores(inputs, "by_census"), scores(inputs, picked))
-  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "by_census")
-  monkeypatch.setattr(_kda_scores, "LAYOUTS_FROM_SUM", True)  # the share from the sum's layouts
-  args = [3.0 * each[n] if n in "qk" else each[n] for n in NAMES[:5]]
-  kw = dict(initial_state=each["initial_state"], segment_ids=each["segment_ids"],
-            output_final_state=True)
-  forward = lambda *a: chunked_kda(*a, **kw)
-  assert "chunk_cumsum_and_layouts" in str(jax.make_jaxpr(forward)(*args))
+  chex.assert_trees_all_equal(scores(True), scores(False))
+  monkeypatch.setattr(_kda_scores, "WHOLE_CHUNKS_ALONE", True)
+  args = [3.0 * x[n] if n in "qk" else x[n] for n in NAMES[:5]]
+  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
   o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
-  o, s = fast_jit(forward)(*args)
+  o, s = fast_jit(lambda *a: chunked_kda(*a, **kw))(*args)
   _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
-  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", "sometimes")
-  with pytest.raises(ValueError, match="HALVES_ROWS_IN_THEIR_KERNEL = 'sometimes'"):
-    scores(each, "sometimes")
-  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_CENSUS_FORM", False)
-  with pytest.raises(ValueError, match="HALVES_ROWS_CENSUS_FORM = False"):
-    scores(each, "by_census")
 
 
 @pytest.mark.parametrize("layouts", ["each", "whole_chunk_alone"])
@@ -351,6 +298,8 @@ def test_later_passes_skipped_where_no_chunk_takes_their_layout(monkeypatch, lay
   run over every chunk: one chunk of each scores layout on each of two heads (both run), or
   every chunk WHOLE_CHUNK (neither has a chunk); the forward alone's scores and the
   training forward's. Then the op, forward and backward, against the oracle with it."""
+  # the conditions counted here alone: not the forward alone's on every chunk WHOLE_CHUNK
+  monkeypatch.setattr(_kda_scores, "WHOLE_CHUNKS_ALONE", False)
   x = make_inputs(seed=43, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03)
   if layouts == "each":
     x = one_chunk_of_each_scores_layout(x)
@@ -382,53 +331,6 @@ def test_later_passes_skipped_where_no_chunk_takes_their_layout(monkeypatch, lay
       chex.assert_trees_all_equal(a, ref)
   monkeypatch.setattr(_kda_scores, "SKIP_ABSENT_LAYOUTS", True)
   _assert_within(_errors(x), 1e-4, 1e-4)
-
-
-@pytest.mark.parametrize("path", ["forward_alone", "training", "rows_in_their_kernel"])
-def test_halves_products_by_blocks(monkeypatch, path):
-  """_kda_scores.HALVES_PRODUCTS = "blocks" (an option): in the forward alone, the HALVES
-  chunks' A_kk and A_qk from [HALF, HALF] products, the halves through their anchors and the
-  block across through the first half's last token, within fp32 rounding of the [C, C]
-  products' (the HALVES kernel normalising its rows by halves, and the kernel that writes
-  the HALVES chunks' rows too), the other layouts' to the bit; the training forward's
-  scores unchanged, to the bit. Then the op, forward and backward, against the oracle with
-  it; an unknown form is refused."""
-  x = one_chunk_of_each_scores_layout(
-      make_inputs(seed=47, T=192, H=2, Dk=32, Dv=32, segment_rate=0.03))
-  B, T = x["q"].shape[:2]
-  qp, kp, _, b, runs = _chunk_prep.prepare(3.0 * x["q"], 3.0 * x["k"], x["v"], x["g"],
-                                           x["segment_ids"], B, T)
-  masks = _chunk_prep.segment_masks(runs)
-  monkeypatch.setattr(_kda_scores, "HALVES_BLOCK_D", 16)
-  monkeypatch.setattr(_kda_scores, "HALVES_ROWS_IN_THEIR_KERNEL", path == "rows_in_their_kernel")
-
-  def scores(form):
-    monkeypatch.setattr(_kda_scores, "HALVES_PRODUCTS", form)
-    return jax.jit(lambda q, k, b: _kda_scores.chunk_scores(
-        q, k, b, x["beta"], runs, *masks, cd=jnp.float32, interpret=True, form="by_layout",
-        normalize=True, keep_normalized=path == "training"))(qp, kp, b)
-
-  blocks, full = scores("blocks"), scores("full_width")
-  if path == "training":
-    for a, ref in zip(blocks, full, strict=True):
-      chex.assert_trees_all_equal(a, ref)
-    return
-  assert not jnp.array_equal(blocks[4][:, :, 1], full[4][:, :, 1])  # other sums: other roundings
-  for name, a, ref in zip(("qg", "kg", "kw", "a_kk", "a_qk"), blocks, full):
-    halves = ref[:, :, 1] if name.startswith("a_") else ref[:, 64:128]
-    assert float(jnp.max(jnp.abs(halves))) > 0, name
-    chex.assert_trees_all_close(a, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
-    if name.startswith("a_"):  # the WHOLE_CHUNK and SUB_CHUNKS chunks' to the bit
-      chex.assert_trees_all_equal(a[:, :, ::2], ref[:, :, ::2])
-  monkeypatch.setattr(_kda_scores, "HALVES_PRODUCTS", "blocks")
-  args = [3.0 * x[n] if n in "qk" else x[n] for n in NAMES[:5]]
-  kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], output_final_state=True)
-  o_ref, s_ref = fast_jit(lambda *a: kda_recurrent(*a, **kw))(*args)
-  o, s = fast_jit(lambda *a: chunked_kda(*a, **kw))(*args)
-  _assert_within({"o": rel_rms(o_ref, o), "state": rel_rms(s_ref, s)}, 1e-4, 1e-4)
-  monkeypatch.setattr(_kda_scores, "HALVES_PRODUCTS", "quarters")
-  with pytest.raises(ValueError, match=r"HALVES_PRODUCTS = 'quarters': expected one of"):
-    scores("quarters")
 
 
 @pytest.mark.parametrize("qk_norm, solve", [("xla", "own_kernel"), ("kernel", "own_kernel"),
